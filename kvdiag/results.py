@@ -1,0 +1,173 @@
+"""The result schema: one record per case, one run record per command (DESIGN.md, "Results").
+
+``results.jsonl`` is append-only: a case may be recorded again later in the same run
+(after the cross-case analysis gives its verdict); the last record of an id wins.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+STATUSES = ("pass", "fail", "error", "crashed", "timeout", "skipped")
+BAD_STATUSES = ("fail", "error", "crashed", "timeout")
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclass
+class Finding:
+    severity: str  # error | warning | info
+    kind: str  # short machine name: "tensor_survived", "divergence", "regression", ...
+    message: str  # one line a person reads
+    evidence: dict = field(default_factory=dict)
+
+
+@dataclass
+class CaseResult:
+    id: str
+    check: str
+    engine: str
+    model: str
+    kv_dtype: str
+    status: str
+    metrics: dict = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    duration_s: float = 0.0
+    params: dict = field(default_factory=dict)
+    log_tail: str | None = None
+    environment: dict = field(default_factory=dict)  # what the worker saw (device, versions)
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"bad status {self.status!r}")
+        self.findings = [f if isinstance(f, Finding) else Finding(**f) for f in self.findings]
+
+    def to_json(self) -> dict:
+        return _clean(asdict(self))
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CaseResult":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def add(self, severity: str, kind: str, message: str, **evidence) -> Finding:
+        f = Finding(severity, kind, message, evidence)
+        self.findings.append(f)
+        return f
+
+
+def _clean(obj):
+    """Make a value JSON-safe: NaN/inf become strings, tuples lists, unknown objects str()."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        return _clean(obj.item())
+    return str(obj)
+
+
+def append_jsonl(path: Path, record: CaseResult) -> None:
+    """Append one record and fsync, so a killed kvdiag loses no finished case."""
+    line = json.dumps(record.to_json(), sort_keys=False) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: Path, warn=None) -> dict[str, CaseResult]:
+    """Read results.jsonl: the last record of each id wins; a corrupt line is reported and skipped."""
+    out: dict[str, CaseResult] = {}
+    if not Path(path).exists():
+        return out
+    warn = warn or (lambda msg: print(f"kvdiag: warning: {msg}", file=sys.stderr))
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = CaseResult.from_json(json.loads(line))
+            except (ValueError, TypeError) as e:
+                warn(f"{path}:{lineno}: skipped a corrupt record ({type(e).__name__}: {e})")
+                continue
+            out.pop(rec.id, None)  # keep insertion order = order of last record
+            out[rec.id] = rec
+    return out
+
+
+@dataclass
+class RunRecord:
+    command: str
+    started: str
+    cases: list[CaseResult]
+    environment: dict
+    finished: str | None = None
+    exit_code: int | None = None
+    run_dir: str | None = None
+    summary: dict = field(default_factory=dict)
+    analysis: dict = field(default_factory=dict)  # cross-case results (comparisons, matrices)
+
+    def to_json(self) -> dict:
+        d = _clean(asdict(self))
+        d["cases"] = [c.to_json() for c in self.cases]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RunRecord":
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        d["cases"] = [CaseResult.from_json(c) for c in d.get("cases", [])]
+        return cls(**d)
+
+
+def summarize(cases: list[CaseResult]) -> dict:
+    counts = {s: 0 for s in STATUSES}
+    for c in cases:
+        counts[c.status] += 1
+    return counts
+
+
+def exit_code_for(cases: list[CaseResult]) -> int:
+    return 1 if any(c.status in BAD_STATUSES for c in cases) else 0
+
+
+def write_run_json(run_dir: Path, run: RunRecord) -> Path:
+    path = Path(run_dir) / "run.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(run.to_json(), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def load_run(run_dir: Path) -> RunRecord:
+    """Load a run directory: run.json if present, with results.jsonl as the source of cases."""
+    from kvdiag.errors import UserError
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory not found: {run_dir}")
+    run_json = run_dir / "run.json"
+    run = None
+    if run_json.exists():
+        try:
+            run = RunRecord.from_json(json.loads(run_json.read_text(encoding="utf-8")))
+        except (ValueError, TypeError) as e:
+            print(f"kvdiag: warning: {run_json}: unreadable ({e}); using results.jsonl", file=sys.stderr)
+    cases = read_jsonl(run_dir / "results.jsonl")
+    if run is None:
+        if not cases:
+            raise UserError(f"{run_dir} holds no run.json and no readable results.jsonl")
+        run = RunRecord(command="?", started="?", cases=[], environment={})
+    if cases:
+        run.cases = list(cases.values())
+    run.summary = summarize(run.cases)
+    return run

@@ -1,0 +1,324 @@
+"""Cases -> isolated worker processes -> results (DESIGN.md, "Running cases").
+
+Each group of cases runs in its own *spawned* worker process (CUDA-safe). The engine
+runs in-process inside that worker, so memory is measured where it lives. A worker
+that segfaults, aborts, is OOM-killed, hangs past its timeout or raises becomes that
+case's record, and the run goes on. Every finished case is appended to results.jsonl
+at once; ``resume`` skips the ids already recorded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from kvdiag.results import CaseResult, append_jsonl, read_jsonl
+
+LOG_TAIL_CHARS = 4000
+
+
+@dataclass
+class Case:
+    check: str
+    engine: str
+    model: str
+    kv_dtype: str
+    target: str  # "package.module:function", called in the worker as function(case, ctx)
+    params: dict = field(default_factory=dict)
+    id: str = ""
+    timeout: float | None = None  # seconds; None: the runner's default
+    group: str | None = None  # cases of one group share one worker (``--isolate run``)
+
+    def __post_init__(self):
+        if not self.id:
+            label = Path(self.model.rstrip("/")).name or self.model
+            self.id = f"{self.check}/{self.engine}/{label}/{self.kv_dtype}"
+
+    def result(self, status: str, **kw) -> CaseResult:
+        """A record for this case, with the identifying fields filled in."""
+        return CaseResult(id=self.id, check=self.check, engine=self.engine, model=self.model,
+                          kv_dtype=self.kv_dtype, status=status, params=dict(self.params), **kw)
+
+
+@dataclass
+class WorkerContext:
+    """What a case function gets besides its case: where to put artifacts and how to talk."""
+
+    run_dir: Path
+    artifacts_dir: Path
+
+    def artifact(self, case: Case, suffix: str) -> Path:
+        self.artifacts_dir.mkdir(parents=True, exist_ok=True)
+        return self.artifacts_dir / f"{safe_name(case.id)}{suffix}"
+
+    def log(self, msg: str) -> None:
+        print(msg, flush=True)  # goes to the case's log file
+
+
+def safe_name(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_")
+
+
+def call_target(target: str) -> Callable:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """End the worker if kvdiag itself dies (kill -9), so no orphan keeps the GPU."""
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(70)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _worker_main(cases: list[dict], run_dir: str, log_path: str, conn, parent_pid: int, env: dict) -> None:
+    # Everything the worker and its native libraries print goes to the case log.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    import faulthandler
+
+    faulthandler.enable()  # a segfault writes the Python stack into the log
+    os.environ.update(env)
+    _watch_parent(parent_pid)
+    ctx = WorkerContext(Path(run_dir), Path(run_dir) / "artifacts")
+    for cd in cases:
+        case = Case(**cd)
+        print(f"=== case {case.id} ===", flush=True)
+        t0 = time.perf_counter()
+        try:
+            rec = call_target(case.target)(case, ctx)
+            if not isinstance(rec, CaseResult):
+                raise TypeError(f"{case.target} returned {type(rec).__name__}, not CaseResult")
+        except BaseException as e:  # noqa: BLE001 - a case's failure is its record
+            tb = traceback.format_exc()
+            print(tb, flush=True)
+            rec = case.result("error", log_tail=tb[-LOG_TAIL_CHARS:])
+            rec.add("error", "exception", f"{type(e).__name__}: {e}".splitlines()[0][:500])
+        rec.duration_s = rec.duration_s or round(time.perf_counter() - t0, 3)
+        conn.send(rec.to_json())
+    conn.close()
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+class Progress:
+    """Plain progress lines on stderr (CI logs); RichProgress draws a bar on a terminal."""
+
+    def __init__(self, total: int, quiet: bool = False):
+        self.total, self.done, self.quiet = total, 0, quiet
+
+    def start(self, case: Case) -> None:
+        if not self.quiet:
+            print(f"[{self.done + 1}/{self.total}] {case.id} ...", file=sys.stderr, flush=True)
+
+    def finish(self, rec: CaseResult) -> None:
+        self.done += 1
+        if not self.quiet:
+            print(f"[{self.done}/{self.total}] {rec.id}: {rec.status} ({rec.duration_s:.1f}s)",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class RichProgress(Progress):
+    def __init__(self, total: int, quiet: bool = False):
+        super().__init__(total, quiet)
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RP, TextColumn, TimeElapsedColumn
+
+        self.console = Console(stderr=True)
+        self.rp = RP(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                     console=self.console, transient=False)
+        self.task = self.rp.add_task("starting", total=total)
+        self.rp.start()
+
+    def start(self, case: Case) -> None:
+        self.rp.update(self.task, description=case.id)
+
+    def finish(self, rec: CaseResult) -> None:
+        self.done += 1
+        style = {"pass": "green", "skipped": "yellow"}.get(rec.status, "red")
+        self.rp.console.print(f"[{style}]{rec.status:>8}[/] {rec.id} ({rec.duration_s:.1f}s)")
+        self.rp.update(self.task, advance=1)
+
+    def close(self) -> None:
+        self.rp.stop()
+
+
+def make_progress(total: int, quiet: bool = False) -> Progress:
+    if not quiet and sys.stderr.isatty() and not os.environ.get("CI"):
+        return RichProgress(total)
+    return Progress(total, quiet)
+
+
+def _tail(path: Path, start: int = 0) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(start, os.path.getsize(path) - LOG_TAIL_CHARS))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _describe_exit(code: int | None) -> tuple[str, dict]:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = {"SIGKILL": " (killed: out of memory?)", "SIGSEGV": " (segmentation fault)",
+                "SIGABRT": " (aborted)", "SIGBUS": " (bus error)"}.get(name, "")
+        return f"worker died with {name}{hint}", {"signal": name, "exit_code": code}
+    return f"worker exited with code {code} before reporting", {"exit_code": code}
+
+
+class _Worker:
+    def __init__(self, cases: list[Case], run_dir: Path, default_timeout: float, env: dict):
+        self.pending = list(cases)
+        self.default_timeout = default_timeout
+        logs = run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log_path = logs / f"{safe_name(cases[0].id if len(cases) == 1 else cases[0].group or cases[0].id)}.log"
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=_worker_main,
+            args=([asdict(c) for c in cases], str(run_dir), str(self.log_path), child, os.getpid(), env),
+            daemon=False,
+        )
+        self.proc.start()
+        child.close()
+        self.case_started = time.monotonic()
+        self.log_offset = 0
+        self.eof = False
+
+    @property
+    def current(self) -> Case | None:
+        return self.pending[0] if self.pending else None
+
+    def deadline(self) -> float:
+        c = self.current
+        return self.case_started + (c.timeout or self.default_timeout)
+
+    def poll(self) -> list[CaseResult]:
+        """Collect what finished; turn a dead or hung worker into records. Non-blocking."""
+        out = []
+        while self.pending and not self.eof and self.conn.poll(0):
+            try:
+                data = self.conn.recv()
+            except (EOFError, OSError):
+                self.eof = True
+                break
+            out.append(CaseResult.from_json(data))
+            self.pending.pop(0)
+            self.case_started = time.monotonic()
+            self.log_offset = os.path.getsize(self.log_path) if self.log_path.exists() else 0
+        if not self.pending:
+            self.proc.join(timeout=30)
+            if self.proc.is_alive():
+                self.proc.kill()
+            return out
+        if not self.proc.is_alive():
+            self.proc.join()
+            if not self.eof and self.conn.poll(0):  # a result raced with the exit
+                return out + self.poll()
+            out += self._fail_rest("crashed", *_describe_exit(self.proc.exitcode))
+        elif time.monotonic() > self.deadline():
+            self.proc.kill()
+            self.proc.join()
+            t = self.current.timeout or self.default_timeout
+            out += self._fail_rest("timeout", f"no result after {t:g}s; worker killed", {"timeout_s": t})
+        return out
+
+    def _fail_rest(self, status: str, message: str, evidence: dict) -> list[CaseResult]:
+        tail = _tail(self.log_path, self.log_offset)
+        first = self.pending[0]
+        rec = first.result(status, log_tail=tail, duration_s=round(time.monotonic() - self.case_started, 3))
+        rec.add("error", status, message, **evidence)
+        recs = [rec]
+        for c in self.pending[1:]:
+            r = c.result("error")
+            r.add("error", "not_run", f"not run: the shared worker {status} during {first.id}")
+            recs.append(r)
+        self.pending = []
+        return recs
+
+
+def run_cases(
+    cases: Iterable[Case],
+    run_dir: Path,
+    *,
+    timeout: float = 600.0,
+    resume: bool = False,
+    jobs: int = 1,
+    quiet: bool = False,
+    env: dict | None = None,
+    on_result: Callable[[CaseResult], None] | None = None,
+) -> list[CaseResult]:
+    """Run cases in workers; return the records of all cases (recorded earlier ones too, on resume)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results_path = run_dir / "results.jsonl"
+    cases = list(cases)
+    done = read_jsonl(results_path) if resume else {}
+    todo = [c for c in cases if c.id not in done]
+    groups: list[list[Case]] = []
+    by_group: dict[str, list[Case]] = {}
+    for c in todo:
+        if c.group is None:
+            groups.append([c])
+        elif c.group in by_group:
+            by_group[c.group].append(c)
+        else:
+            by_group[c.group] = [c]
+            groups.append(by_group[c.group])
+
+    env = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    progress = make_progress(len(todo), quiet)
+    active: list[_Worker] = []
+    try:
+        while groups or active:
+            while groups and len(active) < max(1, jobs):
+                w = _Worker(groups.pop(0), run_dir, timeout, env)
+                progress.start(w.current)
+                active.append(w)
+            time.sleep(0.05)
+            for w in list(active):
+                for rec in w.poll():
+                    append_jsonl(results_path, rec)
+                    done[rec.id] = rec
+                    progress.finish(rec)
+                    if on_result:
+                        on_result(rec)
+                    if w.current is not None:
+                        progress.start(w.current)
+                if w.current is None:
+                    active.remove(w)
+    finally:
+        for w in active:  # interrupted: leave no worker behind
+            w.proc.kill()
+        progress.close()
+    return [done[c.id] for c in cases if c.id in done]

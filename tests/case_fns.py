@@ -1,0 +1,45 @@
+"""Test-only case functions for the runner: healthy, crashing, hanging and raising workers."""
+
+import ctypes
+import os
+import time
+
+
+def healthy(case, ctx):
+    return case.result("pass", metrics={"pid": os.getpid(), "value": case.params.get("value")})
+
+
+def failing(case, ctx):
+    rec = case.result("fail")
+    rec.add("error", "planted", "a planted failure")
+    return rec
+
+
+def abort(case, ctx):
+    print("about to abort", flush=True)
+    os.abort()
+
+
+def segfault(case, ctx):
+    print("about to segfault", flush=True)
+    ctypes.string_at(0)
+
+
+def hang(case, ctx):
+    print("about to hang", flush=True)
+    time.sleep(3600)
+
+
+def raises(case, ctx):
+    raise RuntimeError("planted error in the case")
+
+
+def exits(case, ctx):
+    os._exit(7)
+
+
+def touch_then_sleep(case, ctx):
+    """Marks that it started (a file), then sleeps: lets a test kill kvdiag mid-run."""
+    (ctx.run_dir / f"started-{case.params['n']}").touch()
+    time.sleep(case.params.get("sleep", 0.0))
+    return case.result("pass", metrics={"n": case.params["n"]})

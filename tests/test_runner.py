@@ -1,0 +1,77 @@
+"""The case runner: isolation of crashes, timeouts and errors; order; resume."""
+
+import json
+
+import pytest
+
+from kvdiag.results import read_jsonl
+from kvdiag.runner import Case, run_cases
+
+
+def case(fn, n, **params):
+    return Case(check="t", engine="none", model="m", kv_dtype=f"d{n}", target=f"case_fns:{fn}",
+                params={"value": n, **params}, id=f"t/{n}-{fn}")
+
+
+@pytest.fixture
+def mixed():
+    return [case("healthy", 0), case("abort", 1), case("healthy", 2), case("segfault", 3),
+            case("healthy", 4), case("hang", 5), case("raises", 6), case("exits", 7), case("healthy", 8),
+            case("failing", 9)]
+
+
+def test_crashes_timeouts_and_errors_become_records(tmp_path, mixed):
+    recs = run_cases(mixed, tmp_path, timeout=5, quiet=True)
+    assert [r.id for r in recs] == [c.id for c in mixed]  # order and count
+    by = {r.id: r for r in recs}
+    status = {r.id.split("-")[1] + r.id.split("/")[1].split("-")[0]: r.status for r in recs}
+    assert status == {"healthy0": "pass", "abort1": "crashed", "healthy2": "pass", "segfault3": "crashed",
+                      "healthy4": "pass", "hang5": "timeout", "raises6": "error", "exits7": "crashed",
+                      "healthy8": "pass", "failing9": "fail"}
+    assert by["t/1-abort"].findings[0].evidence["signal"] == "SIGABRT"
+    assert "about to abort" in by["t/1-abort"].log_tail
+    assert by["t/3-segfault"].findings[0].evidence["signal"] == "SIGSEGV"
+    assert "Fatal Python error" in by["t/3-segfault"].log_tail  # faulthandler's stack in the tail
+    assert by["t/7-exits"].findings[0].evidence["exit_code"] == 7
+    assert "planted error" in by["t/6-raises"].findings[0].message
+    assert "RuntimeError" in by["t/6-raises"].log_tail
+    assert by["t/5-hang"].findings[0].kind == "timeout"
+    # each healthy case ran in its own process
+    pids = {by[f"t/{n}-healthy"].metrics["pid"] for n in (0, 2, 4, 8)}
+    assert len(pids) == 4
+    # every record is in results.jsonl, in order
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == [c.id for c in mixed]
+
+
+def test_resume_reruns_only_missing(tmp_path):
+    first = [case("healthy", 0), case("healthy", 1)]
+    run_cases(first, tmp_path, quiet=True)
+    before = read_jsonl(tmp_path / "results.jsonl")
+    allc = first + [case("healthy", 2), case("failing", 3)]
+    recs = run_cases(allc, tmp_path, resume=True, quiet=True)
+    assert [r.id for r in recs] == [c.id for c in allc]
+    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [x["id"] for x in lines] == [c.id for c in allc]  # the first two were not run again
+    assert recs[0].metrics["pid"] == before["t/0-healthy"].metrics["pid"]
+
+
+def test_shared_worker_crash_ends_the_rest_of_its_group(tmp_path):
+    cases = [case("healthy", 0), case("segfault", 1), case("healthy", 2), case("healthy", 3)]
+    for c in cases[:3]:
+        c.group = "g"
+    recs = run_cases(cases, tmp_path, quiet=True, timeout=30)
+    assert [r.status for r in recs] == ["pass", "crashed", "error", "pass"]
+    assert recs[2].findings[0].kind == "not_run"
+    assert recs[0].metrics["pid"] != recs[3].metrics["pid"]
+
+
+def test_corrupt_line_is_reported_and_skipped(tmp_path, capsys):
+    run_cases([case("healthy", 0), case("healthy", 1)], tmp_path, quiet=True)
+    path = tmp_path / "results.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2] + "\n")
+    warnings = []
+    recs = read_jsonl(path, warn=warnings.append)
+    assert list(recs) == ["t/0-healthy"]
+    assert "results.jsonl:2" in warnings[0]
