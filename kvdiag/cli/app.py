@@ -11,8 +11,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvdiag.cli.dtypes_cmd import dtypes
-
 app = typer.Typer(
     name="kvdiag",
     help="KV-cache diagnostics and accuracy checks for LLM inference engines.\n\n"
@@ -43,7 +41,36 @@ def _root(
     pass
 
 
-app.command("dtypes")(dtypes)
+# (command name, module under kvdiag.cli, function). Command modules import only typer and
+# kvdiag's light modules at top level; a module not written yet is simply not registered.
+COMMANDS = [
+    ("accuracy", "accuracy_cmd", "accuracy"),
+    ("dtypes", "dtypes_cmd", "dtypes"),
+    ("memleak", "memleak_cmd", "memleak"),
+    ("wake-cycle", "wake_cycle_cmd", "wake_cycle"),
+    ("poison", "poison_cmd", "poison"),
+    ("bench", "bench_cmd", "bench"),
+    ("ci", "ci_cmd", "ci"),
+    ("report", "report_cmd", "report"),
+    ("compare", "compare_cmd", "compare"),
+    ("selftest", "selftest_cmd", "selftest"),
+]
+
+
+def _register() -> None:
+    import importlib
+
+    for name, module, attr in COMMANDS:
+        try:
+            mod = importlib.import_module(f"kvdiag.cli.{module}")
+        except ModuleNotFoundError as e:
+            if e.name == f"kvdiag.cli.{module}":
+                continue
+            raise
+        app.command(name)(getattr(mod, attr))
+
+
+_register()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,34 @@
+"""What every check does inside its worker: start the engine a case names, and the fixed prompts."""
+
+from __future__ import annotations
+
+from kvdiag.engines.base import Engine, EngineSpec, create_engine
+
+SPEC_FIELDS = ("max_model_len", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "device", "dtype",
+               "seed", "enable_sleep")
+
+
+def engine_spec(case, **overrides) -> EngineSpec:
+    """The EngineSpec for a case: model and kv dtype from the case, the rest from case.params."""
+    p = case.params
+    kw = {k: p[k] for k in SPEC_FIELDS if p.get(k) is not None}
+    kw.update(overrides)
+    return EngineSpec(model=case.model, kv_cache_dtype=case.kv_dtype, faults=tuple(p.get("faults") or ()),
+                      engine_args=dict(p.get("engine_args") or {}), **kw)
+
+
+def start_engine(case, **overrides) -> Engine:
+    engine = create_engine(case.engine)
+    engine.start(engine_spec(case, **overrides))
+    return engine
+
+
+def device_info() -> dict:
+    """What the worker runs on (recorded in each case's environment)."""
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["device_name"] = torch.cuda.get_device_name()
+        info["cuda_version"] = torch.version.cuda
+    return info
