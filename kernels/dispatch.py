@@ -1,0 +1,66 @@
+"""Pick the kernel for the tensors' device: Triton on CUDA, the torch reference elsewhere.
+
+The engine calls only these three functions. Their signatures are exactly those of
+:mod:`kvdiag.kernels.reference`; the Triton modules (``kvdiag.kernels.store``,
+``.attention``, ``.zero``) export functions of the same names and signatures.
+
+``KVDIAG_KERNELS=reference`` forces the reference everywhere; ``KVDIAG_KERNELS=triton``
+makes a missing Triton module an error instead of a silent fallback.
+A Triton module that does not exist yet (or cannot import triton) falls back to the
+reference.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from kvdiag.kernels import reference
+
+_TRITON_MODULES = {"store_kv": "store", "paged_attention": "attention", "zero_blocks": "zero"}
+_loaded: dict[str, object] = {}  # function name -> Triton function, or None when unavailable
+
+
+def _triton(fn: str):
+    if fn not in _loaded:
+        try:
+            module = importlib.import_module(f"kvdiag.kernels.{_TRITON_MODULES[fn]}")
+            _loaded[fn] = getattr(module, fn)
+        except (ImportError, AttributeError):
+            if os.environ.get("KVDIAG_KERNELS") == "triton":
+                raise
+            _loaded[fn] = None
+    return _loaded[fn]
+
+
+def backend(fn: str, device) -> str:
+    """``"triton"`` or ``"reference"``: what :func:`store_kv` & co. use for tensors on ``device``."""
+    if os.environ.get("KVDIAG_KERNELS") == "reference" or getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        return "reference"
+    return "triton" if _triton(fn) is not None else "reference"
+
+
+def _pick(fn: str, device):
+    return _triton(fn) if backend(fn, device) == "triton" else getattr(reference, fn)
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping, kv_dtype, k_scale=1.0, v_scale=1.0,
+             k_scale_cache=None, v_scale_cache=None) -> None:
+    """See :func:`kvdiag.kernels.reference.store_kv`."""
+    _pick("store_kv", k_cache.device)(key, value, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale,
+                                      k_scale_cache, v_scale_cache)
+
+
+def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, kv_dtype="auto",
+                    k_scale=1.0, v_scale=1.0, k_scale_cache=None, v_scale_cache=None, whole_page_reads=False):
+    """See :func:`kvdiag.kernels.reference.paged_attention`."""
+    return _pick("paged_attention", query.device)(
+        query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, kv_dtype, k_scale, v_scale,
+        k_scale_cache, v_scale_cache, whole_page_reads)
+
+
+def zero_blocks(block_ids, tensors) -> None:
+    """See :func:`kvdiag.kernels.reference.zero_blocks`."""
+    tensors = [t for t in tensors if t is not None]
+    if tensors:
+        _pick("zero_blocks", tensors[0].device)(block_ids, tensors)

@@ -1,0 +1,83 @@
+"""Bugs the builtin engine can re-introduce on purpose, so kvdiag's checks can be shown to catch them.
+
+Enabled by ``EngineSpec.faults`` (names below); all are off by default.
+
+- ``stale_views_after_wake`` (S2): the per-layer cache views and the pointer/stride
+  tables attention reads through are neither dropped at sleep nor rebuilt at wake:
+  attention keeps reading the old tensors while new K/V is written to the new ones.
+- ``fp8_scales_lost_on_wake``: after a level-2 wake the per-tensor fp8 ``k_scale``/
+  ``v_scale`` come back as 0.0 instead of the checkpoint's values (or 1.0).
+- ``whole_page_reads`` (S3): attention reads every slot of a sequence's last block,
+  masking scores with -inf but multiplying V there by weight 0 (NaN propagates).
+- ``no_zero_fresh_blocks`` (S3): freshly allocated blocks are not zeroed.
+
+Memory held after shutdown (S4, ``memleak``), applied by :meth:`Faults.on_start`:
+
+- ``lru_cache_bound_method``: a module-level ``functools.lru_cache`` is called with the
+  model's bound ``forward``; the cache keeps the model (weights) alive after shutdown.
+- ``gc_freeze_not_undone``: ``gc.freeze()`` at the end of start, no ``gc.unfreeze()`` at shutdown.
+- ``scale_cache_registry``: the per-token-head scale caches (int8/fp8_per_token_head only)
+  are kept in a module-level registry after shutdown.
+- ``global_kv_list``: the KV tensors are appended to a module-level list on every start.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from dataclasses import dataclass, fields
+
+from kvdiag.errors import UserError
+
+
+@dataclass(frozen=True)
+class Faults:
+    stale_views_after_wake: bool = False
+    fp8_scales_lost_on_wake: bool = False
+    whole_page_reads: bool = False
+    no_zero_fresh_blocks: bool = False
+    lru_cache_bound_method: bool = False
+    gc_freeze_not_undone: bool = False
+    scale_cache_registry: bool = False
+    global_kv_list: bool = False
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def parse(cls, names) -> "Faults":
+        names = [n.strip().lower().replace("-", "_") for n in (names or ()) if n.strip()]
+        unknown = [n for n in names if n not in cls.names()]
+        if unknown:
+            raise UserError(f"unknown builtin fault(s) {', '.join(unknown)}; valid: {', '.join(cls.names())}")
+        return cls(**{n: True for n in names})
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        return tuple(n for n in self.names() if getattr(self, n))
+
+    def __contains__(self, name: str) -> bool:
+        return bool(getattr(self, name, False))
+
+    def on_start(self, engine) -> None:
+        """The memleak faults, applied once the engine has started (the model and KV cache exist)."""
+        if self.lru_cache_bound_method:
+            _compiled_forward(engine.model.forward)
+        layers = engine.kv.layers if engine.kv is not None else []
+        if self.scale_cache_registry:
+            _SCALE_CACHES.extend(t for l in layers for t in (l.k_scale, l.v_scale) if t is not None)
+        if self.global_kv_list:
+            _KV_TENSORS.append([(l.k, l.v) for l in layers])
+        if self.gc_freeze_not_undone:
+            gc.freeze()
+
+
+_SCALE_CACHES: list = []  # scale_cache_registry: per-token-head scale caches, never released
+_KV_TENSORS: list = []  # global_kv_list: the KV tensors of every start
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_forward(forward):
+    """lru_cache_bound_method: a cache keyed by a bound method keeps its object (the model) alive."""
+    return forward

@@ -1,0 +1,164 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) whose attention goes through the paged KV cache.
+
+Numerics follow transformers' modeling code (RMSNorm in float32, rotary cos/sin in
+float32 cast to the model dtype, residual adds in the model dtype), so a float32 model
+matches ``AutoModelForCausalLM`` to float32 tolerance. Q/K/V and gate/up projections
+are packed into one matmul each (nano-vllm); the loader fills the packed weights.
+Tokens of all sequences are packed: every tensor is [num_tokens, ...].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvdiag.engines.builtin.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies for rope types default, linear and llama3 (transformers' formulas)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rope = cfg.rope_scaling
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / rope["factor"]
+    elif kind == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables [max_len, head_dim] in float32, filled by :meth:`build` (a derived table)."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int):
+        super().__init__()
+        self.cfg, self.max_len = cfg, max_len
+        self.register_buffer("cos", torch.empty(max_len, cfg.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_len, cfg.head_dim), persistent=False)
+
+    @torch.no_grad()
+    def build(self) -> None:
+        device = self.cos.device
+        freqs = torch.arange(self.max_len, device=device).float()[:, None] * inv_frequencies(self.cfg).to(device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(self, positions, q, k):
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, x, rotary: Rotary, kv, meta):
+        """``kv`` is the engine's KVCache, ``meta`` the batch's AttnMetadata (kv_cache.py)."""
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.heads, self.head_dim)
+        k = k.reshape(n, self.kv_heads, self.head_dim)
+        v = v.reshape(n, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        kv.store(self.layer, k, v, meta)
+        out = kv.attend(self.layer, q, meta, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, dtype)
+        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, x, rotary, kv, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class CausalLM(nn.Module):
+    """Parameter names match the checkpoint's, except the packed ``qkv_proj``/``gate_up_proj``."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
+                                                                      dtype=dtype)
+        self.rotary = Rotary(cfg, max_len)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv, meta) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden_size] of the packed batch."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(positions, x, self.rotary, kv, meta)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
