@@ -43,7 +43,7 @@ QWEN2_05B: dict[str, Any] = dict(
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character mapping."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -90,6 +90,22 @@ def save_tokenizer(path: str | Path, model_max_length: int = 1 << 20) -> None:
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg["add_bos_token"] = True
     cfg["add_eos_token"] = False
+    cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def add_legacy_config_keys(path: str | Path) -> None:
+    """Also write ``rope_theta`` and ``torch_dtype`` at the top of config.json.
+
+    transformers 5 keeps them in ``rope_parameters`` / ``dtype``; transformers 4.x
+    (which some vLLM builds use) reads the old keys. Both read the same values.
+    """
+    cfg_file = Path(path) / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rope and rope.get("rope_type", "default") == "default":
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+    if "dtype" in cfg:
+        cfg.setdefault("torch_dtype", cfg["dtype"])
     cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
@@ -181,6 +197,7 @@ def make_random_model(
         state.pop("lm_head.weight", None)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(path)
+    add_legacy_config_keys(path)
     save_tokenizer(path, model_max_length=max_position_embeddings)
     gen_cfg = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "do_sample": False}
     (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")

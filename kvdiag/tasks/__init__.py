@@ -1,0 +1,24 @@
+"""lm_eval tasks shipped with kvdiag: ``kv_recall`` and ``kv_recall_long`` (tag ``kvdiag``).
+
+Data: ``data/*.jsonl``, written by ``scripts/make_tasks.py``; format: ``recall.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TASKS_DIR = Path(__file__).resolve().parent
+DEFAULT_TASKS = ["kv_recall", "kv_recall_long"]
+TAG = "kvdiag"
+
+
+def task_manager(include_paths=(), include_defaults: bool = True):
+    """An ``lm_eval`` TaskManager that knows kvdiag's tasks plus any ``include_paths``.
+
+    ``include_defaults=False`` leaves out lm_eval's own ~10k task configs (indexing
+    them takes ~10 s), for when only kvdiag's tasks are needed.
+    """
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(TASKS_DIR)] + [str(p) for p in include_paths]
+    return TaskManager(include_path=paths, include_defaults=include_defaults)
