@@ -1,0 +1,101 @@
+"""`kvdiag memleak`: memory across create / generate / shutdown cycles, with the holders of what leaked."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from kvdiag.cli.options import (CyclesOpt, DeviceOpt, EngineArgOpt, EngineOpt, FaultOpt, Format, FormatOpt,
+                                JobsOpt, KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt, TimeoutOpt)
+
+ThresholdOpt = Annotated[Optional[float], typer.Option(
+    "--threshold", help="MiB that memory after shutdown may grow from one cycle to the next. "
+    "Default: max(16 MiB, 1% of the engine's peak).", min=0)]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", help="Tokens decoded per prompt in each cycle.", min=1)]
+
+COLUMNS = (("cycle", "cycle"), ("stage", "stage"), ("tensors", "tensors"), ("tensor_mib", "tensor MiB"),
+           ("rss_mib", "RSS MiB"), ("cuda_allocated_mib", "CUDA alloc"), ("cuda_reserved_mib", "CUDA reserved"),
+           ("driver_used_mib", "driver used"), ("nvml_process_mib", "NVML proc"), ("frozen", "frozen"))
+
+
+def memleak(
+    engine: EngineOpt = "builtin",
+    model: ModelOpt = None,
+    kv_dtype: KVDtypeOpt = None,
+    cycles: CyclesOpt = 3,
+    threshold: ThresholdOpt = None,
+    max_tokens: MaxTokensOpt = 16,
+    jobs: JobsOpt = 1,
+    device: DeviceOpt = "auto",
+    engine_arg: EngineArgOpt = None,
+    output_dir: OutputDirOpt = None,
+    fmt: FormatOpt = Format.table,
+    timeout: TimeoutOpt = 900.0,
+    resume: ResumeOpt = None,
+    quiet: QuietOpt = False,
+    fault: FaultOpt = None,
+) -> None:
+    """Is memory back after the engine shuts down? Per kv dtype, in a fresh worker: a baseline, then
+    --cycles times start, a short prefill + decode, snapshot, shutdown, gc + empty_cache, snapshot.
+
+    Fails when tensors the engine allocated survive shutdown (the finding names the holder: a module
+    global, an lru_cache and its key, a closure, a class attribute, the engine object, or "frozen by
+    gc.freeze()"), when memory after shutdown grows from cycle to cycle beyond --threshold, or when
+    objects stay frozen after shutdown. The first cycle's one-time cost is reported, not failed.
+    """
+    from kvdiag.cli.common import execute, make_run_dir, parse_engine_args, resolve_kv_dtypes, resolve_model
+    from kvdiag.engines.base import resolve_engine
+    from kvdiag.runner import Case
+
+    engine = resolve_engine(engine)
+    spec = {"device": device, "engine_args": parse_engine_args(engine_arg), "faults": _faults(engine, fault)}
+    model = resolve_model(model)
+    params = {**spec, "cycles": cycles, "threshold_mib": threshold, "max_tokens": max_tokens}
+    cases = [Case("memleak", engine, model, d, "kvdiag.checks.memleak:run", params=dict(params))
+             for d in resolve_kv_dtypes(engine, kv_dtype)]
+    run_dir = make_run_dir(output_dir, "memleak", resume)
+    code = execute("memleak", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
+                   jobs=jobs, render=render)
+    raise typer.Exit(code)
+
+
+def _faults(engine: str, fault: list[str] | None) -> list[str]:
+    if not fault:
+        return []
+    from kvdiag.errors import UserError
+
+    if engine != "builtin":
+        raise UserError("--fault works with the builtin engine only")
+    from kvdiag.engines.builtin.faults import Faults
+
+    return list(Faults.parse(fault).enabled)
+
+
+def render(run, con) -> None:
+    """One table of dtype x cycle x stage, then the findings (holders with their chains)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvdiag.report.table import fmt_value, status_text
+
+    t = Table(title="memleak: memory per kv dtype, cycle and stage", title_justify="left")
+    for col in ("kv dtype", "status") + tuple(label for _, label in COLUMNS):
+        t.add_column(col, justify="left" if col in ("kv dtype", "status", "stage") else "right")
+    for c in run.cases:
+        rows = c.metrics.get("snapshots") or [{}]
+        for i, row in enumerate(rows):
+            t.add_row(c.kv_dtype if i == 0 else "", status_text(c.status) if i == 0 else "",
+                      *[fmt_value(row.get(key)) for key, _ in COLUMNS], end_section=i == len(rows) - 1)
+    con.print(t)
+    for c in run.cases:
+        th = c.metrics.get("threshold_mib")
+        head = f"[bold]{c.kv_dtype}[/] ({status_text(c.status)}" + (f", threshold {th:.1f} MiB)" if th else ")")
+        shown = [f for f in c.findings if f.kind != "one_time_cost" or c.status == "pass"]
+        if not shown:
+            continue
+        con.print(head)
+        for f in shown:
+            con.print(f"  {f.severity}: {f.kind}: {escape(f.message)}")
+            if f.evidence.get("path") and f.evidence["path"] != "?":
+                con.print(f"    path: {escape(f.evidence['path'])}")

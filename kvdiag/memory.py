@@ -1,0 +1,234 @@
+"""Memory snapshots, a census of live tensors, and the holders of tensors that survive (DESIGN.md, "Measuring memory").
+
+A :class:`Snapshot` takes, where present: process RSS, ``gc.get_freeze_count()``, the
+tensor census (live tensors by device; bytes counted once per storage), and on CUDA
+``torch.cuda.memory_allocated/reserved``, the driver's used memory (``mem_get_info``)
+and NVML's per-process usage. :func:`survivors` compares two censuses; :func:`holders`
+(in :mod:`kvdiag.memory_holders`) names what keeps the survivors alive.
+
+Objects frozen by ``gc.freeze()`` are invisible to ``gc.get_objects()``: tensors created
+before the freeze do not show in the census at all.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import asdict, dataclass, field
+
+MiB = 1 << 20
+SMALL_TENSOR_BYTES = 4096  # survivors below this are counted, not attributed
+
+
+@dataclass
+class Census:
+    """Live tensors visible to gc: ``keys`` = (id, device, storage ptr) per tensor, ``storages`` = bytes."""
+
+    keys: frozenset = frozenset()
+    storages: dict = field(default_factory=dict)  # (device, ptr) -> nbytes
+
+    @property
+    def count(self) -> int:
+        return len(self.keys)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def by_device(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for _, dev, _ in self.keys:
+            out.setdefault(dev, {"count": 0, "bytes": 0})["count"] += 1
+        for (dev, _), n in self.storages.items():
+            out.setdefault(dev, {"count": 0, "bytes": 0})["bytes"] += n
+        return out
+
+
+def storage_key(t) -> tuple[str, int, int] | None:
+    """(device, storage data_ptr, storage nbytes) of a tensor; None where there is no real storage (meta, sparse)."""
+    import torch
+
+    try:
+        if t.layout is not torch.strided or t.device.type == "meta":
+            return None
+        s = t.untyped_storage()
+        return str(t.device), s.data_ptr(), s.nbytes()
+    except Exception:  # noqa: BLE001 - fake, functional or otherwise storage-less tensors
+        return None
+
+
+def live_tensors(keys=None) -> list:
+    """Every live tensor gc can see (optionally only those whose census key is in ``keys``)."""
+    import torch
+
+    objs = gc.get_objects()
+    out = []
+    for o in objs:
+        if issubclass(type(o), torch.Tensor):
+            if keys is None:
+                out.append(o)
+            else:
+                st = storage_key(o)
+                if st is not None and (id(o), st[0], st[1]) in keys:
+                    out.append(o)
+    del objs
+    return out
+
+
+def take_census() -> Census:
+    keys, storages = set(), {}
+    for t in live_tensors():
+        st = storage_key(t)
+        if st is not None:
+            keys.add((id(t), st[0], st[1]))
+            storages[st[:2]] = max(st[2], storages.get(st[:2], 0))
+    return Census(frozenset(keys), storages)
+
+
+@dataclass
+class Survivors:
+    """Tensors present now that were not in the baseline, with storages the baseline did not hold."""
+
+    keys: frozenset  # census keys of the large ones (storage >= floor)
+    bytes: int  # their storages, each once
+    small_keys: frozenset  # survivors under the floor: counted, attributed only when their count grows
+    small_bytes: int
+    by_device: dict  # device -> bytes of the large ones
+
+    @property
+    def count(self) -> int:
+        return len(self.keys)
+
+    @property
+    def small_count(self) -> int:
+        return len(self.small_keys)
+
+
+def survivors(base: Census, now: Census, floor: int = SMALL_TENSOR_BYTES) -> Survivors:
+    large, small = set(), set()
+    sizes: dict[tuple, int] = {}
+    for key in now.keys - base.keys:
+        st = key[1:]
+        if st in base.storages:  # a new view of memory the baseline already held
+            continue
+        sizes[st] = now.storages.get(st, 0)
+        (large if sizes[st] >= floor else small).add(key)
+    by_device: dict[str, int] = {}
+    for (dev, _), n in sizes.items():
+        if n >= floor:
+            by_device[dev] = by_device.get(dev, 0) + n
+    return Survivors(frozenset(large), sum(by_device.values()), frozenset(small),
+                     sum(n for n in sizes.values() if n < floor), by_device)
+
+
+@dataclass
+class Snapshot:
+    stage: str  # baseline | after-workload | after-shutdown
+    cycle: int  # 0 for the baseline
+    rss: int
+    frozen: int  # gc.get_freeze_count()
+    tensors: int
+    tensor_bytes: int
+    by_device: dict
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None
+    cuda_peak: int | None = None  # max_memory_allocated since the last reset
+    driver_used: int | None = None  # device-wide used memory, the driver's view
+    nvml_process: int | None = None  # this process's GPU memory, NVML's view
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def row(self) -> dict:
+        """The table columns, in MiB (None where the column does not apply)."""
+        mib = lambda v: None if v is None else round(v / MiB, 2)  # noqa: E731
+        return {"cycle": self.cycle, "stage": self.stage, "tensors": self.tensors,
+                "tensor_mib": mib(self.tensor_bytes), "rss_mib": mib(self.rss),
+                "cuda_allocated_mib": mib(self.cuda_allocated), "cuda_reserved_mib": mib(self.cuda_reserved),
+                "driver_used_mib": mib(self.driver_used), "nvml_process_mib": mib(self.nvml_process),
+                "frozen": self.frozen}
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def cleanup(cuda: bool) -> None:
+    """The standard cleanup after an engine shuts down; glibc's free heap goes back to the OS too
+    (as ``empty_cache`` does for CUDA), so RSS shows what is held rather than what malloc keeps cached."""
+    gc.collect()
+    trim_malloc()
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def trim_malloc() -> None:
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # musl or another libc: nothing to trim
+            pass
+
+
+def snapshot(stage: str, cycle: int, cuda: bool = False, census: Census | None = None) -> Snapshot:
+    census = census if census is not None else take_census()
+    snap = Snapshot(stage, cycle, rss_bytes(), gc.get_freeze_count(), census.count, census.bytes,
+                    census.by_device())
+    if cuda:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        snap.cuda_allocated = torch.cuda.memory_allocated()
+        snap.cuda_reserved = torch.cuda.memory_reserved()
+        snap.cuda_peak = torch.cuda.max_memory_allocated()
+        snap.driver_used = total - free
+        snap.nvml_process = nvml_process_bytes(torch.cuda.current_device())
+    return snap
+
+
+def nvml_process_bytes(device_index: int) -> int | None:
+    """This process's GPU memory as NVML reports it; None where NVML cannot say.
+
+    In a container NVML lists host pids: when no pid matches and the device runs exactly
+    one compute process, that process is taken to be this one.
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVIDIA driver
+        return None
+    try:
+        handle = _nvml_handle(pynvml, device_index)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        mine = [p for p in procs if p.pid == os.getpid()] or (procs if len(procs) == 1 else [])
+        used = [p.usedGpuMemory for p in mine if p.usedGpuMemory is not None]
+        return sum(used) if used else None
+    except Exception:  # noqa: BLE001 - NVML not supported on this device / driver
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvml_handle(pynvml, device_index: int):
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    if hasattr(props, "pci_bus_id"):
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        try:
+            return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+        except Exception:  # noqa: BLE001 - fall back to the index
+            pass
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [x.strip() for x in visible.split(",") if x.strip()]
+    index = int(ids[device_index]) if ids and ids[device_index].isdigit() else device_index
+    return pynvml.nvmlDeviceGetHandleByIndex(index)

@@ -1,0 +1,171 @@
+"""`kvdiag memleak`: the verdict rules, the clean builtin engine (no false alarms), and the four planted leaks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvdiag.checks import memleak
+from kvdiag.checks.memleak import Cycle, judge
+from kvdiag.memory import MiB, Snapshot, Survivors
+from kvdiag.runner import Case, run_cases
+
+SMALL = {"device": "cpu", "num_blocks": 16, "num_prompts": 2, "max_tokens": 4}
+
+
+def snap(stage, cycle, rss=500, tensors=0, frozen=0, **cuda):
+    mib = {k: v * MiB for k, v in cuda.items()}
+    return Snapshot(stage, cycle, int(rss * MiB), frozen, 0, int(tensors * MiB), {}, **mib)
+
+
+def series(after_rss, after_tensors=None, base_rss=200.0, frozen=None, workload_tensors=64, **cuda_after):
+    """Snapshots: a baseline, then per cycle after-workload and after-shutdown (values in MiB)."""
+    out = [snap("baseline", 0, base_rss, 0, **{k: 0 for k in cuda_after})]
+    for i, rss in enumerate(after_rss):
+        out.append(snap("after-workload", i + 1, rss + 60, workload_tensors))
+        out.append(snap("after-shutdown", i + 1, rss, (after_tensors or [0] * len(after_rss))[i],
+                        (frozen or [0] * len(after_rss))[i], **{k: v[i] for k, v in cuda_after.items()}))
+    return out
+
+
+def verdict(snaps, threshold=None):
+    case = Case("memleak", "builtin", "m", "auto", "kvdiag.checks.memleak:run")
+    empty = Survivors(frozenset(), 0, frozenset(), 0, {})
+    cycles = [Cycle(empty) for s in snaps if s.stage == "after-shutdown"]
+    return judge(case.result("pass"), snaps, cycles, threshold)
+
+
+def kinds(rec):
+    return [(f.severity, f.kind) for f in rec.findings]
+
+
+def test_first_cycle_cost_is_reported_not_failed():
+    rec = verdict(series([550, 551, 550]))
+    assert rec.status == "pass"
+    assert kinds(rec) == [("info", "one_time_cost")] and rec.findings[0].evidence["mib"] == {"rss": 350}
+    assert rec.metrics["growth_mib"]["rss"] == [1, -1]
+
+
+def test_growth_beyond_threshold_fails_from_cycle_two_on():
+    rec = verdict(series([550, 580, 610], after_tensors=[0, 30, 60]))
+    assert rec.status == "fail"
+    assert sorted(f.evidence["metric"] for f in rec.findings if f.kind == "growth") == ["rss", "tensor_bytes"]
+    g = next(f for f in rec.findings if f.evidence.get("metric") == "tensor_bytes")
+    assert g.evidence["growth_mib"] == [30, 30] and "1→2: +30.0 MiB" in g.message
+
+
+def test_noisy_rss_must_grow_in_every_step_exact_metrics_in_any():
+    assert verdict(series([550, 580, 579])).status == "pass"  # one RSS jump, then flat: noise
+    rec = verdict(series([550, 550, 550], cuda_allocated=[10, 10, 40], cuda_reserved=[20, 20, 20],
+                         driver_used=[900, 930, 930], nvml_process=[800, 800, 800]))
+    assert rec.status == "fail" and [f.evidence["metric"] for f in rec.findings if f.kind == "growth"] == \
+        ["cuda_allocated"]
+
+
+def test_default_threshold_is_one_percent_of_the_peak_above_16_mib():
+    assert verdict(series([550, 560, 570])).metrics["threshold_mib"] == 16
+    big = series([550, 580, 610], workload_tensors=4096)  # peak 4 GiB: threshold 40.96 MiB
+    rec = verdict(big)
+    assert rec.metrics["threshold_mib"] == pytest.approx(40.96) and rec.status == "pass"
+    assert verdict(big, threshold=20).status == "fail"
+
+
+def test_objects_still_frozen_after_shutdown_fail():
+    rec = verdict(series([550, 550], frozen=[1000, 2000]))
+    assert rec.status == "fail" and ("error", "gc_frozen") in kinds(rec)
+    assert "frozen by gc.freeze()" in rec.findings[-1].message
+
+
+def test_engine_object_that_keeps_its_tensors_is_named():
+    case = Case("memleak", "memleak_fakes:LeakyEngine", "m", "auto", "kvdiag.checks.memleak:run",
+                params={"device": "cpu", "cycles": 2, "num_prompts": 1})
+    rec = memleak.run(case, None)
+    assert rec.status == "fail"
+    held = [f for f in rec.findings if f.kind == "tensor_survived"]
+    assert [f.evidence["holder"] for f in held] == ["the engine object (LeakyEngine) after shutdown()"]
+    assert held[0].evidence["path"] == "LeakyEngine.kv" and held[0].evidence["bytes"] == MiB
+    assert rec.metrics["survivor_mib"] == [1, 1]
+
+
+@pytest.mark.slow
+def test_clean_builtin_engine_passes_five_repeated_runs(random_model):
+    """No false alarms: 5 runs of 3 cycles, in this (busy) process; the per-token-head dtype has scale caches."""
+    model = random_model("llama")
+    for run in range(5):
+        for dtype in ("int8_per_token_head",):
+            rec = memleak.run(Case("memleak", "builtin", model, dtype, "kvdiag.checks.memleak:run",
+                                   params=dict(SMALL)), None)
+            assert rec.status == "pass", (run, dtype, [f.message for f in rec.findings])
+            assert rec.metrics["survivor_count"] == [0, 0, 0]
+            assert len(rec.metrics["snapshots"]) == 7
+
+
+def fault_case(model, fault, dtype, cycles=2, **params):
+    return Case("memleak", "builtin", model, dtype, "kvdiag.checks.memleak:run", id=f"{fault}/{dtype}",
+                params={**SMALL, "cycles": cycles, "faults": [fault], **params})
+
+
+@pytest.mark.slow
+def test_planted_leaks_are_found_with_their_holders(random_model, tmp_path):
+    model = random_model("llama")
+    cases = [fault_case(model, "lru_cache_bound_method", "auto"),
+             fault_case(model, "gc_freeze_not_undone", "auto"),
+             fault_case(model, "global_kv_list", "auto", cycles=3, num_blocks=None, kv_cache_memory=24 * MiB),
+             *[fault_case(model, "scale_cache_registry", d) for d in ("fp8", "int8_per_token_head",
+                                                                     "fp8_per_token_head")]]
+    recs = {r.id: r for r in run_cases(cases, tmp_path, jobs=2, quiet=True, timeout=600)}
+
+    def holders(rid):
+        return [f.evidence["holder"] for f in recs[rid].findings if f.kind == "tensor_survived"]
+
+    assert holders("lru_cache_bound_method/auto") == [
+        "lru_cache kvdiag.engines.builtin.faults._compiled_forward (key holds bound method CausalLM.forward of "
+        "<CausalLM>)"]
+    frozen = recs["gc_freeze_not_undone/auto"]
+    assert frozen.status == "fail" and [f.kind for f in frozen.findings if f.severity == "error"] == ["gc_frozen"]
+    assert "invisible: frozen by gc.freeze()" in frozen.findings[-1].message
+    kv = recs["global_kv_list/auto"]
+    assert holders(kv.id) == ["module global kvdiag.engines.builtin.faults._KV_TENSORS"]
+    growth = next(f for f in kv.findings if f.kind == "growth" and f.evidence["metric"] == "tensor_bytes")
+    assert growth.evidence["growth_mib"] == pytest.approx([24, 24], rel=0.01)  # the KV cache, every cycle
+    assert kv.metrics["survivor_mib"] == pytest.approx([24, 48, 72], rel=0.01)
+    status = {d: recs[f"scale_cache_registry/{d}"].status for d in ("fp8", "int8_per_token_head",
+                                                                     "fp8_per_token_head")}
+    assert status == {"fp8": "pass", "int8_per_token_head": "fail", "fp8_per_token_head": "fail"}
+    assert holders("scale_cache_registry/int8_per_token_head") == [
+        "module global kvdiag.engines.builtin.faults._SCALE_CACHES"]
+
+
+@pytest.mark.slow
+def test_clean_sweep_passes_on_every_dtype_in_fresh_workers(random_model, tmp_path):
+    from kvdiag.dtypes import BUILTIN_DTYPES, sweep_names
+
+    names = sweep_names(list(BUILTIN_DTYPES))
+    cases = [Case("memleak", "builtin", random_model("llama"), d, "kvdiag.checks.memleak:run", params=dict(SMALL))
+             for d in names]
+    recs = run_cases(cases, tmp_path, jobs=2, quiet=True, timeout=600)
+    assert [r.kv_dtype for r in recs] == ["auto", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8_per_token_head",
+                                          "fp8_per_token_head"]
+    for r in recs:
+        assert r.status == "pass", (r.kv_dtype, [f.message for f in r.findings])
+        assert r.metrics["survivor_count"] == [0, 0, 0]
+        assert [(x["cycle"], x["stage"]) for x in r.metrics["snapshots"]][-1] == (3, "after-shutdown")
+
+
+@pytest.mark.slow
+def test_cli_table_names_holders_and_exits_1(random_model, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvdiag", "memleak", "-m", random_model("llama"), "--device", "cpu",
+                          "-d", "fp8pth", "-n", "2", "--max-tokens", "2", "--fault", "scale_cache_registry",
+                          "-o", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1
+    assert "held by module global kvdiag.engines.builtin.faults._SCALE_CACHES" in out.stdout
+    assert "after-shutdown" in out.stdout and "fp8_per_token_head" in out.stdout
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert [(c["kv_dtype"], c["status"]) for c in run["cases"]] == [("fp8_per_token_head", "fail")]
+
+
+def test_cli_rejects_fault_for_other_engines_and_bad_dtype():
+    for args in (["--engine", "vllm", "--fault", "global_kv_list"], ["-d", "int4"], ["--fault", "nope"]):
+        out = subprocess.run([sys.executable, "-m", "kvdiag", "memleak", *args], capture_output=True, text=True)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr)
