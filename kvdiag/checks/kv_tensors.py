@@ -1,0 +1,184 @@
+"""What the KV checks do to an engine's cache tensors through its :class:`KVBlockView`:
+size them, fingerprint every slot, fill blocks with poison, and scan slots for values no
+correct write produces (NaN/Inf codes, scales that are not finite and > 0).
+
+A *slot* is one token position of one block (``block * block_size + offset``); every cache
+tensor is viewed as ``[num_blocks * block_size, bytes per slot]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POISON_VALUES = ("nan", "inf", "max", "random")
+CHUNK_BYTES = 32 << 20  # temporaries of the slot loops stay under ~8x this
+
+
+def cache_tensors(view) -> list[tuple[str, object]]:
+    """``(name, tensor)`` of every layer's k, v and scale caches, e.g. ``("3.k_scale", t)``."""
+    out = []
+    for i, layer in enumerate(view.layers):
+        for name in ("k", "v", "k_scale", "v_scale"):
+            t = getattr(layer, name, None)
+            if t is not None:
+                out.append((f"{i}.{name}", t))
+    return out
+
+
+def kv_bytes(view) -> int:
+    """Bytes the cache holds: the layers' k, v and scale tensors (a tensor seen twice counts once)."""
+    seen = {(t.data_ptr(), t.nbytes) for _, t in cache_tensors(view)}
+    return sum(n for _, n in seen)
+
+
+def slot_rows(t, num_slots: int):
+    """``t``'s raw bits as ``[num_slots, words]``: int32 words when a slot's bytes allow, else
+    int16 or uint8 (a view when ``t`` is contiguous)."""
+    import torch
+
+    raw = t.contiguous().view(torch.uint8).view(num_slots, -1)
+    for word in (torch.int32, torch.int16):
+        if raw.shape[1] % word.itemsize == 0:
+            return raw.view(word)
+    return raw
+
+
+def _chunks(num_rows: int, row_bytes: int):
+    step = max(1, CHUNK_BYTES // max(1, row_bytes))
+    for a in range(0, num_rows, step):
+        yield a, min(num_rows, a + step)
+
+
+def slot_fingerprint(view):
+    """One int64 per slot that changes (almost surely) when any byte of that slot changes in any layer."""
+    import torch
+
+    num_slots = view.num_blocks * view.block_size
+    total = None
+    for n, (_, t) in enumerate(cache_tensors(view)):
+        rows = slot_rows(t, num_slots)
+        g = torch.Generator().manual_seed(1000 + n)
+        w = torch.randint(-(2 ** 62), 2 ** 62, (rows.shape[1],), generator=g, dtype=torch.int64).to(t.device)
+        if total is None:
+            total = torch.zeros(num_slots, dtype=torch.int64, device=t.device)
+        for a, b in _chunks(num_slots, rows.shape[1] * 8):
+            total[a:b] += (rows[a:b].long() * w).sum(1)  # int64 arithmetic wraps: a hash, not a sum
+    return total.cpu() if total is not None else torch.zeros(num_slots, dtype=torch.int64)
+
+
+def block_slots(blocks, block_size: int):
+    """The slots of ``blocks`` as a sorted int64 tensor."""
+    import torch
+
+    b = torch.as_tensor(sorted(set(blocks)), dtype=torch.int64)
+    return (b.view(-1, 1) * block_size + torch.arange(block_size).view(1, -1)).flatten()
+
+
+# --------------------------------------------------------------------------- poison
+
+
+def poison_scalar(dtype, value: str) -> float | None:
+    """The poison a tensor of ``dtype`` gets for ``--value``; None for ``random`` (seeded random bits).
+
+    nan: NaN (int8 codes: -128, their scales carry the NaN). inf: +inf; float8_e4m3fn has no
+    inf, so its NaN code. max: the dtype's largest finite value.
+    """
+    import torch
+
+    if value == "random":
+        return None
+    if value not in POISON_VALUES:
+        raise ValueError(f"poison value {value!r}; valid: {', '.join(POISON_VALUES)}")
+    if not dtype.is_floating_point:
+        return float(torch.iinfo(dtype).max if value == "max" else torch.iinfo(dtype).min)
+    if value == "max":
+        return float(torch.finfo(dtype).max)
+    if value == "inf" and dtype == torch.float8_e4m3fn:
+        return float("nan")
+    return float(value)
+
+
+def fill_blocks(view, blocks, value: str, seed: int = 0) -> int:
+    """Fill ``blocks`` of every k, v and scale cache with poison (or ``zero``); returns bytes written."""
+    import torch
+
+    if len(blocks) == 0:
+        return 0
+    written = 0
+    for n, (_, t) in enumerate(cache_tensors(view)):
+        idx = torch.as_tensor(list(blocks), dtype=torch.int64, device=t.device)
+        if value == "random":
+            _fill_random(t, idx, seed * 7919 + n)
+        else:
+            x = 0.0 if value == "zero" else poison_scalar(t.dtype, value)
+            if t.element_size() == 1:  # fp8/int8: fill the code's bits (index_fill_ has no fp8 kernels)
+                code = int(torch.tensor([x]).to(t.dtype).view(torch.uint8).item())
+                t.view(torch.uint8).index_fill_(0, idx, code)
+            else:
+                t.index_fill_(0, idx, x)
+        written += len(blocks) * t[0].nbytes
+    return written
+
+
+def _fill_random(t, idx, seed: int) -> None:
+    """Seeded random bits into blocks ``idx`` of ``t``, a chunk of blocks at a time."""
+    import torch
+
+    g = torch.Generator(device=t.device).manual_seed(seed)
+    row_bytes = t[0].numel() * t.element_size()  # t may be a strided (non-contiguous) view
+    for a, b in _chunks(len(idx), row_bytes):
+        bits = torch.randint(0, 256, (b - a, row_bytes), generator=g, dtype=torch.uint8, device=t.device)
+        t[idx[a:b]] = bits.view(t.dtype).view(b - a, *t.shape[1:])
+
+
+# --------------------------------------------------------------------------- scan
+
+
+@dataclass
+class SlotScan:
+    """Values in the scanned slots that no correct write produces."""
+
+    slots: int = 0  # slots scanned
+    nonfinite: int = 0  # slots with a NaN/Inf K or V value (fp8 NaN codes included)
+    bad_scales: int = 0  # per-token-head scales not finite, or <= 0 where the slot holds nonzero codes
+    first: dict = field(default_factory=dict)  # {tensor, block, offset} of the first bad slot
+
+    @property
+    def ok(self) -> bool:
+        return self.nonfinite == 0 and self.bad_scales == 0
+
+
+def scan_slots(view, slots) -> SlotScan:
+    """NaN/Inf in k/v and bad scale values, over ``slots`` (an int64 tensor); a slot counts once
+    however many layers are bad there."""
+    import torch
+
+    scan = SlotScan(slots=int(len(slots)))
+    if len(slots) == 0:
+        return scan
+    num_slots = view.num_blocks * view.block_size
+    bad = {k: torch.zeros(len(slots), dtype=torch.bool) for k in ("nonfinite", "bad_scales")}
+    for i, layer in enumerate(view.layers):
+        for kind in ("k", "v"):
+            codes = getattr(layer, kind).reshape(num_slots, -1)
+            scales = getattr(layer, f"{kind}_scale", None)
+            scales = scales.reshape(num_slots, -1) if scales is not None else None
+            for a, b in _chunks(len(slots), codes.shape[1] * 8):
+                sel = slots[a:b].to(codes.device)
+                c = codes[sel].float()
+                _mark(scan, bad["nonfinite"], a, ~torch.isfinite(c).all(1), f"{i}.{kind}", sel, view.block_size)
+                if scales is not None:
+                    s = scales[sel]
+                    wrong = ~torch.isfinite(s).all(1) | ((c != 0).any(1) & (s <= 0).any(1))
+                    _mark(scan, bad["bad_scales"], a, wrong, f"{i}.{kind}_scale", sel, view.block_size)
+    scan.nonfinite, scan.bad_scales = int(bad["nonfinite"].sum()), int(bad["bad_scales"].sum())
+    return scan
+
+
+def _mark(scan: SlotScan, mask, start: int, bad, tensor: str, sel, block_size: int) -> None:
+    """OR ``bad`` into ``mask[start:]``; remember the first bad slot seen."""
+    bad = bad.cpu()
+    mask[start:start + len(bad)] |= bad
+    if bad.any() and not scan.first:
+        slot = int(sel[int(bad.nonzero()[0, 0])])
+        scan.first = {"tensor": tensor, "block": slot // block_size, "offset": slot % block_size}

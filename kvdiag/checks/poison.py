@@ -1,0 +1,123 @@
+"""``poison``: does the engine ever read a KV block that nothing wrote (bug class S3)?
+
+Before each wave of a workload every free block (K, V and scale slots) is filled with
+poison (NaN, Inf, the dtype's max, or seeded random bits); the waves allocate fresh
+blocks: new requests, decodes that grow across block boundaries, and a cache sized so
+that blocks freed by one wave are reused by the next. The same waves run first with the
+free blocks zeroed (the reference). Any NaN/Inf logprob, NaN written into the cache, or
+token that differs from the reference fails, naming the request and position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvdiag.checks import greedy, kv_tensors
+from kvdiag.checks.common import device_info, engine_spec
+from kvdiag.engines.base import create_engine
+from kvdiag.errors import EngineUnsupported
+
+
+
+@dataclass
+class PoisonParams:
+    value: str = "nan"
+    seed: int = 0
+    logprob_tol: float = greedy.LOGPROB_TOL
+
+    @classmethod
+    def from_case(cls, case) -> "PoisonParams":
+        return cls(**{k: case.params[k] for k in asdict(cls()) if case.params.get(k) is not None})
+
+
+@dataclass
+class Wave:
+    prompts: list[str]
+    max_tokens: int
+
+
+def workload(prompts: list[str], block_size: int) -> list[Wave]:
+    """Three waves: long decodes (two block boundaries crossed), short ones on the freed blocks,
+    then everything at once."""
+    return [Wave(prompts[0::2], 2 * block_size + 3), Wave(prompts[1::2], block_size // 2 + 1),
+            Wave(list(prompts), block_size + 1)]
+
+
+def blocks_needed(waves: list[Wave], block_size: int) -> int:
+    """Blocks the largest wave holds at once (tokens estimated as UTF-8 bytes + 2, an upper bound
+    for byte and BPE tokenizers): a cache of this size makes later waves reuse freed blocks."""
+    return max(sum(-(-(len(p.encode()) + 2 + w.max_tokens) // block_size) for p in w.prompts) for w in waves)
+
+
+def run(case, ctx):
+    """Case function (runner target ``kvdiag.checks.poison:run``)."""
+    p = PoisonParams.from_case(case)
+    spec = engine_spec(case)
+    prompts = greedy.prompt_texts(case.model)
+    waves = workload(prompts, spec.block_size)
+    if case.params.get("num_blocks") is None and case.params.get("kv_cache_memory") is None:
+        spec.num_blocks = blocks_needed(waves, spec.block_size)
+    engine = create_engine(case.engine)
+    try:
+        engine.start(spec)
+    except EngineUnsupported as e:
+        return greedy.skipped(case, str(e))
+    try:
+        caps = engine.capabilities
+        if not caps.kv_access or engine.kv_blocks() is None:
+            return greedy.skipped(case, caps.kv_access_reason or "the engine gives no access to its KV blocks")
+        ref, _ = run_waves(engine, waves, "zero", p.seed)
+        out, stats = run_waves(engine, waves, p.value, p.seed)
+        prompts = [q for w in waves for q in w.prompts]
+        return _verdict(case, p, prompts, ref, out, dict(stats, num_blocks=engine.kv_blocks().num_blocks), engine)
+    finally:
+        engine.shutdown()
+
+
+def run_waves(engine, waves: list[Wave], value: str, seed: int):
+    """Run the waves, filling the free blocks with ``value`` before each. Returns the completions
+    (all waves, in order) and what happened to the cache."""
+    import torch
+
+    outs, stats = [], {"poisoned_blocks": 0, "fresh_blocks": 0, "kv_slots_scanned": 0, "kv_nonfinite": 0,
+                       "kv_bad_scales": 0, "kv_first_bad": None}
+    for n, wave in enumerate(waves):
+        view = engine.kv_blocks()
+        free = view.free_blocks()
+        kv_tensors.fill_blocks(view, free, value, seed + n)
+        marks = kv_tensors.slot_fingerprint(view)
+        outs += engine.generate(wave.prompts, wave.max_tokens, greedy=True)
+        view = engine.kv_blocks()
+        changed = kv_tensors.slot_fingerprint(view) != marks
+        per_block = changed.view(view.num_blocks, view.block_size).any(1)
+        stats["poisoned_blocks"] += len(free)
+        stats["fresh_blocks"] += int(per_block[torch.as_tensor(free, dtype=torch.long)].sum()) if free else 0
+        scan = kv_tensors.scan_slots(view, changed.nonzero().flatten())
+        stats["kv_slots_scanned"] += scan.slots
+        stats["kv_nonfinite"] += scan.nonfinite
+        stats["kv_bad_scales"] += scan.bad_scales
+        stats["kv_first_bad"] = stats["kv_first_bad"] or (dict(scan.first, wave=n) if scan.first else None)
+    return outs, stats
+
+
+def _verdict(case, p: PoisonParams, prompts, ref, out, stats: dict, engine):
+    diff = greedy.compare(ref, out)
+    rec = case.result("pass", metrics={"value": p.value, **stats, **diff.metrics()},
+                      environment={**device_info(), **engine.versions()})
+    if not diff.identical:
+        rec.add("error", "divergence", f"poison {p.value}: " + greedy.describe(diff, prompts, engine.decode),
+                **(diff.first or {}))
+    elif diff.exceeds(p.logprob_tol):
+        rec.add("error", "logprob_drift", f"poison {p.value}: tokens identical but max |Δ logprob| "
+                                          f"{diff.max_dlogprob:.3g} > {p.logprob_tol:g}")
+    if diff.nonfinite:
+        f = diff.first_nonfinite
+        rec.add("error", "nan_output", f"poison {p.value}: {diff.nonfinite} non-finite logprobs; first at request "
+                                       f"{f['request']} position {f['position']} ({f['logprob']})", **f)
+    if stats["kv_nonfinite"] or stats["kv_bad_scales"]:
+        rec.add("error", "nan_kv", f"poison {p.value}: {stats['kv_nonfinite']} written KV slots hold NaN/Inf, "
+                                   f"{stats['kv_bad_scales']} bad scales; first at {stats['kv_first_bad']}")
+    if stats["fresh_blocks"] == 0:
+        rec.add("warning", "no_fresh_blocks", "the workload wrote no poisoned block: nothing was tested")
+    rec.status = "fail" if any(f.severity == "error" for f in rec.findings) else "pass"
+    return rec
