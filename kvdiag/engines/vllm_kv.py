@@ -1,0 +1,140 @@
+"""vLLM's KV cache tensors and block pool, reached in-process, as kvdiag's :class:`KVBlockView`.
+
+Path (vLLM V1, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker):
+``LLM.llm_engine.engine_core`` (InprocClient) ``.engine_core`` (EngineCore) holds the
+``scheduler`` (its ``kv_cache_manager.block_pool`` knows which blocks are free) and the
+``model_executor.driver_worker.worker.model_runner`` whose attention layers hold their
+cache tensors (``layer.kv_cache``, indexed by the scheduler's block ids).
+
+Each attention backend packs K and V its own way in a page of logical shape
+``[num_blocks, num_kv_heads, block_size, content]``; the views below give kvdiag's layout
+``[num_blocks, block_size, num_kv_heads, head_size]`` without copying. A backend or
+vLLM version this module does not know raises :class:`KVAccessError` with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvdiag.engines.base import KVBlockView, KVLayer
+from kvdiag.engines.vllm_cpu_layout import KVAccessError, learn
+
+# content = [K(hs) | V(hs)] per (block, head, slot): split at head_size on the last axis
+SPLIT_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION", "ROCM_AITER_FA",
+                  "ROCM_AITER_UNIFIED_ATTN")
+# CPU_ATTN: an ISA-specific layout inside each block, learned by vllm_cpu_layout
+LEARNED_BACKENDS = ("CPU_ATTN",)
+_LEARNED: dict = {}  # (isa, kv dtype, page shape, dtypes) -> (K, V) Affine layouts
+
+
+def engine_core(llm):
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    if core is None:
+        raise KVAccessError("the vLLM engine core is not in this process (set VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    return core
+
+
+def model_runner(llm):
+    worker = getattr(getattr(engine_core(llm).model_executor, "driver_worker", None), "worker", None)
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        executor = type(engine_core(llm).model_executor).__name__
+        raise KVAccessError(f"the model runner is not in this process (executor {executor}: tensor/pipeline "
+                            "parallel workers run in their own processes)")
+    return runner
+
+
+def attention_layers(llm) -> list:
+    """The attention modules that own a KV cache, in layer order."""
+    runner = model_runner(llm)
+    ctx = runner.vllm_config.compilation_config.static_forward_context
+    layers = [(name, m) for name, m in ctx.items()
+              if hasattr(m, "kv_cache") and hasattr(m, "impl") and getattr(m, "kv_sharing_target_layer_name", None)
+              is None]
+    if not layers:
+        raise KVAccessError("no attention layer with a KV cache found in the forward context")
+    return [m for _, m in sorted(layers, key=lambda nm: [int(x) for x in re.findall(r"\d+", nm[0])])]
+
+
+def block_pool(llm):
+    return engine_core(llm).scheduler.kv_cache_manager.block_pool
+
+
+def free_blocks(pool) -> list[int]:
+    """Blocks no request holds and no cached prefix may hand out again (their contents are dead)."""
+    return [b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is None]
+
+
+def used_blocks(pool) -> list[int]:
+    return [b.block_id for b in pool.blocks if b.ref_cnt > 0 and not b.is_null]
+
+
+def _cache_tensor(layer):
+    kv = layer.kv_cache
+    return kv[0] if isinstance(kv, (list, tuple)) else kv
+
+
+def _storage_dtype(kv_cache_dtype: str, raw):
+    """The dtype K/V codes are stored in (vLLM keeps fp8 caches as uint8)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if "fp8" in kv_cache_dtype and raw.dtype == torch.uint8:  # e4m3fn, or e4m3fnuz on ROCm MI300
+        return torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else current_platform.fp8_dtype()
+    return raw.dtype
+
+
+def layer_view(layer, num_blocks: int, model_dtype) -> KVLayer:
+    """One attention layer's cache as K/V views (and per-token-head scales where the backend has them)."""
+    backend = layer.attn_backend.get_name()
+    raw = _cache_tensor(layer)
+    if raw.dim() != 4 or raw.shape[0] != num_blocks:
+        raise KVAccessError(f"{backend}: cache shape {tuple(raw.shape)} is not [num_blocks={num_blocks}, heads, "
+                            "block_size, content] (kernel blocks differ from the scheduler's blocks)")
+    nb, heads, bs, content = raw.shape
+    hs = layer.head_size
+    kv_dtype = getattr(layer, "kv_cache_dtype", "auto")
+    storage = _storage_dtype(kv_dtype, raw)
+    if backend in LEARNED_BACKENDS:
+        key = (getattr(layer, "isa", None), kv_dtype, tuple(raw.shape[1:]), raw.dtype, model_dtype, hs)
+        if key not in _LEARNED:  # the same for every layer and every call: learn it once
+            _LEARNED[key] = learn(layer, raw, model_dtype, storage, hs)
+        k, v = _LEARNED[key]
+        return KVLayer(k.view(raw, storage, nb, bs, heads, hs), v.view(raw, storage, nb, bs, heads, hs))
+    raw = raw.view(storage)
+    if backend not in SPLIT_BACKENDS:
+        raise KVAccessError(f"kvdiag does not know how attention backend {backend} lays out its KV cache")
+    half = content // 2  # head_size, or head_size + the inline scale's padding (per-token-head)
+    k, v = raw.transpose(1, 2)[..., :hs], raw.transpose(1, 2)[..., half:half + hs]
+    impl = layer.impl
+    if half != hs and hasattr(impl, "_ensure_scale_caches"):
+        impl._ensure_scale_caches(_cache_tensor(layer))
+        return KVLayer(k, v, impl._k_scale_cache, impl._v_scale_cache)
+    if half != hs:
+        raise KVAccessError(f"{backend}: content {content} != 2 x head_size {hs} and no scale caches known")
+    return KVLayer(k, v)
+
+
+def block_view(llm) -> KVBlockView:
+    """The whole cache in kvdiag's layout; free/used block lists read the block pool when called."""
+    pool = block_pool(llm)
+    layers = attention_layers(llm)
+    spec_block_size = engine_core(llm).scheduler.block_size
+    model_dtype = model_runner(llm).vllm_config.model_config.dtype
+    views = [layer_view(layer, pool.num_gpu_blocks, model_dtype) for layer in layers]
+    if views[0].k.shape[1] != spec_block_size:
+        raise KVAccessError(f"cache pages hold {views[0].k.shape[1]} slots but the scheduler's blocks "
+                            f"{spec_block_size} tokens")
+    return KVBlockView(spec_block_size, pool.num_gpu_blocks, views, lambda: free_blocks(pool),
+                       lambda: used_blocks(pool))
+
+
+def probe(llm) -> str | None:
+    """None when :func:`block_view` works for this engine, else the reason it does not."""
+    try:
+        block_view(llm)
+    except KVAccessError as e:
+        return str(e)
+    except (AttributeError, TypeError, RuntimeError) as e:  # a vLLM version whose internals differ
+        return f"vLLM internals not as kvdiag expects ({type(e).__name__}: {e})"
+    return None
