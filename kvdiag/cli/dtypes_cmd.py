@@ -3,18 +3,50 @@
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import typer
 
-from kvdiag.cli.options import EngineOpt, Format, FormatOpt, KVDtypeOpt
+from kvdiag.cli.accuracy_cmd import MaxKLOpt, MinTop1Opt
+from kvdiag.cli.options import (DeviceOpt, EngineArgOpt, EngineOpt, FaultOpt, Format, FormatOpt, Isolate, IsolateOpt,
+                                JobsOpt, KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt, TimeoutOpt)
+
+CheckOpt = Annotated[bool, typer.Option(
+    "--check", help="Run the support matrix: for each dtype, does the engine start, is a short greedy generation "
+    "finite, is an explicit unquantized dtype bit-identical to auto, is drift within bounds. "
+    "Rows: pass, unsupported, crashed, wrong; exit code 1 on crashed or wrong.")]
 
 
 def dtypes(
     engine: EngineOpt = "builtin",
     kv_dtype: KVDtypeOpt = None,
     fmt: FormatOpt = Format.table,
+    check: CheckOpt = False,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    engine_arg: EngineArgOpt = None,
+    max_kl: MaxKLOpt = None,
+    min_top1: MinTop1Opt = None,
+    isolate: IsolateOpt = Isolate.case,
+    jobs: JobsOpt = 1,
+    output_dir: OutputDirOpt = None,
+    timeout: TimeoutOpt = 300.0,
+    resume: ResumeOpt = None,
+    quiet: QuietOpt = False,
+    fault: FaultOpt = None,
 ) -> None:
-    """List the kv-cache dtypes an engine supports: storage, scale rule, bytes per element."""
+    """List the kv-cache dtypes an engine supports: storage, scale rule, bytes per element.
+
+    With --check, start the engine with every dtype (every name the engine lists, or the
+    --kv-dtype ones) against 'auto' and print the support matrix.
+    """
+    if check:
+        raise typer.Exit(_check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs,
+                                output_dir, timeout, resume, quiet, fault))
+    _list(engine, kv_dtype, fmt)
+
+
+def _list(engine, kv_dtype, fmt) -> None:
     from kvdiag import dtypes as registry
     from kvdiag.cli.common import resolve_kv_dtypes
     from kvdiag.engines.base import engine_dtypes, resolve_engine
@@ -41,3 +73,42 @@ def dtypes(
         t.add_row(r["name"], r["storage"], r["quant"], str(r["bytes_per_element"] or "model"), r["scale_rule"],
                   aliases.strip())
     console().print(t)
+
+
+def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs, output_dir, timeout,
+           resume, quiet, fault) -> int:
+    from kvdiag.checks.dtypes_matrix import analyze
+    from kvdiag.cli.accuracy_cmd import build_cases, resolve_sweep, worker_env
+    from kvdiag.cli.common import execute, make_run_dir
+
+    sweep = resolve_sweep(engine, model, kv_dtype, "auto", engine_arg, device, fault, all_names=True)
+    cases = build_cases("dtypes", "kvdiag.checks.dtypes_matrix:run_case", sweep, {}, isolate)
+    run_dir = make_run_dir(output_dir, "dtypes", resume)
+    return execute("dtypes --check", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
+                   quiet=quiet, jobs=jobs, env=worker_env(jobs), render=_render,
+                   analyze=lambda run: analyze(run, max_kl=max_kl, min_top1=min_top1))
+
+
+STYLE = {"pass": "green", "unsupported": "yellow", "crashed": "bold red", "wrong": "bold red"}
+
+
+def _render(run, con) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvdiag.report.table import fmt_value
+
+    a = run.analysis.get("dtypes", {})
+    t = Table(title=f"kv dtype support matrix of engine '{run.cases[0].engine if run.cases else '?'}' "
+              f"(drift vs '{a.get('baseline')}')", title_justify="left")
+    for col in ("kv dtype", "result", "starts", "finite", "== auto", "KL mean", "top-1", "detail"):
+        t.add_column(col, overflow="fold", max_width=70 if col == "detail" else None)
+    for r in a.get("rows", []):
+        t.add_row(r["kv_dtype"], f"[{STYLE.get(r['result'], '')}]{r['result']}[/]", _yn(r["started"]),
+                  _yn(r["finite"]), _yn(r["identical_to_auto"]), fmt_value(r["mean_kl"]),
+                  fmt_value(r["top1_agreement"]), escape(r["detail"] or ""))
+    con.print(t)
+
+
+def _yn(v) -> str:
+    return "-" if v is None else ("yes" if v else "no")

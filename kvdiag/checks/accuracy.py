@@ -1,0 +1,160 @@
+"""The accuracy check: lm_eval + token-level drift per kv dtype, judged against a baseline dtype.
+
+Worker side (``run_case``, one call per dtype): start the engine, save the drift probe
+(``checks/drift.py``) and lm_eval's per-document results as artifacts. Parent side
+(``analyze``): pair every dtype's documents with the baseline's, run the paired test,
+measure drift, and give each dtype a verdict (``verdicts.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from kvdiag.checks import drift
+from kvdiag.errors import EngineUnsupported
+
+SAMPLES = ".samples.json"
+DRIFT = ".drift.pt"
+_SHARED: dict = {}  # --isolate run: the engine object the cases of one worker share
+_STARTED: list = []  # non-empty once this worker ran its first case
+
+
+# ------------------------------------------------------------------ worker side
+
+
+def run_case(case, ctx):
+    """One dtype: drift probe, then the lm_eval tasks."""
+    from kvdiag.checks.prompts import prompt_set
+    from kvdiag.lm_eval_adapter import EngineLM, run_tasks
+
+    p, times = case.params, {"startup": _startup_once()}
+    t = time.perf_counter()
+    try:
+        engine = acquire_engine(case)
+    except EngineUnsupported as e:
+        rec = case.result("skipped")
+        rec.add("info", "unsupported", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return rec
+    times["engine_start"] = _lap(t)
+    t = time.perf_counter()
+    probe = drift.collect(engine, prompt_set(case.model, p.get("prompts", "auto")))
+    drift.save(probe, ctx.artifact(case, DRIFT))
+    times["drift"] = _lap(t)
+    t = time.perf_counter()
+    lm = EngineLM(engine, max_length=_max_len(engine, p), seed=p.get("seed", 0))
+    out = run_tasks(lm, p["tasks"], include_paths=tuple(p.get("include_paths") or ()),
+                    include_defaults=bool(p.get("include_defaults")), limit=p.get("limit"),
+                    num_fewshot=p.get("num_fewshot"), seed=p.get("seed", 0))
+    ctx.artifact(case, SAMPLES).write_text(json.dumps(out["samples"]))
+    times["lm_eval"], times["lm_eval_in_engine"] = _lap(t), round(lm.engine_seconds, 3)
+    metrics = {"scores": out["scores"], "model_dtype": model_dtype(engine, case), "finite": drift.finite(probe),
+               "drift_over": probe["over"], "timings": times,
+               "artifacts": {"samples": ctx.artifact(case, SAMPLES).name, "drift": ctx.artifact(case, DRIFT).name}}
+    release_engine(case, engine)
+    return case.result("pass", metrics=metrics)
+
+
+def acquire_engine(case):
+    """Start the case's engine; in a shared worker (--isolate run) re-use the one already loaded."""
+    from kvdiag.checks.common import engine_spec, start_engine
+
+    held = _SHARED.get(case.group) if case.group else None
+    if held is not None and hasattr(held, "set_kv_dtype"):
+        held.start(engine_spec(case))  # same weights: only the KV cache is re-created
+        return held
+    if held is not None:
+        held.shutdown()
+    engine = start_engine(case)
+    if case.group:
+        _SHARED[case.group] = engine
+    return engine
+
+
+def release_engine(case, engine) -> None:
+    if not case.group:
+        engine.shutdown()
+
+
+def model_dtype(engine, case) -> str | None:
+    """The dtype the weights run in (what ``auto`` stores the KV cache in)."""
+    d = getattr(engine, "dtype", None)
+    if d is not None and not callable(d):
+        return str(d).removeprefix("torch.")
+    try:
+        cfg = json.loads((Path(case.model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg.get("dtype") or cfg.get("torch_dtype")
+
+
+def _max_len(engine, params) -> int:
+    return int(getattr(engine, "max_model_len", 0) or params.get("max_model_len") or 2048)
+
+
+def _startup_once() -> float:
+    """Seconds from the worker's spawn to its first case (imports included); 0 for later cases."""
+    import os
+
+    import psutil
+
+    if _STARTED:
+        return 0.0
+    _STARTED.append(True)
+    return round(time.time() - psutil.Process(os.getpid()).create_time(), 3)
+
+
+def _lap(t0: float) -> float:
+    return round(time.perf_counter() - t0, 3)
+
+
+# ------------------------------------------------------------------ parent side
+
+
+def artifact_path(run, rec, kind: str) -> Path:
+    return Path(run.run_dir) / "artifacts" / rec.metrics["artifacts"][kind]
+
+
+def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float | None = None,
+            min_top1: float | None = None) -> None:
+    """Compare every dtype's case with the baseline case; set verdicts, statuses, findings, run.analysis."""
+    from kvdiag.checks import verdicts
+    from kvdiag.results import append_jsonl
+
+    for rec in run.cases:
+        verdicts.reset(rec)
+    base = next((c for c in run.cases if c.kv_dtype == baseline and c.params.get("role") == "baseline"), None)
+    rows, changed = [], []
+    base_ok = base is not None and base.status == "pass"
+    base_samples = json.loads(artifact_path(run, base, "samples").read_text()) if base_ok else {}
+    base_probe = drift.load(artifact_path(run, base, "drift")) if base_ok else None
+    for rec in run.cases:
+        if rec is base:
+            rows += verdicts.baseline_rows(rec)
+        elif rec.status != "pass":
+            rows += verdicts.failed_rows(rec)
+        elif not base_ok:
+            rec.status = "error"
+            rec.add("error", "no_baseline", f"baseline dtype '{baseline}' did not finish; nothing to compare with")
+            rows += verdicts.failed_rows(rec)
+            changed.append(rec)
+        else:
+            samples = json.loads(artifact_path(run, rec, "samples").read_text())
+            d = drift.compare(base_probe, drift.load(artifact_path(run, rec, "drift")))
+            lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"), max_kl=max_kl, min_top1=min_top1)
+            rows += verdicts.judge_case(rec, base, base_samples, samples, d, lim, max_drop=max_drop, alpha=alpha)
+            changed.append(rec)
+    for rec in changed:
+        append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
+    run.analysis["accuracy"] = {"baseline": baseline, "max_drop": max_drop, "alpha": alpha, "rows": rows,
+                                "timings": total_timings(run.cases)}
+
+
+def total_timings(cases) -> dict:
+    """Seconds summed over the cases, per phase (startup = spawn + imports)."""
+    out: dict = {}
+    for c in cases:
+        for k, v in (c.metrics.get("timings") or {}).items():
+            out[k] = round(out.get(k, 0.0) + v, 3)
+    return out

@@ -1,0 +1,235 @@
+"""Token-level drift of a kv dtype against a baseline, over the fixed prompt set.
+
+Worker side: ``collect`` scores the prompts teacher-forced (the whole next-token
+distribution when the engine gives it, else its top-k) and generates greedily;
+``save``/``load`` put that in a case artifact. Parent side: ``compare`` measures a
+case against the baseline case and ``judge`` holds it to its dtype family's limits.
+
+Metrics: mean/max KL(baseline || dtype) per position, top-1 agreement, max |Δ logprob|
+of the teacher-forced token, first (prompt, position) where greedy generations differ.
+Top-1 agreement counts a position as agreeing when the dtype's top token is one the
+baseline ranks within ``TIE_NATS`` of its own top: a flip between near-tied tokens is
+what any rounding does on a flat distribution, not a change of the model's answer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+TOP_K = 64  # top-k kept when the engine gives no full distribution (or it would be too big to store)
+MAX_FULL_BYTES = 256 << 20  # full distributions above this are reduced to top-k before saving
+GREEDY_TOKENS = 16
+TIE_NATS = 0.1  # baseline logprobs this close to its top count as tied for top-1 agreement
+
+
+# ------------------------------------------------------------------ worker side
+
+
+def collect(engine, prompts, *, greedy_tokens: int = GREEDY_TOKENS) -> dict:
+    """Teacher-forced scores and greedy tokens of ``prompts`` (kvdiag.checks.prompts.Prompt)."""
+    import torch
+
+    full = bool(engine.capabilities.full_logits)
+    top_k = -1 if full else min(TOP_K, engine.capabilities.max_logprobs or TOP_K)
+    scored = engine.score([p.context for p in prompts], [p.continuation for p in prompts], top_k=top_k)
+    out = {"over": "full" if full else "top-k", "chosen": [list(map(float, s.logprobs)) for s in scored]}
+    if full:
+        dists = [torch.as_tensor(s.distributions).float().cpu() for s in scored]
+        if sum(d.numel() for d in dists) * 4 > MAX_FULL_BYTES:
+            out["over"], out["top"] = "top-k", [_topk_dicts(d, TOP_K) for d in dists]
+        else:
+            out["dists"] = dists
+    else:
+        out["top"] = [[{int(t): float(v) for t, v in pos.items()} for pos in s.top_logprobs] for s in scored]
+    gens = engine.generate([p.generate for p in prompts], greedy_tokens, greedy=True)
+    out["greedy"] = [list(map(int, g.token_ids)) for g in gens]
+    out["greedy_logprobs"] = [list(map(float, g.logprobs)) for g in gens]
+    return out
+
+
+def _topk_dicts(dist, k: int) -> list[dict[int, float]]:
+    vals, idx = dist.topk(min(k, dist.shape[-1]), dim=-1)
+    return [dict(zip(i.tolist(), v.tolist())) for i, v in zip(idx, vals)]
+
+
+def finite(data: dict) -> bool:
+    """No NaN/inf in what the engine returned for the prompts (logprobs may be -inf only in distributions)."""
+    vals = [v for row in data["chosen"] + data["greedy_logprobs"] for v in row]
+    return all(math.isfinite(v) for v in vals) and not any(
+        bool(d.isnan().any()) for d in data.get("dists", []))
+
+
+def save(data: dict, path) -> None:
+    import torch
+
+    torch.save(data, path)
+
+
+def load(path) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=True)
+
+
+# ------------------------------------------------------------------ parent side
+
+
+def compare(base: dict, test: dict) -> dict:
+    """Drift of ``test`` against ``base`` (both from ``collect`` over the same prompts)."""
+    over = "full" if base["over"] == test["over"] == "full" else "top-k"
+    kls, agree = [], []
+    for i in range(len(base["chosen"])):
+        k, a = (_full_pos(base["dists"][i], test["dists"][i]) if over == "full"
+                else _topk_pos(_tops(base, i), _tops(test, i)))
+        kls += k
+        agree += a
+    dlp = [abs(x - y) for bx, tx in zip(base["chosen"], test["chosen"]) for x, y in zip(bx, tx)]
+    first = first_divergence(base["greedy"], test["greedy"])
+    identical = (dlp and max(dlp) == 0 and first is None and _same_dists(base, test, over))
+    return {
+        "drift_over": over,
+        "positions": len(kls),
+        "mean_kl": _nan_mean(kls),
+        "max_kl": _nan_max(kls),
+        "top1_agreement": sum(agree) / len(agree) if agree else float("nan"),
+        "max_abs_dlogprob": _nan_max(dlp),
+        "first_divergence": first,
+        "identical": bool(identical),
+    }
+
+
+def _tops(data: dict, i: int) -> list[dict[int, float]]:
+    return data["top"][i] if "top" in data else _topk_dicts(data["dists"][i], TOP_K)
+
+
+def _full_pos(p_log, q_log) -> tuple[list[float], list[bool]]:
+    import torch
+
+    p_log, q_log = p_log.double(), q_log.double()
+    terms = torch.where(p_log > -math.inf, p_log.exp() * (p_log - q_log), torch.zeros_like(p_log))
+    kl = terms.sum(-1).clamp_min(0.0)
+    picked = p_log.gather(-1, q_log.argmax(-1, keepdim=True)).squeeze(-1)
+    return kl.tolist(), (picked >= p_log.max(-1).values - TIE_NATS).tolist()
+
+
+def _topk_pos(base_rows, test_rows) -> tuple[list[float], list[bool]]:
+    """KL over the baseline's top-k plus one tail bucket; a token missing from the test's top-k
+    gets the test's smallest listed logprob (an upper bound on its probability)."""
+    kls, agree = [], []
+    for b, t in zip(base_rows, test_rows):
+        floor = min(t.values()) if t else -math.inf
+        kl = sum(math.exp(lp) * (lp - t.get(tok, floor)) for tok, lp in b.items())
+        p_tail = max(0.0, 1.0 - sum(math.exp(v) for v in b.values()))
+        q_tail = max(1e-12, 1.0 - sum(math.exp(t.get(tok, floor)) for tok in b))
+        if p_tail > 0:
+            kl += p_tail * math.log(p_tail / q_tail)
+        kls.append(max(kl, 0.0) if kl == kl else kl)
+        top = max(b.values()) if b else -math.inf
+        agree.append(bool(t) and b.get(max(t, key=t.get), -math.inf) >= top - TIE_NATS)
+    return kls, agree
+
+
+def _same_dists(base: dict, test: dict, over: str) -> bool:
+    if over == "full":
+        import torch
+
+        return all(torch.equal(x, y) for x, y in zip(base["dists"], test["dists"]))
+    return all(_tops(base, i) == _tops(test, i) for i in range(len(base["chosen"])))
+
+
+def first_divergence(base: list[list[int]], test: list[list[int]]) -> dict | None:
+    """The first prompt (in order) whose greedy tokens differ, and the first differing position."""
+    for i, (a, b) in enumerate(zip(base, test)):
+        for j in range(max(len(a), len(b))):
+            if j >= len(a) or j >= len(b) or a[j] != b[j]:
+                return {"prompt": i, "position": j}
+    return None
+
+
+def _nan_mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _nan_max(xs) -> float:
+    if any(x != x for x in xs):
+        return float("nan")
+    return max(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------------ limits
+
+
+@dataclass(frozen=True)
+class Limits:
+    family: str
+    mean_kl: float
+    max_kl: float
+    min_top1: float
+    max_abs_dlogprob: float
+    identical: bool = False  # bit-identical required (mean/max KL 0, same greedy tokens)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# Calibrated on the clean builtin engine with the shipped model (recall prompts). Worst values seen
+# (mean KL, max KL, top-1, max |Δ logprob|): fp8 0.0027/0.13/0.986/1.1, fp8_e5m2 0.009/0.82/0.958/0.78,
+# int8_per_token_head 1.0e-4/0.0042/0.997/0.11, fp8_per_token_head 0.0020/0.059/0.994/0.44; float16 on the
+# bf16 model is bit-identical. KL limits leave >= 5x headroom, |Δ logprob| >= 3x.
+FAMILY_LIMITS = {
+    "identical": Limits("identical", 0.0, 0.0, 1.0, 0.0, identical=True),
+    "unquantized": Limits("unquantized", 2e-3, 0.1, 0.95, 1.0),
+    "fp8_e4m3": Limits("fp8_e4m3", 0.02, 1.0, 0.9, 4.0),
+    "fp8_e5m2": Limits("fp8_e5m2", 0.06, 4.0, 0.8, 5.0),
+    "int8_per_token_head": Limits("int8_per_token_head", 2e-3, 0.1, 0.95, 1.0),
+    "fp8_per_token_head": Limits("fp8_per_token_head", 0.02, 1.0, 0.9, 4.0),
+    "quantized": Limits("quantized", 0.06, 4.0, 0.8, 5.0),
+}
+
+
+def family(kv_dtype: str, model_dtype: str | None) -> str:
+    """Which limits apply: ``identical`` for auto and for an unquantized dtype equal to the model's."""
+    from kvdiag import dtypes
+
+    d = dtypes.get(kv_dtype)
+    if kv_dtype == "auto" or (d is not None and not d.quantized and d.storage == model_dtype):
+        return "identical"
+    if d is not None and not d.quantized:
+        return "unquantized"
+    if d is not None:
+        name = d.same_as or d.name
+        return {"fp8": "fp8_e4m3"}.get(name, name) if name in ("fp8", "fp8_e5m2", "int8_per_token_head",
+                                                                "fp8_per_token_head") else "quantized"
+    return "unquantized" if kv_dtype in ("float32", "half", "float", "bf16", "fp16") else "quantized"
+
+
+def limits_for(kv_dtype: str, model_dtype: str | None, *, max_kl: float | None = None,
+               min_top1: float | None = None) -> Limits:
+    lim = FAMILY_LIMITS[family(kv_dtype, model_dtype)]
+    if lim.identical:
+        return lim
+    if max_kl is not None:
+        lim = replace(lim, mean_kl=max_kl, max_kl=max(lim.max_kl, max_kl * 25))
+    if min_top1 is not None:
+        lim = replace(lim, min_top1=min_top1)
+    return lim
+
+
+def judge(metrics: dict, lim: Limits) -> list[str]:
+    """What is out of bounds, one line each (empty when within the limits)."""
+    if lim.identical:
+        if metrics["identical"]:
+            return []
+        where = metrics["first_divergence"]
+        return [f"not bit-identical to the baseline (mean KL {metrics['mean_kl']:.3g}, max |Δ logprob| "
+                f"{metrics['max_abs_dlogprob']:.3g}" + (f", greedy tokens differ at prompt {where['prompt']} "
+                                                        f"position {where['position']}" if where else "") + ")"]
+    bad = []
+    for key, limit, worse in (("mean_kl", lim.mean_kl, lambda v, t: v > t), ("max_kl", lim.max_kl, lambda v, t: v > t),
+                              ("top1_agreement", lim.min_top1, lambda v, t: v < t),
+                              ("max_abs_dlogprob", lim.max_abs_dlogprob, lambda v, t: v > t)):
+        v = metrics[key]
+        if v != v or worse(v, limit):
+            bad.append(f"{key} {v:.4g} beyond the {lim.family} limit {limit:g}")
+    return bad

@@ -1,0 +1,101 @@
+"""`kvdiag dtypes --check`: the support matrix of an engine's kv dtypes.
+
+For every dtype string the engine knows: does the engine start with it, does a short
+greedy generation come back finite, is an explicit unquantized dtype equal to the
+model's dtype bit-identical to ``auto``, is the drift against ``auto`` within the
+dtype family's limits. Rows: ``pass``, ``unsupported`` (the engine's own words),
+``crashed``, ``wrong``. Each dtype runs in its own worker, so one bad dtype never
+stops the matrix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvdiag.checks import drift
+from kvdiag.checks.accuracy import DRIFT, acquire_engine, model_dtype, release_engine
+from kvdiag.errors import EngineUnsupported
+
+UNSUPPORTED = (EngineUnsupported, NotImplementedError, ValueError)
+
+
+def run_case(case, ctx):
+    """Start the engine with one dtype and probe it (the drift prompts, teacher-forced and greedy)."""
+    from kvdiag.checks.prompts import prompt_set
+
+    try:
+        engine = acquire_engine(case)
+    except UNSUPPORTED as e:
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        rec = case.result("skipped", metrics={"row": "unsupported", "reason": msg})
+        rec.add("info", "unsupported", msg, exception=type(e).__name__)
+        return rec
+    try:
+        probe = drift.collect(engine, prompt_set(case.model, case.params.get("prompts", "auto")))
+    except Exception as e:  # noqa: BLE001 - it started, then failed: a crash of this dtype, not of kvdiag
+        import traceback
+
+        rec = case.result("error", metrics={"started": True}, log_tail=traceback.format_exc()[-4000:])
+        rec.add("error", "crashed", f"{type(e).__name__}: {e}".splitlines()[0][:500])
+        return rec
+    path = ctx.artifact(case, DRIFT)
+    drift.save(probe, path)
+    rec = case.result("pass", metrics={"started": True, "model_dtype": model_dtype(engine, case),
+                                       "finite": drift.finite(probe), "drift_over": probe["over"],
+                                       "artifacts": {"drift": path.name}})
+    release_engine(case, engine)
+    return rec
+
+
+def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) -> None:
+    from kvdiag.results import append_jsonl
+
+    from kvdiag.checks.verdicts import reset
+
+    folder = Path(run.run_dir) / "artifacts"
+    for rec in run.cases:
+        reset(rec)
+    base = next((c for c in run.cases if c.params.get("role") == "baseline"), None)
+    usable = base is not None and base.status == "pass" and base.metrics.get("finite")
+    base_probe = _probe(folder, base) if usable else None
+    rows = []
+    for rec in run.cases:
+        row = _row(rec, base, base_probe, folder, max_kl, min_top1)
+        rows.append(row)
+        rec.metrics["row"] = row["result"]
+        if row["result"] == "wrong":
+            rec.status = "fail"
+            rec.add("error", "wrong", row["detail"])
+        if rec.status in ("pass", "fail"):
+            append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
+    run.analysis["dtypes"] = {"baseline": base.kv_dtype if base else None, "rows": rows}
+
+
+def _row(rec, base, base_probe, folder: Path, max_kl, min_top1) -> dict:
+    row = {"kv_dtype": rec.kv_dtype, "result": "pass", "started": bool(rec.metrics.get("started", rec.status == "pass")),
+           "finite": rec.metrics.get("finite"), "identical_to_auto": None, "mean_kl": None, "top1_agreement": None,
+           "detail": ""}
+    first = rec.findings[0].message if rec.findings else ""
+    if rec.status == "skipped":
+        return {**row, "result": "unsupported", "detail": rec.metrics.get("reason", first)}
+    if rec.status != "pass":
+        return {**row, "result": "crashed", "detail": first or rec.status}
+    if not rec.metrics.get("finite"):
+        return {**row, "result": "wrong", "detail": "non-finite logprobs from a short greedy generation"}
+    if rec is base:
+        return {**row, "identical_to_auto": True, "mean_kl": 0.0, "top1_agreement": 1.0}
+    if base_probe is None:
+        return {**row, "detail": "no usable baseline 'auto' to compare with"}
+    d = drift.compare(base_probe, _probe(folder, rec))
+    lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"), max_kl=max_kl, min_top1=min_top1)
+    rec.metrics.update(drift=d, drift_limits=lim.to_json())
+    row.update(identical_to_auto=d["identical"] if lim.family in ("identical", "unquantized") else None,
+               mean_kl=d["mean_kl"], top1_agreement=d["top1_agreement"])
+    problems = drift.judge(d, lim)
+    if problems:
+        return {**row, "result": "wrong", "detail": "; ".join(problems)}
+    return row
+
+
+def _probe(folder: Path, rec) -> dict:
+    return drift.load(folder / rec.metrics["artifacts"]["drift"])

@@ -1,0 +1,122 @@
+"""Verdicts of the accuracy check: one row per dtype x task metric, and the case status they give.
+
+A metric is ``ok``, ``regression`` (the drop exceeds ``max_drop`` and the paired test is
+significant at ``alpha``) or ``collapse`` (NaN, non-finite outputs, or below half of
+the baseline while dropping more than ``max_drop``). A dtype whose drift exceeds its
+family's limits gets ``drift``. Any of these makes the case ``fail``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvdiag.checks import drift, stats
+
+BAD = ("regression", "collapse", "drift")
+ORDER = ("ok", "drift", "regression", "collapse")  # a case's verdict is its worst row
+
+
+def metric_verdict(base: float, score: float, delta: float, p_value: float, higher_is_better: bool, *,
+                   max_drop: float, alpha: float) -> str:
+    if not _finite(score):
+        return "collapse"
+    drop = -delta if higher_is_better else delta
+    if not _finite(drop) or drop <= max_drop:
+        return "ok"
+    halved = score < base / 2 if higher_is_better else score > 2 * base
+    if _finite(base) and base > 0 and halved:
+        return "collapse"
+    return "regression" if _finite(p_value) and p_value < alpha else "ok"
+
+
+def compare_metric(base_vals: dict, vals: dict) -> stats.Paired | None:
+    """The paired test over the documents both runs scored; None for non-scalar per-document values."""
+    ids, a, b = stats.pair_by_doc(base_vals, vals)
+    if not ids or not all(isinstance(x, (int, float)) for x in a + b):
+        return None
+    return stats.paired_test(a, b)
+
+
+def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift.Limits, *,
+               max_drop: float, alpha: float) -> list[dict]:
+    """Rows for one dtype; sets the case's status, verdict, findings and comparison metrics."""
+    rows = []
+    for task, per in rec.metrics["scores"].items():
+        for metric, sc in per.items():
+            bsc = base.metrics["scores"].get(task, {}).get(metric)
+            if bsc is None:
+                continue
+            paired = compare_metric(base_samples[task][metric], samples[task][metric])
+            delta = paired.delta if paired else sc["score"] - bsc["score"]
+            p = paired.p_value if paired else float("nan")
+            v = metric_verdict(bsc["score"], sc["score"], delta, p, sc["higher_is_better"],
+                               max_drop=max_drop, alpha=alpha)
+            if not rec.metrics.get("finite", True):
+                v = "collapse"
+            rows.append(_row(rec.kv_dtype, task, metric, sc, bsc["score"], delta, paired, v, d))
+            if v in BAD:
+                rec.add("error", v, f"{task} {metric}: {sc['score']:.4g} vs baseline {bsc['score']:.4g} "
+                        f"(Δ {delta:+.4g}, p={p:.3g})", task=task, metric=metric,
+                        comparison=paired.to_json() if paired else None)
+    problems = drift.judge(d, lim)
+    if lim.identical and any(r["delta"] != 0 or (r["discordant"] and any(r["discordant"])) for r in rows):
+        problems.append("per-document results differ from the baseline")
+    for msg in problems:
+        rec.add("error", "drift", f"drift ({lim.family}): {msg}", **_drift_evidence(d))
+    verdict = max([r["verdict"] for r in rows] + (["drift"] if problems else ["ok"]), key=ORDER.index)
+    if problems:
+        for r in rows:
+            r["verdict"] = "drift" if r["verdict"] == "ok" else r["verdict"]
+    rec.status = "fail" if verdict in BAD else "pass"
+    rec.metrics.update(_drift_evidence(d), verdict=verdict, drift=d, drift_limits=lim.to_json(), comparisons=rows)
+    return rows
+
+
+ANALYSIS_KINDS = ("regression", "collapse", "drift", "no_baseline", "wrong")
+
+
+def reset(rec) -> bool:
+    """Undo an earlier analysis of this record (``--resume`` analyses again); True if it has results to judge."""
+    if not rec.metrics.get("artifacts"):
+        return False
+    rec.findings = [f for f in rec.findings if f.kind not in ANALYSIS_KINDS]
+    if rec.status in ("fail", "error") and not any(f.severity == "error" for f in rec.findings):
+        rec.status = "pass"
+    return rec.status == "pass"
+
+
+def _drift_evidence(d: dict) -> dict:
+    return {k: d[k] for k in ("mean_kl", "max_kl", "top1_agreement", "max_abs_dlogprob", "first_divergence")}
+
+
+def _row(kv_dtype, task, metric, sc, base_score, delta, paired, verdict, d=None) -> dict:
+    row = {"kv_dtype": kv_dtype, "task": task, "metric": metric, "score": sc.get("score"),
+           "stderr": sc.get("stderr"), "baseline": base_score, "delta": delta,
+           "ci_low": paired.ci_low if paired else None, "ci_high": paired.ci_high if paired else None,
+           "p_value": paired.p_value if paired else None, "test": paired.test if paired else None,
+           "n": paired.n if paired else sc.get("n"), "discordant": list(paired.discordant or ()) if paired else None,
+           "verdict": verdict}
+    row.update({k: (d or {}).get(k) for k in ("mean_kl", "max_kl", "top1_agreement")})
+    return row
+
+
+def baseline_rows(rec) -> list[dict]:
+    if rec.status != "pass":
+        return failed_rows(rec)
+    rec.metrics["verdict"] = "baseline"
+    return [_row(rec.kv_dtype, task, metric, sc, None, None, None, "baseline")
+            for task, per in rec.metrics["scores"].items() for metric, sc in per.items()]
+
+
+def failed_rows(rec) -> list[dict]:
+    """One row for a case that has no scores to compare (crashed, timed out, errored, not run, skipped)."""
+    verdict = {"timeout": "crashed", "error": "crashed", "fail": "crashed"}.get(rec.status, rec.status)
+    if any(f.kind == "not_run" for f in rec.findings):
+        verdict = "not run"
+    first = next((f.message for f in rec.findings), "")
+    return [{"kv_dtype": rec.kv_dtype, "task": "-", "metric": "-", "verdict": verdict, "status": rec.status,
+             "message": first}]
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)

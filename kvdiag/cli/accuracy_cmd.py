@@ -1,0 +1,188 @@
+"""`kvdiag accuracy`: lm_eval per kv dtype + token-level drift, paired statistics against a baseline dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvdiag.cli.options import (DeviceOpt, EngineArgOpt, EngineOpt, FaultOpt, Format, FormatOpt, Isolate,
+                                IsolateOpt, JobsOpt, KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt,
+                                SeedOpt, TimeoutOpt)
+
+TasksOpt = Annotated[Optional[list[str]], typer.Option(
+    "--tasks", "-t", help="lm_eval task names or globs (comma-separated or repeated). Default: kvdiag's shipped "
+    "tasks (kv_recall, kv_recall_long). Any lm_eval task works (indexing lm_eval's tasks adds ~7 s).")]
+IncludeOpt = Annotated[Optional[list[Path]], typer.Option(
+    "--include-path", help="A folder of your own lm_eval task YAML files; repeatable.")]
+BaselineOpt = Annotated[str, typer.Option("--baseline", help="The kv dtype every other dtype is compared with.")]
+LimitOpt = Annotated[Optional[float], typer.Option(
+    "--limit", help="Documents per task (an int), or a fraction of each task when < 1 (as in lm_eval).")]
+FewshotOpt = Annotated[Optional[int], typer.Option("--num-fewshot", help="Few-shot examples (lm_eval).", min=0)]
+MaxDropOpt = Annotated[float, typer.Option(
+    "--max-drop", help="A drop (in the metric's units, e.g. 0.02 = 2 points of acc) larger than this and "
+    "significant at --alpha is a regression.", min=0)]
+AlphaOpt = Annotated[float, typer.Option("--alpha", help="Significance level of the paired test.", min=0, max=1)]
+MaxKLOpt = Annotated[Optional[float], typer.Option(
+    "--max-kl", help="Mean KL(baseline||dtype) allowed per position for every dtype that need not be "
+    "bit-identical (default: per dtype family, see docs).", min=0)]
+MinTop1Opt = Annotated[Optional[float], typer.Option(
+    "--min-top1", help="Top-1 agreement with the baseline required (default: per dtype family).", min=0, max=1)]
+
+
+def accuracy(
+    engine: EngineOpt = "builtin",
+    model: ModelOpt = None,
+    kv_dtype: KVDtypeOpt = None,
+    baseline: BaselineOpt = "auto",
+    tasks: TasksOpt = None,
+    include_path: IncludeOpt = None,
+    limit: LimitOpt = None,
+    num_fewshot: FewshotOpt = None,
+    seed: SeedOpt = 0,
+    max_drop: MaxDropOpt = 0.02,
+    alpha: AlphaOpt = 0.05,
+    max_kl: MaxKLOpt = None,
+    min_top1: MinTop1Opt = None,
+    isolate: IsolateOpt = Isolate.case,
+    jobs: JobsOpt = 1,
+    device: DeviceOpt = "auto",
+    engine_arg: EngineArgOpt = None,
+    output_dir: OutputDirOpt = None,
+    fmt: FormatOpt = Format.table,
+    timeout: TimeoutOpt = 900.0,
+    resume: ResumeOpt = None,
+    quiet: QuietOpt = False,
+    fault: FaultOpt = None,
+) -> None:
+    """Score lm_eval tasks and token-level drift for each kv dtype against a baseline dtype.
+
+    Each dtype gets score ± stderr per task metric, the change against the baseline on the
+    same documents (exact McNemar for 0/1 metrics, paired bootstrap otherwise) with a 95%
+    interval and p-value, and a verdict: ok, regression, collapse or drift. Exit code 1 when
+    any dtype regressed, collapsed, drifted or crashed.
+    """
+    from kvdiag.checks.accuracy import analyze
+    from kvdiag.cli.common import execute, make_run_dir
+
+    sweep = resolve_sweep(engine, model, kv_dtype, baseline, engine_arg, device, fault)
+    task_names, need_defaults = _tasks(tasks, include_path)
+    params = {"tasks": task_names, "include_paths": [str(p) for p in include_path or ()],
+              "include_defaults": need_defaults, "limit": _limit(limit), "num_fewshot": num_fewshot, "seed": seed}
+    cases = build_cases("accuracy", "kvdiag.checks.accuracy:run_case", sweep, params, isolate)
+    run_dir = make_run_dir(output_dir, "accuracy", resume)
+    code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
+                   jobs=jobs, env=worker_env(jobs),
+                   analyze=lambda run: analyze(run, baseline=sweep.baseline, max_drop=max_drop, alpha=alpha,
+                                               max_kl=max_kl, min_top1=min_top1),
+                   render=render)
+    raise typer.Exit(code)
+
+
+def _tasks(tasks, include_path) -> tuple[list[str], bool]:
+    from kvdiag.errors import UserError
+    from kvdiag.lm_eval_adapter import resolve_tasks
+    from kvdiag.tasks import DEFAULT_TASKS
+
+    for p in include_path or ():
+        if not Path(p).is_dir():
+            raise UserError(f"--include-path '{p}' is not a folder")
+    names = [n.strip() for t in tasks or () for n in t.split(",") if n.strip()] or list(DEFAULT_TASKS)
+    return resolve_tasks(names, tuple(str(p) for p in include_path or ()))
+
+
+def _limit(limit: float | None):
+    return None if limit is None else (int(limit) if limit >= 1 else limit)
+
+
+# ------------------------------------------------------------------ shared with `kvdiag dtypes --check`
+
+
+@dataclass
+class Sweep:
+    engine: str
+    model: str
+    kv_dtypes: list[str]  # the baseline first
+    baseline: str
+    spec: dict  # EngineSpec fields for case.params
+
+
+def resolve_sweep(engine, model, kv_dtype, baseline, engine_arg, device, fault, *, all_names=False) -> Sweep:
+    """Validate everything a sweep needs before any worker starts (bad input: UserError, exit 2)."""
+    from kvdiag import dtypes
+    from kvdiag.cli.common import parse_engine_args, resolve_kv_dtypes, resolve_model
+    from kvdiag.engines.base import engine_dtypes, resolve_engine
+    from kvdiag.errors import UserError
+
+    engine = resolve_engine(engine)
+    engine_args = parse_engine_args(engine_arg)
+    model = resolve_model(model)
+    valid = engine_dtypes(engine)
+    names = resolve_kv_dtypes(engine, kv_dtype) if kv_dtype or not all_names else list(valid)
+    try:
+        base = dtypes.resolve(baseline, valid, engine)
+    except UserError as e:
+        raise UserError(f"--baseline: {e}") from None
+    if fault and engine == "builtin":
+        from kvdiag.engines.builtin.faults import Faults
+
+        Faults.parse(fault)
+    spec = {"device": device, "engine_args": engine_args, "faults": list(fault or ())}
+    return Sweep(engine, model, [base] + [d for d in names if d != base], base, spec)
+
+
+def worker_env(jobs: int) -> dict:
+    """Torch threads per worker: the cores shared by the workers that run at once (unless the user chose)."""
+    import os
+
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, jobs)))}
+
+
+def build_cases(check: str, target: str, sweep: Sweep, params: dict, isolate) -> list:
+    from kvdiag.runner import Case
+
+    group = check if isolate == Isolate.run else None
+    return [Case(check, sweep.engine, sweep.model, d, target, group=group,
+                 params={**sweep.spec, **params, "role": "baseline" if d == sweep.baseline else "test"})
+            for d in sweep.kv_dtypes]
+
+
+# ------------------------------------------------------------------ table
+
+
+def render(run, con) -> None:
+    from rich.table import Table
+
+    from kvdiag.report.table import fmt_value
+
+    a = run.analysis.get("accuracy", {})
+    t = Table(title=f"accuracy vs baseline '{a.get('baseline', '?')}' (max drop {a.get('max_drop')}, "
+              f"alpha {a.get('alpha')})", title_justify="left")
+    for col in ("kv dtype", "task", "metric", "score ± stderr", "Δ", "95% CI", "p", "KL mean/max", "top-1",
+                "verdict"):
+        t.add_column(col, justify="left" if col in ("kv dtype", "task", "metric", "verdict") else "right")
+    for r in a.get("rows", []):
+        score = "-" if "score" not in r else f"{fmt_value(r['score'])} ± {fmt_value(r['stderr'])}"
+        ci = "-" if r.get("ci_low") is None else f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
+        kl = "-" if r.get("mean_kl") is None else f"{fmt_value(r['mean_kl'])} / {fmt_value(r['max_kl'])}"
+        delta = "-" if r.get("delta") is None else f"{r['delta']:+.4f}"
+        t.add_row(r["kv_dtype"], r["task"], r["metric"], score, delta, ci, fmt_value(r.get("p_value")), kl,
+                  fmt_value(r.get("top1_agreement")), _verdict(r["verdict"], r.get("message")))
+    con.print(t)
+    times = a.get("timings")
+    if times:
+        con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
+
+
+STYLE = {"ok": "green", "baseline": "cyan", "skipped": "yellow"}
+
+
+def _verdict(v: str, message: str | None = None) -> str:
+    text = f"[{STYLE.get(v, 'bold red')}]{v}[/]"
+    from rich.markup import escape
+
+    return f"{text} {escape(message[:60])}" if message else text

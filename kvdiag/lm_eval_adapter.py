@@ -1,0 +1,251 @@
+"""An lm_eval model over any kvdiag Engine, and running lm_eval tasks with per-document results.
+
+``EngineLM`` follows lm_eval's ``TemplateLM`` (the same tokenization rules as
+lm_eval's HFLM: trailing context spaces move to the continuation; an empty context
+is conditioned on the prefix token). Every request of one lm_eval call goes to the
+engine in large batches, sorted so that requests sharing a context are adjacent
+(the builtin engine prefills each unique context once per ``score`` call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from itertools import groupby
+
+from lm_eval.api.model import TemplateLM
+
+from kvdiag.errors import UserError
+
+
+class EngineLM(TemplateLM):
+    def __init__(self, engine, *, max_length: int = 2048, batch_size: int = 1024, max_gen_toks: int = 256,
+                 seed: int = 0):
+        super().__init__()
+        self.engine = engine
+        self._max_length = max_length
+        self.batch_size = batch_size
+        self.max_gen_toks = max_gen_toks
+        self.seed = seed
+        self.engine_seconds = 0.0  # time spent inside the engine's score/generate
+        self._encode = functools.lru_cache(maxsize=8192)(lambda text: tuple(engine.encode(text)))
+        bos = engine.encode("")
+        self._bos = bos[0] if len(bos) == 1 else None
+        self._eos = getattr(engine, "eos_token_id", getattr(getattr(engine, "tokenizer", None), "eos_token_id", None))
+
+    # ---- tokenization (TemplateLM's contract)
+    @property
+    def eot_token_id(self) -> int:
+        if self._eos is None and self._bos is None:
+            raise ValueError("the engine exposes neither a BOS (encode('')) nor eos_token_id")
+        return self._eos if self._eos is not None else self._bos
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self._bos if self._bos is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.engine, "name", "engine")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        ids = list(self._encode(string))
+        if add_special_tokens is False and self._bos is not None and ids[:1] == [self._bos]:
+            ids = ids[1:]
+        return ids
+
+    # ---- loglikelihood
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        items = [self._fit(ctx, cont) for _, ctx, cont in requests]
+        order = sorted(range(len(items)), key=lambda i: (len(items[i][0]), items[i][0]))  # similar lengths together
+        out: list = [None] * len(items)
+        for batch in self._batches(order, key=lambda i: items[i][0]):
+            with self._timed():
+                scored = self.engine.score([items[i][0] for i in batch], [items[i][1] for i in batch], top_k=0)
+            for i, s in zip(batch, scored):
+                out[i] = (float(sum(s.logprobs)), bool(s.is_greedy))
+        for (pair, _, _), answer in zip(requests, out):
+            if pair is not None:
+                self.cache_hook.add_partial("loglikelihood", pair, answer)
+        return out
+
+    @contextlib.contextmanager
+    def _timed(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.engine_seconds += time.perf_counter() - t0
+
+    def _fit(self, ctx: list[int], cont: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Left-truncate so context + continuation fit the engine's max length (as HFLM does)."""
+        cont = cont[-(self.max_length - 1):]
+        room = self.max_length - len(cont)
+        return tuple(ctx[-room:] if len(ctx) > room else ctx), tuple(cont)
+
+    def _batches(self, order, key):
+        """Chunks of about batch_size requests that never split a group of equal keys (a shared context)."""
+        batch: list = []
+        for _, group in groupby(order, key=key):
+            group = list(group)
+            if batch and len(batch) + len(group) > self.batch_size:
+                yield batch
+                batch = []
+            batch += group
+        if batch:
+            yield batch
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval import utils
+
+        windows, owner = [], []
+        for r, req in enumerate(requests):
+            tokens = self.tok_encode(req.args[0], add_special_tokens=False)
+            for ctx, pred in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length - 1,
+                    context_len=1)):
+                windows.append((None, ctx, pred))
+                owner.append(r)
+        totals = [0.0] * len(requests)
+        for r, (ll, _) in zip(owner, self._loglikelihood_tokens(windows)):
+            totals[r] += ll
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    # ---- generation
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from lm_eval.models.utils import normalize_gen_kwargs
+
+        jobs = []
+        for req in requests:
+            context, gen_kwargs = req.args
+            kw = normalize_gen_kwargs(dict(gen_kwargs or {}), self.max_gen_toks)
+            until = kw.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            jobs.append((context, tuple(until), int(kw["max_gen_toks"]), bool(kw.get("do_sample"))))
+        out: list = [None] * len(jobs)
+        order = sorted(range(len(jobs)), key=lambda i: jobs[i][1:])
+        for (until, max_toks, sample), idx in groupby(order, key=lambda i: jobs[i][1:]):
+            idx = list(idx)
+            keep = max(1, self.max_length - max_toks)
+            prompts = [self.tok_encode(jobs[i][0])[-keep:] for i in idx]
+            for start in range(0, len(idx), self.batch_size):
+                chunk = idx[start:start + self.batch_size]
+                with self._timed():
+                    done = self.engine.generate(prompts[start:start + self.batch_size], max_toks, greedy=not sample,
+                                                seed=self.seed if sample else None, stop=until)
+                for i, c in zip(chunk, done):
+                    out[i] = cut_at_stop(c.text or self.engine.decode(c.token_ids), until)
+                    self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
+        return out
+
+
+def cut_at_stop(text: str, until) -> str:
+    for s in until:
+        if s:
+            text = text.split(s)[0]
+    return text
+
+
+# ------------------------------------------------------------------ tasks
+
+
+@functools.lru_cache(maxsize=4)
+def task_manager(include_paths: tuple[str, ...] = (), include_defaults: bool = False):
+    """kvdiag's tasks + ``include_paths``; lm_eval's own ~15k tasks only when asked (indexing them takes ~7 s)."""
+    from lm_eval.tasks import TaskManager
+
+    from kvdiag.tasks import TASKS_DIR
+
+    return TaskManager(include_path=[str(TASKS_DIR), *include_paths], include_defaults=include_defaults)
+
+
+def resolve_tasks(names: list[str], include_paths: tuple[str, ...] = ()) -> tuple[list[str], bool]:
+    """Validate task names (globs allowed) before any worker starts.
+
+    Returns (task names, whether lm_eval's own task index is needed). Raises UserError
+    naming the first unknown task.
+    """
+    from pathlib import Path
+
+    need_defaults = False
+    out: list[str] = []
+    for name in names:
+        matched = _match(name, task_manager(include_paths))
+        if not matched and not Path(name).is_file():
+            matched = _match(name, task_manager(include_paths, True))
+            need_defaults = need_defaults or bool(matched)
+        if not matched and not Path(name).is_file():
+            from kvdiag.tasks import DEFAULT_TASKS
+
+            raise UserError(f"unknown task '{name}'; kvdiag's tasks: {', '.join(DEFAULT_TASKS)}; or any lm_eval task "
+                            "name (lm_eval ls tasks), or --include-path DIR for your own YAML tasks")
+        out += [m for m in matched or [name] if m not in out]
+    return out, need_defaults
+
+
+def _match(name: str, tm) -> list[str]:
+    if any(ch in name for ch in "*?["):
+        return tm.match_tasks([name])
+    return [name] if name in tm.all_tasks else []
+
+
+# ------------------------------------------------------------------ running
+
+
+def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), include_defaults: bool = False,
+              limit: float | None = None, num_fewshot: int | None = None, seed: int = 0,
+              bootstrap_iters: int = 1000) -> dict:
+    """``lm_eval.simple_evaluate`` with per-sample logging; returns ``{"scores": .., "samples": ..}`` (``summarize``)."""
+    from lm_eval import simple_evaluate
+
+    res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(include_paths, include_defaults),
+                          log_samples=True, limit=limit, num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
+                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                          fewshot_random_seed=seed)
+    return summarize(res)
+
+
+def summarize(res: dict) -> dict:
+    """lm_eval's results -> ``scores`` {task: {metric: {score, stderr, higher_is_better, n}}} and ``samples``
+    {task: {metric: {doc_id: value}}}. A metric of filter ``f`` other than ``none`` is named ``metric,f``."""
+    samples: dict = {}
+    for task, rows in (res.get("samples") or {}).items():
+        per = samples.setdefault(task, {})
+        for row in rows:
+            suffix = "" if row.get("filter", "none") == "none" else f",{row['filter']}"
+            for metric in row["metrics"]:
+                per.setdefault(metric + suffix, {})[str(row["doc_id"])] = _json_value(row[metric])
+    scores: dict = {}
+    for task, per in samples.items():
+        got = res["results"].get(task, {})
+        hib = (res.get("higher_is_better") or {}).get(task, {})
+        for metric in per:
+            name, _, filt = metric.partition(",")
+            key = f"{name},{filt or 'none'}"
+            stderr = got.get(f"{name}_stderr,{filt or 'none'}")
+            scores.setdefault(task, {})[metric] = {
+                "score": _json_value(got.get(key)),
+                "stderr": stderr if isinstance(stderr, (int, float)) else float("nan"),
+                "higher_is_better": hib.get(name, True),
+                "n": len(per[metric]),
+            }
+    return {"scores": scores, "samples": samples}
+
+
+def _json_value(v):
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    if hasattr(v, "item"):
+        return _json_value(v.item())
+    return float("nan") if v is None else str(v)

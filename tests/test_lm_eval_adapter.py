@@ -1,0 +1,118 @@
+"""EngineLM against lm_eval's own HFLM on the same weights, and run_tasks on the shipped tasks."""
+
+import math
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from hf_engine import HFEngine  # noqa: E402
+from kvdiag.errors import UserError  # noqa: E402
+from kvdiag.lm_eval_adapter import EngineLM, resolve_tasks, run_tasks  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    from kvdiag.modelgen import make_random_model
+
+    return make_random_model(tmp_path_factory.mktemp("m") / "llama", "llama", hidden_size=64, num_layers=2,
+                             init_std=0.2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    return HFEngine(model_path)
+
+
+def hflm(path, **kw):
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=str(path), batch_size=1, device="cpu", dtype="float32", **kw)
+
+
+def reqs(kind, args):
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+LL_ARGS = [("abc=12 xyz=34 ; abc=", "12"), ("abc=12 xyz=34 ; abc=", "34"), ("abc=12 xyz=34 ; abc=", "99"),
+           ("The cat sat on the ", "mat"),  # trailing space moves to the continuation
+           ("", "hello"),  # empty context: conditioned on the prefix (BOS) token
+           ("x" * 40, "yz")]
+
+
+def test_loglikelihood_matches_hflm_in_one_batched_engine_call(model_path, engine):
+    engine.calls.clear()
+    ours = EngineLM(engine, max_length=2048).loglikelihood(reqs("loglikelihood", LL_ARGS))
+    theirs = hflm(model_path).loglikelihood(reqs("loglikelihood", LL_ARGS))
+    assert engine.calls == [("score", len(LL_ARGS))]
+    for (a, ga), (b, gb) in zip(ours, theirs):
+        assert a == pytest.approx(b, abs=1e-4) and ga == gb
+    assert ours[0][0] != pytest.approx(ours[1][0])  # the continuations really are scored
+
+
+def test_long_contexts_are_left_truncated_like_hflm(model_path, engine):
+    # HFLM(max_length=L) feeds L tokens and scores the L+1st; an engine scores all it is fed: L+1.
+    ours = EngineLM(engine, max_length=17).loglikelihood(reqs("loglikelihood", LL_ARGS))
+    theirs = hflm(model_path, max_length=16).loglikelihood(reqs("loglikelihood", LL_ARGS))
+    for (a, _), (b, _) in zip(ours, theirs):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_batches_never_split_a_shared_context(engine):
+    engine.calls.clear()
+    lm = EngineLM(engine, batch_size=4)
+    args = [(f"ctx{i % 3} ", f"c{j}") for i in range(3) for j in range(3)]
+    lm.loglikelihood(reqs("loglikelihood", args))
+    assert [n for _, n in engine.calls] == [3, 3, 3]
+
+
+def test_loglikelihood_rolling_matches_hflm_and_a_plain_forward(model_path, engine):
+    text = "the quick brown fox jumps over the lazy dog, again and again"
+    ours_full = EngineLM(engine, max_length=2048).loglikelihood_rolling(reqs("loglikelihood_rolling", [(text,)]))
+    ids = engine.encode(text)  # BOS + bytes
+    lp = engine._logprobs(ids)
+    direct = float(lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum())
+    assert ours_full[0] == pytest.approx(direct, abs=1e-3)
+    # several windows: the same windows as HFLM without its own BOS in the text
+    ours = EngineLM(engine, max_length=17).loglikelihood_rolling(reqs("loglikelihood_rolling", [(text,)]))
+    theirs = hflm(model_path, max_length=16, add_bos_token=False).loglikelihood_rolling(
+        reqs("loglikelihood_rolling", [(text,)]))
+    assert ours[0] == pytest.approx(theirs[0], abs=1e-3) and ours[0] != pytest.approx(direct, abs=1e-3)
+
+
+def test_generate_until_matches_hflm_and_stops_at_until(model_path, engine):
+    args = [("abc=12 ; abc=", {"until": ["\n"], "max_gen_toks": 6, "do_sample": False}),
+            ("hello", {"until": ["\n"], "max_gen_toks": 6, "do_sample": False})]
+    ours = EngineLM(engine).generate_until(reqs("generate_until", args))
+    theirs = hflm(model_path).generate_until(reqs("generate_until", args))
+    assert ours == theirs
+    first = ours[0][:2]
+    cut = EngineLM(engine).generate_until(reqs("generate_until", [(args[0][0], {"until": [first[1:]],
+                                                                               "max_gen_toks": 6})]))
+    assert cut == [first[:1]]
+
+
+def test_unknown_task_is_a_user_error():
+    with pytest.raises(UserError, match="unknown task 'no_such_task_xyz'.*kv_recall"):
+        resolve_tasks(["no_such_task_xyz"])
+    assert resolve_tasks(["kv_recall*"]) == (["kv_recall", "kv_recall_long"], False)
+
+
+def test_run_tasks_on_a_shipped_task_gives_per_document_values(engine):
+    out = run_tasks(EngineLM(engine), ["kv_recall"], limit=12, seed=0)
+    samples = out["samples"]["kv_recall"]
+    assert set(samples) == {"acc", "acc_norm"}
+    assert sorted(samples["acc"], key=int) == [str(i) for i in range(12)]
+    assert set(samples["acc"].values()) <= {0.0, 1.0}
+    score = out["scores"]["kv_recall"]["acc"]
+    assert score["n"] == 12 and score["higher_is_better"] is True
+    assert score["score"] == pytest.approx(sum(samples["acc"].values()) / 12)
+    p = score["score"]
+    assert score["stderr"] == pytest.approx(math.sqrt(p * (1 - p) / 11), abs=1e-9)
