@@ -112,7 +112,7 @@ class Sweep:
 def resolve_sweep(engine, model, kv_dtype, baseline, engine_arg, device, fault, *, all_names=False) -> Sweep:
     """Validate everything a sweep needs before any worker starts (bad input: UserError, exit 2)."""
     from kvdiag import dtypes
-    from kvdiag.cli.common import parse_engine_args, resolve_kv_dtypes, resolve_model
+    from kvdiag.cli.common import parse_engine_args, resolve_faults, resolve_kv_dtypes, resolve_model
     from kvdiag.engines.base import engine_dtypes, resolve_engine
     from kvdiag.errors import UserError
 
@@ -125,11 +125,7 @@ def resolve_sweep(engine, model, kv_dtype, baseline, engine_arg, device, fault, 
         base = dtypes.resolve(baseline, valid, engine)
     except UserError as e:
         raise UserError(f"--baseline: {e}") from None
-    if fault and engine == "builtin":
-        from kvdiag.engines.builtin.faults import Faults
-
-        Faults.parse(fault)
-    spec = {"device": device, "engine_args": engine_args, "faults": list(fault or ())}
+    spec = {"device": device, "engine_args": engine_args, "faults": resolve_faults(engine, fault)}
     return Sweep(engine, model, [base] + [d for d in names if d != base], base, spec)
 
 

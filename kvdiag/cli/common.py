@@ -75,6 +75,17 @@ def resolve_kv_dtypes(engine: str, user: list[str] | None, *, default_all: bool 
     return out
 
 
+def resolve_faults(engine: str, names: list[str] | None) -> list[str]:
+    """--fault names for the builtin engine, aliases expanded and validated (UserError otherwise)."""
+    if not names:
+        return []
+    if engine != "builtin":
+        raise UserError("--fault works with the builtin engine only")
+    from kvdiag.engines.builtin.faults import Faults
+
+    return list(Faults.parse(names).enabled)
+
+
 def make_run_dir(output_dir: Path | None, command: str, resume: Path | None = None) -> Path:
     if resume is not None:
         run_dir = Path(resume)

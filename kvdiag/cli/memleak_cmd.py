@@ -44,12 +44,13 @@ def memleak(
     gc.freeze()"), when memory after shutdown grows from cycle to cycle beyond --threshold, or when
     objects stay frozen after shutdown. The first cycle's one-time cost is reported, not failed.
     """
-    from kvdiag.cli.common import execute, make_run_dir, parse_engine_args, resolve_kv_dtypes, resolve_model
+    from kvdiag.cli.common import (execute, make_run_dir, parse_engine_args, resolve_faults, resolve_kv_dtypes,
+                                   resolve_model)
     from kvdiag.engines.base import resolve_engine
     from kvdiag.runner import Case
 
     engine = resolve_engine(engine)
-    spec = {"device": device, "engine_args": parse_engine_args(engine_arg), "faults": _faults(engine, fault)}
+    spec = {"device": device, "engine_args": parse_engine_args(engine_arg), "faults": resolve_faults(engine, fault)}
     model = resolve_model(model)
     params = {**spec, "cycles": cycles, "threshold_mib": threshold, "max_tokens": max_tokens}
     cases = [Case("memleak", engine, model, d, "kvdiag.checks.memleak:run", params=dict(params))
@@ -59,17 +60,6 @@ def memleak(
                    jobs=jobs, render=render)
     raise typer.Exit(code)
 
-
-def _faults(engine: str, fault: list[str] | None) -> list[str]:
-    if not fault:
-        return []
-    from kvdiag.errors import UserError
-
-    if engine != "builtin":
-        raise UserError("--fault works with the builtin engine only")
-    from kvdiag.engines.builtin.faults import Faults
-
-    return list(Faults.parse(fault).enabled)
 
 
 def render(run, con) -> None:

@@ -22,7 +22,6 @@ LevelOpt = Annotated[Optional[list[int]], typer.Option(
 StagedOpt = Annotated[bool, typer.Option(
     "--staged", help="Wake in two steps, 'weights' then 'kv_cache', instead of all tags at once.")]
 # one name for a fault that takes two switches of the builtin engine
-FAULT_ALIASES = {"unzeroed_page_reads": ("whole_page_reads", "no_zero_fresh_blocks")}
 
 
 def wake_cycle(
@@ -73,17 +72,13 @@ def kv_cases(check, target, engine, model, kv_dtype, device, engine_arg, fault, 
     """One case per kv dtype and variant, validated before any worker starts (bad input: exit 2)."""
     from pathlib import Path
 
-    from kvdiag.cli.common import parse_engine_args, resolve_kv_dtypes, resolve_model
+    from kvdiag.cli.common import parse_engine_args, resolve_faults, resolve_kv_dtypes, resolve_model
     from kvdiag.engines.base import resolve_engine
     from kvdiag.runner import Case
 
     engine = resolve_engine(engine)
     model = resolve_model(model)
-    faults = [f for name in fault or () for f in FAULT_ALIASES.get(name.strip().lower(), (name,))]
-    if faults and engine == "builtin":
-        from kvdiag.engines.builtin.faults import Faults
-
-        Faults.parse(faults)
+    faults = resolve_faults(engine, fault)
     base = {"device": device, "seed": seed, "engine_args": parse_engine_args(engine_arg), "faults": faults, **params}
     label = Path(model.rstrip("/")).name or model
     group = check if isolate == Isolate.run else None

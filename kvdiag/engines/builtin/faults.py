@@ -30,6 +30,9 @@ from dataclasses import dataclass, fields
 from kvdiag.errors import UserError
 
 
+ALIASES = {"unzeroed_page_reads": ("whole_page_reads", "no_zero_fresh_blocks")}
+
+
 @dataclass(frozen=True)
 class Faults:
     stale_views_after_wake: bool = False
@@ -46,8 +49,14 @@ class Faults:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def parse(cls, names) -> "Faults":
+    def expand(cls, names) -> list[str]:
+        """Normalise names and expand aliases (``unzeroed_page_reads`` = both S3 switches)."""
         names = [n.strip().lower().replace("-", "_") for n in (names or ()) if n.strip()]
+        return [f for n in names for f in ALIASES.get(n, (n,))]
+
+    @classmethod
+    def parse(cls, names) -> "Faults":
+        names = cls.expand(names)
         unknown = [n for n in names if n not in cls.names()]
         if unknown:
             raise UserError(f"unknown builtin fault(s) {', '.join(unknown)}; valid: {', '.join(cls.names())}")
