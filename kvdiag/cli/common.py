@@ -208,3 +208,30 @@ def _previous_run(run_dir: Path):
         return RunRecord.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
+
+
+def dtype_cases(check, target, engine, model, kv_dtype, device, engine_arg, fault, params, *, seed=None,
+                isolate="case", variants=({"suffix": None},)) -> list:
+    """One case per kv dtype and variant, validated before any worker starts (bad input: exit 2).
+
+    ``isolate="run"`` puts all cases in one worker; ``seed`` (when given) goes into every case's params.
+    """
+    from kvdiag.engines.base import resolve_engine
+    from kvdiag.runner import Case
+
+    engine = resolve_engine(engine)
+    model = resolve_model(model)
+    faults = resolve_faults(engine, fault)
+    base = {"device": device, "engine_args": parse_engine_args(engine_arg), "faults": faults, **params}
+    if seed is not None:
+        base["seed"] = seed
+    label = Path(model.rstrip("/")).name or model
+    group = check if isolate == "run" else None
+    cases = []
+    for d in resolve_kv_dtypes(engine, kv_dtype):
+        for v in variants:
+            v = dict(v)
+            suffix = v.pop("suffix")
+            cid = f"{check}/{engine}/{label}/{d}" + (f"/{suffix}" if suffix else "")
+            cases.append(Case(check, engine, model, d, target, params={**base, **v}, id=cid, group=group))
+    return cases

@@ -44,17 +44,11 @@ def memleak(
     gc.freeze()"), when memory after shutdown grows from cycle to cycle beyond --threshold, or when
     objects stay frozen after shutdown. The first cycle's one-time cost is reported, not failed.
     """
-    from kvdiag.cli.common import (execute, make_run_dir, parse_engine_args, resolve_faults, resolve_kv_dtypes,
-                                   resolve_model)
-    from kvdiag.engines.base import resolve_engine
-    from kvdiag.runner import Case
+    from kvdiag.cli.common import dtype_cases, execute, make_run_dir
 
-    engine = resolve_engine(engine)
-    spec = {"device": device, "engine_args": parse_engine_args(engine_arg), "faults": resolve_faults(engine, fault)}
-    model = resolve_model(model)
-    params = {**spec, "cycles": cycles, "threshold_mib": threshold, "max_tokens": max_tokens}
-    cases = [Case("memleak", engine, model, d, "kvdiag.checks.memleak:run", params=dict(params))
-             for d in resolve_kv_dtypes(engine, kv_dtype)]
+    params = {"cycles": cycles, "threshold_mib": threshold, "max_tokens": max_tokens}
+    cases = dtype_cases("memleak", "kvdiag.checks.memleak:run", engine, model, kv_dtype, device, engine_arg, fault,
+                        params)
     run_dir = make_run_dir(output_dir, "memleak", resume)
     code = execute("memleak", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
                    jobs=jobs, render=render)

@@ -50,12 +50,11 @@ def poison(
     blocks are the reference. Any NaN/Inf or changed token fails, naming the request and
     position that first differed. Engines without KV access are reported as skipped.
     """
-    from kvdiag.cli.common import execute, make_run_dir
-    from kvdiag.cli.wake_cycle_cmd import kv_cases
+    from kvdiag.cli.common import dtype_cases, execute, make_run_dir
 
     params = {"value": value.value, "logprob_tol": logprob_tol}
-    cases = kv_cases("poison", "kvdiag.checks.poison:run", engine, model, kv_dtype, device, engine_arg, fault, seed,
-                     isolate, params)
+    cases = dtype_cases("poison", "kvdiag.checks.poison:run", engine, model, kv_dtype, device, engine_arg, fault,
+                        params, seed=seed, isolate=isolate)
     run_dir = make_run_dir(output_dir, "poison", resume)
     raise typer.Exit(execute("poison", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
                              quiet=quiet, jobs=jobs, render=render))

@@ -52,7 +52,7 @@ def wake_cycle(
     checks that memory came back, regenerates and compares token for token, and scans the
     KV slots just written for NaN/Inf. Engines without sleep mode are reported as skipped.
     """
-    from kvdiag.cli.common import execute, make_run_dir
+    from kvdiag.cli.common import dtype_cases, execute, make_run_dir
     from kvdiag.errors import UserError
 
     levels = list(dict.fromkeys(level or [1]))
@@ -60,36 +60,11 @@ def wake_cycle(
         raise UserError(f"--level {bad[0]}: sleep levels are 1 and 2")
     variants = [{"level": lv, "staged": staged, "suffix": f"L{lv}" + ("-staged" if staged else "")} for lv in levels]
     params = {"cycles": cycles, "max_tokens": max_tokens, "logprob_tol": logprob_tol}
-    cases = kv_cases("wake-cycle", "kvdiag.checks.wake_cycle:run", engine, model, kv_dtype, device, engine_arg,
-                     fault, seed, isolate, params, variants)
+    cases = dtype_cases("wake-cycle", "kvdiag.checks.wake_cycle:run", engine, model, kv_dtype, device, engine_arg,
+                        fault, params, seed=seed, isolate=isolate, variants=variants)
     run_dir = make_run_dir(output_dir, "wake-cycle", resume)
     raise typer.Exit(execute("wake-cycle", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
                              quiet=quiet, jobs=jobs, render=render))
-
-
-def kv_cases(check, target, engine, model, kv_dtype, device, engine_arg, fault, seed, isolate, params,
-             variants=({"suffix": None},)) -> list:
-    """One case per kv dtype and variant, validated before any worker starts (bad input: exit 2)."""
-    from pathlib import Path
-
-    from kvdiag.cli.common import parse_engine_args, resolve_faults, resolve_kv_dtypes, resolve_model
-    from kvdiag.engines.base import resolve_engine
-    from kvdiag.runner import Case
-
-    engine = resolve_engine(engine)
-    model = resolve_model(model)
-    faults = resolve_faults(engine, fault)
-    base = {"device": device, "seed": seed, "engine_args": parse_engine_args(engine_arg), "faults": faults, **params}
-    label = Path(model.rstrip("/")).name or model
-    group = check if isolate == Isolate.run else None
-    cases = []
-    for d in resolve_kv_dtypes(engine, kv_dtype):
-        for v in variants:
-            v = dict(v)
-            suffix = v.pop("suffix")
-            cid = f"{check}/{engine}/{label}/{d}" + (f"/{suffix}" if suffix else "")
-            cases.append(Case(check, engine, model, d, target, params={**base, **v}, id=cid, group=group))
-    return cases
 
 
 def mib(n) -> str:
