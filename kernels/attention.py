@@ -18,12 +18,11 @@ probabilities before the P.V product, per-tensor ``v_scale`` the result.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from kvdiag.kernels.launch import Launcher, cdiv, next_pow2, sm_count
 from kvdiag.kernels.store import (QUANT_TENSOR, QUANT_TOKEN_HEAD, fast_paths, interpreted, load_scale,
                                   quant_params, scale_arg)
 
@@ -194,6 +193,7 @@ def _combine_kernel(part_o, part_ml, out, s_ot, s_oh, num_splits, num_rows,
     tl.store(out + t.to(tl.int64) * s_ot + h * s_oh + d, res.to(out.dtype.element_ty), mask=d < D)
 
 
+_ATTN, _COMBINE = Launcher(_attn_kernel), Launcher(_combine_kernel)
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # (cache dtype, compute dtype) -> the register conversion of to_compute
 _FAST = {(torch.int8, torch.bfloat16): 1, (torch.float8_e4m3fn, torch.float16): 2,
@@ -212,17 +212,12 @@ def compute_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.d
     return query_dtype
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def default_splits(num_rows: int, max_ctx: int, device: torch.device) -> int:
-    """KV splits for a decode launch: enough programs for ~4 per SM, splits of >= MIN_SPLIT_TOKENS."""
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
-    if num_rows >= 4 * sms:
+def default_splits(num_rows: int, max_ctx: int, device: torch.device, per_sm: int = 4) -> int:
+    """KV splits for a decode launch: enough programs for ``per_sm`` per SM, splits of >= MIN_SPLIT_TOKENS."""
+    sms = sm_count(device)
+    if num_rows >= per_sm * sms:
         return 1
-    return max(1, min(triton.cdiv(4 * sms, num_rows), max_ctx // MIN_SPLIT_TOKENS))
+    return max(1, min(cdiv(per_sm * sms, num_rows), max_ctx // MIN_SPLIT_TOKENS))
 
 
 def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, kv_dtype="auto",
@@ -241,19 +236,21 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     assert block_tables.stride(1) == 1 and head_size >= 16
     group = num_heads // num_kv_heads
     decode = num_tokens <= num_seqs
-    g_pad = triton.next_power_of_2(group)
+    g_pad = next_pow2(group)
     g_pad, block_q = (max(16, g_pad), 1) if decode else (g_pad, max(1, BLOCK_M_PREFILL // g_pad))
-    block_q = max(block_q, triton.cdiv(16, g_pad))
+    block_q = max(block_q, cdiv(16, g_pad))
     cdt = cdt or compute_dtype(query.dtype, k_cache.dtype)
     block_n = block_n or (128 if decode and k_cache.element_size() == 1 else 64)
     max_ctx = block_tables.shape[1] * page
     if not decode:
         num_splits = 1
     elif num_splits is None:
-        num_splits = default_splits(num_tokens * num_kv_heads, max_ctx, query.device)
-    split_len = triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_ctx, split_len))
-    d_pad = triton.next_power_of_2(head_size)
+        # per SM: 2 programs (2-byte caches), 16 (1-byte): the best of the H100 sweeps (BENCHMARKS.md)
+        num_splits = default_splits(num_tokens * num_kv_heads, max_ctx, query.device,
+                                    16 if k_cache.element_size() == 1 else 2)
+    split_len = cdiv(cdiv(max_ctx, num_splits), block_n) * block_n
+    num_splits = max(1, cdiv(max_ctx, split_len))
+    d_pad = next_pow2(head_size)
     if num_splits > 1:
         part_o = torch.empty(num_tokens, num_heads, num_splits, d_pad, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(2, num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -267,18 +264,18 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         (ks, k_ptr), (vs, v_ptr) = (1.0, False), (1.0, False)
     programs = num_tokens if decode else num_tokens // block_q + num_seqs
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    _attn_kernel[(num_kv_heads, programs, num_splits)](
-        query, k_cache, v_cache, ksc, vsc, ks, vs, query_start_loc, seq_lens, block_tables, out, part_o, part_ml,
-        float(scale), num_seqs, num_tokens, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        *k_cache.stride()[:3], *sc[:3], block_tables.stride(0), split_len,
-        G=group, G_PAD=g_pad, D=head_size, D_PAD=d_pad, PAGE=page, BLOCK_Q=block_q, BLOCK_N=block_n,
-        ADD_S=0 if decode else 1, QUANT=quant, K_PTR=k_ptr, V_PTR=v_ptr, WHOLE_PAGE=bool(whole_page_reads),
-        SPLIT=num_splits > 1, CDT=_TL[cdt], PREC="ieee" if cdt == torch.float32 else None,
-        FAST=_FAST.get((k_cache.dtype, cdt), 0) if fast_paths() else 0,
-        PRESCALE=cdt == torch.float16 and query.dtype != torch.float16,
-        num_warps=num_warps, **extra)
+    _ATTN((num_kv_heads, programs, num_splits),
+          (query, k_cache, v_cache, ksc, vsc, ks, vs, query_start_loc, seq_lens, block_tables, out, part_o, part_ml,
+           float(scale), num_seqs, num_tokens, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+           *k_cache.stride()[:3], *sc[:3], block_tables.stride(0), split_len),
+          dict(G=group, G_PAD=g_pad, D=head_size, D_PAD=d_pad, PAGE=page, BLOCK_Q=block_q, BLOCK_N=block_n,
+               ADD_S=0 if decode else 1, QUANT=quant, K_PTR=k_ptr, V_PTR=v_ptr, WHOLE_PAGE=bool(whole_page_reads),
+               SPLIT=num_splits > 1, CDT=_TL[cdt], PREC="ieee" if cdt == torch.float32 else None,
+               FAST=_FAST.get((k_cache.dtype, cdt), 0) if fast_paths() else 0,
+               PRESCALE=cdt == torch.float16 and query.dtype != torch.float16),
+          num_warps=num_warps, **extra)
     if num_splits > 1:
-        _combine_kernel[(num_tokens, num_heads)](
-            part_o, part_ml, out, out.stride(0), out.stride(1), num_splits, num_tokens * num_heads,
-            D=head_size, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+        _COMBINE((num_tokens, num_heads),
+                 (part_o, part_ml, out, out.stride(0), out.stride(1), num_splits, num_tokens * num_heads),
+                 dict(D=head_size, D_PAD=d_pad, S_PAD=next_pow2(num_splits)), num_warps=4)
     return out

@@ -203,6 +203,7 @@ def run_bench(kinds=KINDS, size: str = "full", device="cuda", progress=None) -> 
 
     from kvdiag.kernels.bench_engine import engine_rows
     from kvdiag.kernels.bench_kernels import kernel_rows
+    from kvdiag.kernels.launch import direct_launch
     from kvdiag.kernels.store import fast_paths
 
     device = torch.device(device)
@@ -220,6 +221,6 @@ def run_bench(kinds=KINDS, size: str = "full", device="cuda", progress=None) -> 
             progress("engine rows (builtin vs transformers generate)")
         rows += engine_rows(device, tiny=size == "tiny", new_tokens=128 if size == "full" else 8)
     env = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-           "triton": triton.__version__, "fast_paths": fast_paths()}
+           "triton": triton.__version__, "fast_paths": fast_paths(), "direct_launch": direct_launch()}
     return {"environment": env, "size": size, "copy_gbps": copy, "rows": rows,
             "targets": judge(rows) if size == "full" else []}

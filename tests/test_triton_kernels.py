@@ -105,7 +105,8 @@ def _store_inputs(kv_dtype, size, model_dtype):
     return qkv[:, 1], qkv[:, 2], slots, (nb, bs, kvh, hd)  # K and V are strided views, as in the engine
 
 
-# KVDIAG_TRITON_FAST=1 (kvdiag.kernels.store.fast_paths) changes compiled kernels only: checked on the GPU
+# the fast paths (kvdiag.kernels.store.fast_paths, default; KVDIAG_TRITON_FAST=0 turns them off) change
+# compiled kernels only: both settings are checked on the GPU
 FAST = [False, True] if GPU else [False]
 
 
@@ -138,6 +139,21 @@ def test_store_matches_reference_bit_for_bit(kv_dtype, model_dtype, size, fast, 
         assert _same_bits(want, got)
     written = slots[slots >= 0]
     assert not ours[0].flatten(0, 1)[written].float().isnan().any()
+
+
+@in_process
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8_per_token_head"])
+def test_store_on_a_persistent_grid_matches_reference(kv_dtype):
+    """Fewer programs than tiles: each program loops over several tiles of tokens."""
+    key, value, slots, shape = _store_inputs(kv_dtype, "tiny", torch.bfloat16)
+    storage = BUILTIN_DTYPES[kv_dtype].torch_dtype(torch.bfloat16)
+    per_token = BUILTIN_DTYPES[kv_dtype].quant == "per_token_head"
+    want = [_poisoned(shape, storage), _poisoned(shape, storage)]
+    want += [_poisoned(shape[:3], torch.float32) for _ in range(2)] if per_token else [None, None]
+    got = [None if c is None else c.clone() for c in want]
+    reference.store_kv(key, value, *want[:2], slots, kv_dtype, 1.0, 1.0, *want[2:])
+    store.store_kv(key, value, *got[:2], slots, kv_dtype, 1.0, 1.0, *got[2:], block_t=2, programs=3, stages=2)
+    assert all(_same_bits(w, g) for w, g in zip(want, got))
 
 
 def _batches(size):
@@ -224,15 +240,55 @@ def _zero_tensors(size):
 
 @in_process
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("as_tensor", [False, True])
-def test_zero_blocks_zeroes_listed_blocks_of_every_tensor(size, as_tensor):
+@pytest.mark.parametrize("as_tensor,group", [(False, None), (True, None), (False, 3)])
+def test_zero_blocks_zeroes_listed_blocks_of_every_tensor(size, as_tensor, group):
+    """``group``: tensors per program (3: several programs per block, the last one's group partial)."""
     tensors, ids = _zero_tensors(size)
     want = [t.clone() for t in tensors]
     reference.zero_blocks(ids, want)
-    zero.zero_blocks(torch.tensor(ids, device=DEV) if as_tensor else ids, tensors + [None])
+    zero.zero_blocks(torch.tensor(ids, device=DEV) if as_tensor else ids, tensors + [None], group=group or zero.GROUP)
     for w, t in zip(want, tensors):
         assert _same_bits(w, t)
     assert (tensors[0][ids].float() == 0).all()
+
+
+@in_process
+def test_zero_blocks_reuses_its_plan_only_for_the_same_live_tensors():
+    """zero.py caches each tensor list's offset table without keeping the tensors alive; a new list in the
+    old one's place (same ids possible once freed) gets a new table."""
+    import gc
+    import weakref
+
+    for _ in range(2):
+        tensors, ids = _zero_tensors("tiny")
+        want = [t.clone() for t in tensors]
+        for i in ids:  # one block per call: the second and third reuse the plan
+            reference.zero_blocks([i], want)
+            zero.zero_blocks([i], tensors)
+        assert all(_same_bits(w, t) for w, t in zip(want, tensors))
+        ref = weakref.ref(tensors[0])
+        del tensors, want
+        gc.collect()
+        assert ref() is None
+
+
+@pytest.mark.skipif(not GPU, reason="direct launches happen on the GPU only")
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_direct_launches_keep_alignment_specializations_apart(direct, monkeypatch):
+    """kernels/launch.py reuses a compiled kernel only for arguments of the same specialization: a query whose
+    address and head stride are not multiples of 16 (launched after aligned ones) still gives the right
+    result, directly launched or through Triton's dispatch."""
+    monkeypatch.setenv("KVDIAG_TRITON_DIRECT", direct)
+    b = paged_batch("int8_per_token_head", [1] * 4, [40, 7, 33, 64], 8, 2, 64, 16, torch.bfloat16, DEV, seed=5)
+    want = reference.paged_attention(*b.args())
+    for _ in range(2):
+        assert _rel_err(attention.paged_attention(*b.args()), want) < 1e-2
+    wide = torch.zeros(4, 8, 65, dtype=torch.bfloat16, device=DEV)
+    wide[:, :, 1:] = b.query
+    b.query = wide[:, :, 1:]  # 2 bytes past a 16-byte boundary, head stride 65
+    assert b.query.data_ptr() % 16 and b.query.stride(1) % 16
+    for _ in range(2):
+        assert _rel_err(attention.paged_attention(*b.args()), want) < 1e-2
 
 
 @pytest.mark.skipif(not GPU, reason="dispatch picks Triton only for CUDA tensors")
