@@ -63,6 +63,7 @@ def analyze(run, faults: list, checks: list[str]) -> None:
     from kvdiag.results import RunRecord
 
     jobs = jobs_of(run.cases)
+    analyses = {}  # "check/subject": what accuracy / dtypes --check put in their run.analysis
     for (subject, check), recs in jobs.items():
         if check not in plan.COMPARES_TO_BASELINE:
             continue
@@ -71,10 +72,12 @@ def analyze(run, faults: list, checks: list[str]) -> None:
             accuracy.analyze(sub, baseline=plan.BASELINE, max_drop=MAX_DROP, alpha=ALPHA)
         else:
             dtypes_matrix.analyze(sub)
+        analyses[f"{check}/{subject}"] = sub.analysis
     clean = {c: clean_cell(jobs.get((CLEAN, c), [])) for c in checks}
     rows = [fault_row(f, checks, jobs) for f in faults]
     ok = all(c["mark"] != "findings" for c in clean.values()) and all(r["caught_by_intended"] for r in rows)
-    run.analysis["selftest"] = {"checks": list(checks), "clean": clean, "faults": rows, "ok": ok}
+    run.analysis["selftest"] = {"checks": list(checks), "clean": clean, "faults": rows, "ok": ok,
+                                "analyses": analyses}
 
 
 def exit_code(run) -> int:

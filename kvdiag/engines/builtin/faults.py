@@ -22,14 +22,14 @@ KV state across sleep/wake and fresh blocks (S2, S3):
 - ``stale_views_after_wake`` (S2): the per-layer cache views and the pointer/stride
   tables attention reads through are neither dropped at sleep nor rebuilt at wake:
   attention keeps reading the old tensors while new K/V is written to the new ones.
-- ``fp8_scales_lost_on_wake``: after a level-2 wake the per-tensor fp8 ``k_scale``/
+- ``fp8_scales_lost_on_wake`` (S2): after a level-2 wake the per-tensor fp8 ``k_scale``/
   ``v_scale`` come back as 0.0 instead of the checkpoint's values (or 1.0).
 - ``whole_page_reads`` (S3): attention reads every slot of a sequence's last block,
   masking scores with -inf but multiplying V there by weight 0 (NaN propagates).
 - ``no_zero_fresh_blocks`` (S3): freshly allocated blocks are not zeroed.
   Each S3 half alone is harmless; ``unzeroed_page_reads`` (an alias) switches on both: the bug.
 
-Memory held after shutdown (S4, ``memleak``), applied by :meth:`Faults.on_start`:
+Memory held after shutdown (S0, S4: ``memleak``), applied by :meth:`Faults.on_start`:
 
 - ``lru_cache_bound_method``: a module-level ``functools.lru_cache`` is called with the
   model's bound ``forward``; the cache keeps the model (weights) alive after shutdown.
