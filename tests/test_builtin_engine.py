@@ -299,3 +299,44 @@ def test_fault_whole_page_reads_of_unzeroed_blocks_spreads_nan(model, faults):
     else:
         assert got == ref
     e.shutdown()
+
+
+def test_fault_explicit_bf16_rejected_refuses_only_the_explicit_bfloat16(model):
+    with pytest.raises(ValueError, match="^Unsupported data type of kv cache: bfloat16$"):
+        _start(model, kv_cache_dtype="bf16", faults=("explicit_bf16_rejected",))
+    for dtype in ("auto", "float16", "fp8"):
+        e = _start(model, kv_cache_dtype=dtype, faults=("explicit_bf16_rejected",))
+        assert e.kv.kv_dtype == dtype
+        e.shutdown()
+
+
+def test_fault_explicit_bf16_misdispatch_runs_the_fp8_path(model):
+    out, stored = {}, {}
+    e = BuiltinEngine()
+    for dtype, faults in (("bfloat16", ()), ("bfloat16", ("explicit_bf16_misdispatch",)), ("fp8", ()),
+                          ("float16", ("explicit_bf16_misdispatch",))):
+        e.start(EngineSpec(model=model, device=DEV, kv_cache_dtype=dtype, faults=faults, num_blocks=16,
+                           engine_args={"ignore_eos": True}))
+        assert e.spec.kv_cache_dtype == dtype  # what the engine says it runs
+        stored[dtype, faults] = e.kv_blocks().layers[0].k.dtype  # what it really stores
+        out[dtype, faults] = _greedy(e, PROMPTS[:2], n=8)
+    e.shutdown()
+    bad = ("bfloat16", ("explicit_bf16_misdispatch",))
+    assert stored[bad] == torch.float8_e4m3fn and stored["bfloat16", ()] == torch.bfloat16
+    assert stored["float16", ("explicit_bf16_misdispatch",)] == torch.float16  # only 'bfloat16' is mis-dispatched
+    assert out[bad] == out["fp8", ()] != out["bfloat16", ()]
+
+
+def test_fault_v_with_k_scales_changes_outputs_where_the_scales_differ(model, tmp_path):
+    def run(path, dtype, faulty):
+        e = _start(path, kv_cache_dtype=dtype, faults=("v_with_k_scales",) if faulty else (), num_blocks=16)
+        got = e.score(PROMPTS[:2], [" the end"] * 2, top_k=-1)
+        e.shutdown()
+        return torch.stack([s.distributions[-1] for s in got])
+
+    for dtype in ("int8_per_token_head", "fp8_per_token_head"):  # K's and V's per-token scales always differ
+        assert (run(model, dtype, True) - run(model, dtype, False)).abs().max() > 0.05, dtype
+    scaled = _with_scales(model, tmp_path)  # per-tensor: k_scale 0.02, v_scale 0.03
+    assert (run(scaled, "fp8", True) - run(scaled, "fp8", False)).abs().max() > 0.05
+    assert torch.equal(run(model, "fp8", True), run(model, "fp8", False))  # no checkpoint scales: both 1.0
+    assert torch.equal(run(model, "auto", True), run(model, "auto", False))

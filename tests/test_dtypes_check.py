@@ -67,3 +67,35 @@ def test_listing_is_unchanged_and_bad_input_exits_2():
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "int4" in r.stderr
     r = kvdiag("dtypes", "--check", "-m", "/nonexistent/model")
     assert r.returncode == 2 and "model not found" in r.stderr
+
+
+def test_refusing_the_models_own_dtype_is_wrong_not_unsupported(tmp_path):
+    """Bug S1: an explicit dtype equal to the model's (what auto stores) must start; other refusals are fine."""
+    import torch
+
+    from kvdiag.checks import drift, dtypes_matrix
+    from kvdiag.results import CaseResult, RunRecord
+
+    (tmp_path / "artifacts").mkdir()
+    drift.save({"over": "full", "dists": [torch.log_softmax(torch.zeros(2, 5), -1)], "chosen": [[-1.0, -1.0]],
+                "greedy": [[1]], "greedy_logprobs": [[-0.1]]}, tmp_path / "artifacts" / "auto.pt")
+    base = CaseResult(id="auto", check="dtypes", engine="e", model="m", kv_dtype="auto", status="pass",
+                      params={"role": "baseline"}, metrics={"started": True, "finite": True, "model_dtype": "bfloat16",
+                                                            "artifacts": {"drift": "auto.pt"}})
+
+    def refused(dtype):
+        rec = CaseResult(id=dtype, check="dtypes", engine="e", model="m", kv_dtype=dtype, status="skipped",
+                         params={"role": "test"}, metrics={"row": "unsupported", "reason": f"no {dtype} here"})
+        rec.add("info", "unsupported", f"no {dtype} here")
+        return rec
+
+    run = RunRecord("t", "t", [base, refused("bfloat16"), refused("float16"), refused("fp8_e5m2")], {},
+                    run_dir=str(tmp_path))
+    for _ in range(2):  # analysed again (as --resume does): the same verdict, no duplicated finding
+        dtypes_matrix.analyze(run)
+        rows = {r["kv_dtype"]: r for r in run.analysis["dtypes"]["rows"]}
+        assert {k: v["result"] for k, v in rows.items()} == {"auto": "pass", "bfloat16": "wrong",
+                                                             "float16": "unsupported", "fp8_e5m2": "unsupported"}
+        assert "refused it: no bfloat16 here" in rows["bfloat16"]["detail"]
+        assert [c.status for c in run.cases] == ["pass", "fail", "skipped", "skipped"]
+        assert [f.kind for f in run.cases[1].findings] == ["unsupported", "wrong"]

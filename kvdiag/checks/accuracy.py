@@ -26,7 +26,7 @@ _STARTED: list = []  # non-empty once this worker ran its first case
 
 def run_case(case, ctx):
     """One dtype: drift probe, then the lm_eval tasks."""
-    from kvdiag.checks.prompts import prompt_set
+    from kvdiag.checks.prompts import case_prompts
     from kvdiag.lm_eval_adapter import EngineLM, run_tasks
 
     p, times = case.params, {"startup": _startup_once()}
@@ -39,7 +39,7 @@ def run_case(case, ctx):
         return rec
     times["engine_start"] = _lap(t)
     t = time.perf_counter()
-    probe = drift.collect(engine, prompt_set(case.model, p.get("prompts", "auto")))
+    probe = drift.collect(engine, case_prompts(case))
     drift.save(probe, ctx.artifact(case, DRIFT))
     times["drift"] = _lap(t)
     t = time.perf_counter()

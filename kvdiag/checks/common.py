@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 from kvdiag.engines.base import Engine, EngineSpec, create_engine
+
+TEST_DISABLE_ENV = "KVDIAG_TEST_DISABLE"
 
 SPEC_FIELDS = ("max_model_len", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "device", "dtype",
                "seed", "enable_sleep")
@@ -32,3 +36,10 @@ def device_info() -> dict:
         info["device_name"] = torch.cuda.get_device_name()
         info["cuda_version"] = torch.version.cuda
     return info
+
+
+def detector_disabled(name: str) -> bool:
+    """For kvdiag's own tests only: ``KVDIAG_TEST_DISABLE=memleak.holders`` (comma-separated names) switches
+    that detector off, so a test can show that `kvdiag selftest` reports the fault it exists for as missed.
+    Detectors: ``memleak.holders`` (the referrer census that names what holds a surviving tensor)."""
+    return name in os.environ.get(TEST_DISABLE_ENV, "").replace(" ", "").split(",")

@@ -4,8 +4,9 @@ For every dtype string the engine knows: does the engine start with it, does a s
 greedy generation come back finite, is an explicit unquantized dtype equal to the
 model's dtype bit-identical to ``auto``, is the drift against ``auto`` within the
 dtype family's limits. Rows: ``pass``, ``unsupported`` (the engine's own words),
-``crashed``, ``wrong``. Each dtype runs in its own worker, so one bad dtype never
-stops the matrix.
+``crashed``, ``wrong``. An explicit unquantized dtype equal to the model's dtype is what
+``auto`` stores: refusing it while ``auto`` works is ``wrong`` (bug S1), not ``unsupported``.
+Each dtype runs in its own worker, so one bad dtype never stops the matrix.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ UNSUPPORTED = (EngineUnsupported, NotImplementedError, ValueError)
 
 def run_case(case, ctx):
     """Start the engine with one dtype and probe it (the drift prompts, teacher-forced and greedy)."""
-    from kvdiag.checks.prompts import prompt_set
+    from kvdiag.checks.prompts import case_prompts
 
     try:
         engine = acquire_engine(case)
@@ -31,7 +32,7 @@ def run_case(case, ctx):
         rec.add("info", "unsupported", msg, exception=type(e).__name__)
         return rec
     try:
-        probe = drift.collect(engine, prompt_set(case.model, case.params.get("prompts", "auto")))
+        probe = drift.collect(engine, case_prompts(case))
     except Exception as e:  # noqa: BLE001 - it started, then failed: a crash of this dtype, not of kvdiag
         import traceback
 
@@ -55,6 +56,8 @@ def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) 
     folder = Path(run.run_dir) / "artifacts"
     for rec in run.cases:
         reset(rec)
+        if rec.metrics.get("reason") is not None and rec.status == "fail":  # a refusal an earlier analysis judged
+            rec.findings, rec.status = [f for f in rec.findings if f.kind != "wrong"], "skipped"
     base = next((c for c in run.cases if c.params.get("role") == "baseline"), None)
     usable = base is not None and base.status == "pass" and base.metrics.get("finite")
     base_probe = _probe(folder, base) if usable else None
@@ -77,7 +80,12 @@ def _row(rec, base, base_probe, folder: Path, max_kl, min_top1) -> dict:
            "detail": ""}
     first = rec.findings[0].message if rec.findings else ""
     if rec.status == "skipped":
-        return {**row, "result": "unsupported", "detail": rec.metrics.get("reason", first)}
+        reason = rec.metrics.get("reason", first)
+        if base is not None and base.status == "pass" and rec is not base and \
+                drift.family(rec.kv_dtype, base.metrics.get("model_dtype")) == "identical":
+            return {**row, "result": "wrong", "detail": f"explicit '{rec.kv_dtype}' is the model's dtype (what "
+                    f"'{base.kv_dtype}' stores, and that started) but the engine refused it: {reason}"}
+        return {**row, "result": "unsupported", "detail": reason}
     if rec.status != "pass":
         return {**row, "result": "crashed", "detail": first or rec.status}
     if not rec.metrics.get("finite"):

@@ -8,11 +8,11 @@ import math
 from dataclasses import dataclass, field
 
 
-def prompt_texts(model: str) -> list[str]:
-    """The generation prompts of the fixed prompt set for ``model`` (kvdiag.checks.prompts)."""
+def prompt_texts(model: str, limit: int | None = None) -> list[str]:
+    """The generation prompts of the fixed prompt set for ``model`` (kvdiag.checks.prompts); the first ``limit``."""
     from kvdiag.checks.prompts import prompt_set
 
-    return [p.generate for p in prompt_set(model)]
+    return [p.generate for p in prompt_set(model, limit=limit)]
 
 
 LOGPROB_TOL = 1e-4  # |Δ logprob| allowed when tokens are identical (same kernels, same inputs)

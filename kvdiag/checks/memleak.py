@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from kvdiag.checks import greedy
-from kvdiag.checks.common import engine_spec
+from kvdiag.checks.common import detector_disabled, engine_spec
 from kvdiag.engines.base import create_engine
 from kvdiag.errors import EngineUnsupported
 from kvdiag.memory import MiB, Census, Snapshot, Survivors, cleanup, snapshot, survivors, take_census
@@ -64,7 +64,8 @@ def run(case, ctx):
         except EngineUnsupported as e:
             return greedy.skipped(case, str(e))
     counts = [c.survivors.small_count for c in cycles]
-    if len(counts) > 1 and all(b > a for a, b in zip(counts, counts[1:])):  # tiny survivors that keep coming
+    if len(counts) > 1 and all(b > a for a, b in zip(counts, counts[1:])) and \
+            not detector_disabled("memleak.holders"):  # tiny survivors that keep coming
         from kvdiag.memory_holders import holders
 
         last = cycles[-1].survivors
@@ -110,7 +111,7 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
     s = survivors(base, now)
     del now
     held = holders(s.keys, {id(engine): f"the engine object ({type(engine).__name__}) after shutdown()"}) \
-        if s.keys else []
+        if s.keys and not detector_disabled("memleak.holders") else []
     return Cycle(s, held)
 
 

@@ -53,7 +53,7 @@ def run(case, ctx):
     """Case function (runner target ``kvdiag.checks.poison:run``)."""
     p = PoisonParams.from_case(case)
     spec = engine_spec(case)
-    prompts = greedy.prompt_texts(case.model)
+    prompts = greedy.prompt_texts(case.model, case.params.get("num_prompts"))
     waves = workload(prompts, spec.block_size)
     if case.params.get("num_blocks") is None and case.params.get("kv_cache_memory") is None:
         spec.num_blocks = blocks_needed(waves, spec.block_size)

@@ -80,12 +80,18 @@ def is_shipped_model(model: str) -> bool:
         return False
 
 
-def prompt_set(model: str, kind: str = "auto") -> list[Prompt]:
-    """``recall`` for the shipped model (``auto``), ``text`` for other models; or as asked."""
+def prompt_set(model: str, kind: str = "auto", limit: int | None = None) -> list[Prompt]:
+    """``recall`` for the shipped model (``auto``), ``text`` for other models; or as asked.
+    ``limit``: only the first prompts (the shortest recall ones), e.g. for ``kvdiag selftest``."""
     if kind == "auto":
         kind = "recall" if is_shipped_model(model) else "text"
     if kind == "recall":
-        return recall_prompts()
+        return recall_prompts()[:limit]
     if kind == "text":
-        return text_prompts()
+        return text_prompts()[:limit]
     raise ValueError(f"unknown prompt set '{kind}' (recall, text, auto)")
+
+
+def case_prompts(case) -> list[Prompt]:
+    """The prompts a case asks for: ``params['prompts']`` (the set) and ``params['num_prompts']`` (how many)."""
+    return prompt_set(case.model, case.params.get("prompts") or "auto", case.params.get("num_prompts"))

@@ -55,7 +55,7 @@ def run(case, ctx):
 
 
 def _run_cycles(case, engine, p: WakeParams):
-    prompts = greedy.prompt_texts(case.model)
+    prompts = greedy.prompt_texts(case.model, case.params.get("num_prompts"))
     base = engine.generate(prompts, p.max_tokens, greedy=True)
     expected = _expected_bytes(engine, p.level)
     rec = case.result("pass", metrics={"level": p.level, "staged": p.staged, "prompts": len(prompts),

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     except click_exc.ClickException as e:
         print(f"kvdiag: error: {e.format_message()}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except click_exc.Abort:
+    except getattr(click_exc, "Abort", typer.Abort):  # typer's vendored click has no Abort in exceptions
         print("kvdiag: interrupted", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:

@@ -172,8 +172,12 @@ def execute(
     env: dict | None = None,
     analyze: Callable | None = None,
     render: Callable | None = None,
+    judge: Callable | None = None,
 ) -> int:
-    """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed)."""
+    """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed).
+
+    ``judge(run)``, when given, decides the exit code after the analysis instead of the case statuses.
+    """
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
     from kvdiag.runner import run_cases
 
@@ -188,7 +192,7 @@ def execute(
     if analyze is not None:
         analyze(run)  # may update case statuses/findings (re-appended) and fill run.analysis
     run.summary = summarize(run.cases)
-    run.exit_code = exit_code_for(run.cases)
+    run.exit_code = judge(run) if judge is not None else exit_code_for(run.cases)
     run.finished = now()
     write_run_json(run_dir, run)
     if fmt.value == "json":

@@ -67,6 +67,7 @@ class BuiltinEngine:
     def start(self, spec: EngineSpec) -> None:
         kv_dtype = dtypes.resolve(spec.kv_cache_dtype, self.supported_kv_dtypes())
         faults = Faults.parse(spec.faults)
+        faults.check_kv_dtype(kv_dtype)  # fault explicit_bf16_rejected; nothing otherwise
         device = _device(spec.device)
         path = loader.resolve_model_path(spec.model)
         cfg = ModelConfig.from_path(path)
@@ -97,15 +98,17 @@ class BuiltinEngine:
 
     def _allocate_kv(self, rebuild_tables: bool = True) -> None:
         spec, cfg = self.spec, self.cfg
+        kv_dtype = self.faults.kv_path(spec.kv_cache_dtype)  # spec's dtype, unless explicit_bf16_misdispatch
         if self.kv is None:
             per_block = KVCache.block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.block_size,
-                                            spec.kv_cache_dtype, self.dtype)
+                                            kv_dtype, self.dtype)
             num_blocks = spec.num_blocks or spec.kv_cache_memory // per_block
             if num_blocks < 1:
                 raise UserError(f"kv_cache_memory {spec.kv_cache_memory} B holds no block of {per_block} B")
             self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, spec.block_size, num_blocks,
-                              spec.kv_cache_dtype, self.dtype, self.device)
+                              kv_dtype, self.dtype, self.device)
         self.kv.whole_page_reads = self.faults.whole_page_reads
+        self.kv.v_with_k_scales = self.faults.v_with_k_scales
         ones = [1.0] * cfg.num_layers
         self.kv.allocate(*(self.kv_scales or (ones, ones)))
         if rebuild_tables:

@@ -1,22 +1,40 @@
 """Bugs the builtin engine can re-introduce on purpose, so kvdiag's checks can be shown to catch them.
 
-Enabled by ``EngineSpec.faults`` (names below); all are off by default.
+Enabled by ``EngineSpec.faults`` (names below; ``--fault`` on the command line); all are off by
+default. ``kvdiag selftest`` runs each through the checks (the catalogue, with each fault's bug class
+and intended check, is ``kvdiag/checks/selftest_plan.py``).
+
+Wrong results (bug class S1 and accuracy):
+
+- ``explicit_bf16_rejected`` (S1): starting with ``kv_cache_dtype="bfloat16"`` raises
+  ``ValueError("Unsupported data type of kv cache: bfloat16")`` although ``auto`` (the same
+  storage on a bf16 model) works.
+- ``explicit_bf16_misdispatch`` (S1): an explicit ``bfloat16`` falls through to the fp8 branch:
+  K/V are stored as float8_e4m3 (scale 1.0) while ``auto`` stores bf16; it runs, but is not
+  bit-identical to ``auto``.
+- ``v_with_k_scales``: attention dequantizes V with K's scales (the per-tensor ``k_scale``,
+  and K's per-(token, head) scale cache for the per-token-head dtypes). Visible wherever the
+  two differ: always for the per-token-head dtypes; for fp8 only with a checkpoint whose
+  ``k_scale`` and ``v_scale`` differ (the shipped model has none: both 1.0).
+
+KV state across sleep/wake and fresh blocks (S2, S3):
 
 - ``stale_views_after_wake`` (S2): the per-layer cache views and the pointer/stride
   tables attention reads through are neither dropped at sleep nor rebuilt at wake:
   attention keeps reading the old tensors while new K/V is written to the new ones.
-- ``fp8_scales_lost_on_wake``: after a level-2 wake the per-tensor fp8 ``k_scale``/
+- ``fp8_scales_lost_on_wake`` (S2): after a level-2 wake the per-tensor fp8 ``k_scale``/
   ``v_scale`` come back as 0.0 instead of the checkpoint's values (or 1.0).
 - ``whole_page_reads`` (S3): attention reads every slot of a sequence's last block,
   masking scores with -inf but multiplying V there by weight 0 (NaN propagates).
 - ``no_zero_fresh_blocks`` (S3): freshly allocated blocks are not zeroed.
+  Each S3 half alone is harmless; ``unzeroed_page_reads`` (an alias) switches on both: the bug.
 
-Memory held after shutdown (S4, ``memleak``), applied by :meth:`Faults.on_start`:
+Memory held after shutdown (S0, S4: ``memleak``), applied by :meth:`Faults.on_start`:
 
 - ``lru_cache_bound_method``: a module-level ``functools.lru_cache`` is called with the
   model's bound ``forward``; the cache keeps the model (weights) alive after shutdown.
 - ``gc_freeze_not_undone``: ``gc.freeze()`` at the end of start, no ``gc.unfreeze()`` at shutdown.
-- ``scale_cache_registry``: the per-token-head scale caches (int8/fp8_per_token_head only)
+- ``scale_cache_registry`` (S0): the per-token-head scale caches (int8/fp8_per_token_head only)
   are kept in a module-level registry after shutdown.
 - ``global_kv_list``: the KV tensors are appended to a module-level list on every start.
 """
@@ -33,8 +51,14 @@ from kvdiag.errors import UserError
 ALIASES = {"unzeroed_page_reads": ("whole_page_reads", "no_zero_fresh_blocks")}
 
 
+UNSUPPORTED_BF16 = "Unsupported data type of kv cache: bfloat16"
+
+
 @dataclass(frozen=True)
 class Faults:
+    explicit_bf16_rejected: bool = False
+    explicit_bf16_misdispatch: bool = False
+    v_with_k_scales: bool = False
     stale_views_after_wake: bool = False
     fp8_scales_lost_on_wake: bool = False
     whole_page_reads: bool = False
@@ -68,6 +92,15 @@ class Faults:
 
     def __contains__(self, name: str) -> bool:
         return bool(getattr(self, name, False))
+
+    def check_kv_dtype(self, kv_dtype: str) -> None:
+        """explicit_bf16_rejected: the start-time dtype check that does not know 'bfloat16'."""
+        if self.explicit_bf16_rejected and kv_dtype == "bfloat16":
+            raise ValueError(UNSUPPORTED_BF16)
+
+    def kv_path(self, kv_dtype: str) -> str:
+        """The dtype whose cache and kernels actually run (explicit_bf16_misdispatch: 'bfloat16' -> fp8)."""
+        return "fp8" if self.explicit_bf16_misdispatch and kv_dtype == "bfloat16" else kv_dtype
 
     def on_start(self, engine) -> None:
         """The memleak faults, applied once the engine has started (the model and KV cache exist)."""

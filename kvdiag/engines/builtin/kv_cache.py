@@ -41,7 +41,8 @@ class KVCache:
         self.spec = BUILTIN_DTYPES[kv_dtype]
         self.storage = self.spec.torch_dtype(model_dtype)
         self.device = device
-        self.whole_page_reads = False
+        self.whole_page_reads = False  # fault whole_page_reads (S3)
+        self.v_with_k_scales = False  # fault v_with_k_scales: V dequantized with K's scales
         self.layers: list[KVLayer] = []
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
@@ -112,6 +113,9 @@ class KVCache:
 
     def attend(self, layer: int, q: torch.Tensor, meta: AttnMetadata, scale: float) -> torch.Tensor:
         c = self.views[layer]
+        v_scale, v_scale_cache = self.v_scales[layer], c.v_scale
+        if self.v_with_k_scales:
+            v_scale, v_scale_cache = self.k_scales[layer], c.k_scale
         return dispatch.paged_attention(q, c.k, c.v, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-                                        self.kv_dtype, self.k_scales[layer], self.v_scales[layer], c.k_scale,
-                                        c.v_scale, whole_page_reads=self.whole_page_reads)
+                                        self.kv_dtype, self.k_scales[layer], v_scale, c.k_scale, v_scale_cache,
+                                        whole_page_reads=self.whole_page_reads)
