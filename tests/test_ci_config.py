@@ -62,3 +62,50 @@ def test_shipped_config_builds_cases_for_every_check():
         f"wake-cycle/builtin/tiny-llama/{d}/L{lv}" for d in ("auto", "fp8") for lv in (1, 2)}
     assert all(c.timeout == 600 for c in cases)
     assert len({c.id for c in cases}) == len(cases)
+
+
+def test_config_is_found_in_the_current_folder(tmp_path, monkeypatch, capsys):
+    from kvdiag.cli.ci_config import find_config
+
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(capsys, "ci")
+    assert code == 2 and "no config" in err and err.count("\n") == 1
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    assert run_cli(capsys, "ci")[0] == 2
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n[tool.kvdiag.memleak]\ncycles = 1\n')
+    assert find_config() == Path("pyproject.toml")
+    (tmp_path / "kvdiag.toml").write_text("[memleak]\n")
+    assert find_config() == Path("kvdiag.toml")
+
+
+def test_bad_baseline_exits_2_before_anything_runs(tmp_path, capsys):
+    cfg = tmp_path / "kvdiag.toml"
+    cfg.write_text('kv_dtypes = ["auto"]\nbaseline = "missing.json"\n[memleak]\n')
+    code, err = run_cli(capsys, "ci", "--config", str(cfg), "-o", str(tmp_path / "run"))
+    assert code == 2 and err.startswith(f"kvdiag: error: {cfg}:2: baseline not found"), err
+    (tmp_path / "bad.json").write_text('{"cases": []}')
+    code, err = run_cli(capsys, "ci", "--config", str(cfg), "-o", str(tmp_path / "run"), "--baseline",
+                        str(tmp_path / "bad.json"))
+    assert code == 2 and "not a kvdiag baseline" in err and err.count("\n") == 1, err
+    code, err = run_cli(capsys, "compare", str(tmp_path / "bad.json"), str(tmp_path))
+    assert code == 2 and "not a kvdiag baseline" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_several_models_get_their_own_groups_and_analyses(tmp_path):
+    import shutil
+
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.cli.ci_config import load_config
+    from kvdiag.cli.ci_suite import build_suite
+
+    shutil.copytree(TINY_MODEL, tmp_path / "other")
+    cfg = tmp_path / "kvdiag.toml"
+    cfg.write_text('models = ["tiny-llama", "other"]\nkv_dtypes = ["auto", "fp8"]\nisolate = "run"\n'
+                   '[accuracy]\ntasks = ["kv_recall"]\n[dtypes]\nengines = ["builtin"]\n[poison]\ntimeout = 30\n')
+    cases, analyzers = build_suite(load_config(cfg))
+    assert len(cases) == 3 * 2 * 2 and len(analyzers) == 4  # accuracy and dtypes, per model
+    groups = {c.group for c in cases}
+    assert groups == {f"{chk}/builtin/{m}" for chk in ("accuracy", "dtypes", "poison") for m in ("tiny-llama", "other")}
+    assert {c.model for c in cases} == {str(TINY_MODEL), str(tmp_path / "other")}
+    assert [c.timeout for c in cases if c.check == "poison"] == [30] * 4

@@ -76,3 +76,23 @@ def test_memory_growth_and_retained_tensors():
     assert bad == {"growth/cycle rss MiB", "retained tensor MiB"}
     assert rows_of(result, "growth/cycle rss MiB")[0]["delta"] == pytest.approx(41.0 - 0.4)
     assert compare(side([clean]), side([mem([40.0], [0.0])]), mem_tolerance_mib=50)["regressed"] is False
+
+
+def test_table_and_json_render_every_verdict():
+    import io
+    import json
+
+    from rich.console import Console
+
+    from kvdiag.report.compare import render_table
+    from kvdiag.results import _clean
+
+    old = [rec("memleak", "auto"), rec("memleak", "fp8", "crashed"), rec("accuracy", "fp8", scores=scores(0.9, 0.02))]
+    new = [rec("memleak", "auto", "crashed"), rec("memleak", "bfloat16"), rec("accuracy", "fp8", scores=scores(0.9, 0.02))]
+    result = compare(side(old), side(new))
+    con = Console(file=io.StringIO(), width=200)
+    render_table(result, con)
+    text = con.file.getvalue()
+    for word in ("REGRESSED", "regression", "missing", "new", "ok", "kv_recall acc", "stderr p=1"):
+        assert word in text, text
+    assert json.loads(json.dumps(_clean(result)))["regressed"] is True

@@ -37,6 +37,12 @@ def ci(
     Writes results.jsonl, run.json, report.md (appended to $GITHUB_STEP_SUMMARY when set),
     report.html (plots) and junit.xml. Exit code 0 when every case passed or was skipped
     (and nothing regressed against --baseline), 1 otherwise, 2 for a bad config (file:line).
+
+    Config keys: top level engines, models ("tiny-llama" = the shipped model), kv_dtypes, device,
+    engine_args, timeout, isolate (defaults for every check), jobs, output_dir, baseline; a table per
+    check to run, [memleak] [accuracy] [wake-cycle] [poison] [dtypes], with that command's options
+    (cycles, threshold_mib, tasks, limit, max_drop, alpha, levels, value, ...); [compare] max_drop,
+    alpha, mem_tolerance_mib. An unknown key is an error that lists the valid ones.
     """
     from kvdiag.cli.accuracy_cmd import worker_env
     from kvdiag.cli.ci_config import find_config, load_config
@@ -47,7 +53,6 @@ def ci(
 
     cfg = load_config(config or find_config())
     cases, analyzers = build_suite(cfg)
-    run_dir = _run_dir(cfg, output_dir, resume)
     base_path = baseline or (Path(cfg.baseline) if cfg.baseline else None)
     if update_baseline and base_path is None:
         raise UserError("--update-baseline needs --baseline PATH (or 'baseline' in the config)")
@@ -59,6 +64,7 @@ def ci(
             raise (cfg.error(str(e), None, "baseline") if baseline is None else e) from None
     if update_baseline:
         _check_writable(base_path)
+    run_dir = _run_dir(cfg, output_dir, resume)
     jobs = jobs or cfg.jobs
 
     def finish(run) -> None:

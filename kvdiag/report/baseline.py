@@ -36,13 +36,15 @@ def _samples_of(run_dir: Path, rec) -> dict | None:
         return None
 
 
-def side_of_run(run, label: str | None = None) -> Side:
+def side_of_run(run, label: str | None = None, run_dir=None) -> Side:
+    """A run as one side of a comparison; samples come from ``run_dir`` (default: where the run says it is)."""
+    run_dir = run_dir or run.run_dir
     samples = {}
     for c in run.cases:
-        s = _samples_of(Path(run.run_dir or "."), c) if run.run_dir else None
+        s = _samples_of(Path(run_dir), c) if run_dir else None
         if s is not None:
             samples[c.id] = s
-    return Side(label or str(run.run_dir), {c.id: c for c in run.cases}, samples, run.command, run.started)
+    return Side(label or str(run_dir), {c.id: c for c in run.cases}, samples, run.command, run.started)
 
 
 def load_side(path) -> Side:
@@ -53,7 +55,7 @@ def load_side(path) -> Side:
     if path.is_file() and path.name in ("run.json", "results.jsonl"):
         path = path.parent
     if path.is_dir():
-        return side_of_run(load_run(path), str(path))
+        return side_of_run(load_run(path), str(path), path)  # a copied run dir: its own artifacts
     if not path.exists():
         raise UserError(f"baseline not found: {path} (give a run directory or a baseline .json file)")
     try:

@@ -144,11 +144,15 @@ def render_table(result: dict, con, title: str | None = None) -> None:
     for r in sorted(result["rows"], key=lambda r: ORDER.index(r["verdict"])):
         t.add_row(escape(r["id"]), escape(r["what"]), fmt_value(r["old"]), fmt_value(r["new"]),
                   "-" if r["delta"] is None else f"{r['delta']:+.4g}", escape(stat_text(r)),
-                  f"[{STYLE[r['verdict']]}]{r['verdict']}[/]" + (f" {escape(r['message'])}" if r.get("message") else ""))
+                  _styled(r["verdict"]) + (f" {escape(r['message'])}" if r.get("message") else ""))
     con.print(t)
     c = result["counts"]
     con.print(("[bold red]REGRESSED[/]" if result["regressed"] else "[green]no regression[/]") + ": "
               + ", ".join(f"{n} {k}" for k, n in c.items() if n))
+
+
+def _styled(verdict: str) -> str:
+    return f"[{STYLE[verdict]}]{verdict}[/]" if STYLE.get(verdict) else verdict
 
 
 def stat_text(r: dict) -> str:

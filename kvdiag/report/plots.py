@@ -98,6 +98,9 @@ def accuracy_plots(cases, suffix: str = "") -> list[str]:
             se = sc.get("stderr") if isinstance(sc.get("stderr"), (int, float)) else None
             bars.append((c.kv_dtype, sc["score"], None if se is None else sc["score"] - Z95 * se,
                          None if se is None else sc["score"] + Z95 * se))
+        if all(b[1] is None or 0 <= b[1] <= 1 for b in bars):  # a proportion: the interval stays in [0, 1]
+            bars = [(lb, v, None if lo is None else max(lo, 0.0), None if hi is None else min(hi, 1.0))
+                    for lb, v, lo, hi in bars]
         out.append(bar_chart(f"{task} {metric} per kv dtype{suffix} (± 95% interval from stderr)", metric, bars,
                              xlabel="kv-cache dtype", colors=list(range(len(bars)))))
         deltas = []
