@@ -78,10 +78,21 @@ def _clean(obj):
 def append_jsonl(path: Path, record: CaseResult) -> None:
     """Append one record and fsync, so a killed kvdiag loses no finished case."""
     line = json.dumps(record.to_json(), sort_keys=False) + "\n"
+    if _ends_mid_line(path):  # a kvdiag killed mid-write left half a line: keep it apart from this record
+        line = "\n" + line
     with open(path, "a", encoding="utf-8") as f:
         f.write(line)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _ends_mid_line(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except OSError:  # missing or empty
+        return False
 
 
 def read_jsonl(path: Path, warn=None) -> dict[str, CaseResult]:
@@ -96,7 +107,7 @@ def read_jsonl(path: Path, warn=None) -> dict[str, CaseResult]:
                 continue
             try:
                 rec = CaseResult.from_json(json.loads(line))
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, AttributeError) as e:  # bad JSON, a wrong field, not an object
                 warn(f"{path}:{lineno}: skipped a corrupt record ({type(e).__name__}: {e})")
                 continue
             out.pop(rec.id, None)  # keep insertion order = order of last record

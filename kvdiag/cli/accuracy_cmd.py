@@ -64,21 +64,30 @@ def accuracy(
     interval and p-value, and a verdict: ok, regression, collapse or drift. Exit code 1 when
     any dtype regressed, collapsed, drifted or crashed.
     """
-    from kvdiag.checks.accuracy import analyze
     from kvdiag.cli.common import execute, make_run_dir
+
+    cases, analyze = accuracy_cases(engine, model, kv_dtype, baseline, tasks, include_path, limit, num_fewshot, seed,
+                                    engine_arg, device, fault, isolate, max_drop=max_drop, alpha=alpha, max_kl=max_kl,
+                                    min_top1=min_top1)
+    run_dir = make_run_dir(output_dir, "accuracy", resume)
+    code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
+                   jobs=jobs, env=worker_env(jobs), analyze=analyze, render=render)
+    raise typer.Exit(code)
+
+
+def accuracy_cases(engine, model, kv_dtype, baseline, tasks, include_path, limit, num_fewshot, seed, engine_arg,
+                   device, fault, isolate, *, max_drop=0.02, alpha=0.05, max_kl=None, min_top1=None):
+    """(cases, analyze): the accuracy cases, baseline dtype first, and the analysis that judges them against it
+    (also used by `kvdiag ci`)."""
+    from kvdiag.checks.accuracy import analyze
 
     sweep = resolve_sweep(engine, model, kv_dtype, baseline, engine_arg, device, fault)
     task_names, need_defaults = _tasks(tasks, include_path)
     params = {"tasks": task_names, "include_paths": [str(p) for p in include_path or ()],
               "include_defaults": need_defaults, "limit": _limit(limit), "num_fewshot": num_fewshot, "seed": seed}
     cases = build_cases("accuracy", "kvdiag.checks.accuracy:run_case", sweep, params, isolate)
-    run_dir = make_run_dir(output_dir, "accuracy", resume)
-    code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
-                   jobs=jobs, env=worker_env(jobs),
-                   analyze=lambda run: analyze(run, baseline=sweep.baseline, max_drop=max_drop, alpha=alpha,
-                                               max_kl=max_kl, min_top1=min_top1),
-                   render=render)
-    raise typer.Exit(code)
+    return cases, lambda run: analyze(run, baseline=sweep.baseline, max_drop=max_drop, alpha=alpha, max_kl=max_kl,
+                                      min_top1=min_top1)
 
 
 def _tasks(tasks, include_path) -> tuple[list[str], bool]:

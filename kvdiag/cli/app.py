@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvdiag.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, UserError
 
+    abort = getattr(click_exc, "Abort", None)
+    if abort is None:  # typer's vendored click keeps Abort in typer.exceptions
+        from typer.exceptions import Abort as abort
+
     try:
         rv = app(args=argv, standalone_mode=False, prog_name="kvdiag")
     except UserError as e:
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     except click_exc.ClickException as e:
         print(f"kvdiag: error: {e.format_message()}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except getattr(click_exc, "Abort", typer.Abort):  # typer's vendored click has no Abort in exceptions
+    except abort:
         print("kvdiag: interrupted", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:

@@ -173,10 +173,13 @@ def execute(
     analyze: Callable | None = None,
     render: Callable | None = None,
     judge: Callable | None = None,
+    finish: Callable | None = None,
 ) -> int:
     """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed).
 
     ``judge(run)``, when given, decides the exit code after the analysis instead of the case statuses.
+    ``finish(run)`` (optional) runs on the finished run before run.json is written: it may add to
+    run.analysis, raise run.exit_code and write reports.
     """
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
     from kvdiag.runner import run_cases
@@ -194,6 +197,8 @@ def execute(
     run.summary = summarize(run.cases)
     run.exit_code = judge(run) if judge is not None else exit_code_for(run.cases)
     run.finished = now()
+    if finish is not None:
+        finish(run)
     write_run_json(run_dir, run)
     if fmt.value == "json":
         print(json.dumps(run.to_json(), indent=2))

@@ -77,16 +77,24 @@ def _list(engine, kv_dtype, fmt) -> None:
 
 def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs, output_dir, timeout,
            resume, quiet, fault) -> int:
-    from kvdiag.checks.dtypes_matrix import analyze
-    from kvdiag.cli.accuracy_cmd import build_cases, resolve_sweep, worker_env
+    from kvdiag.cli.accuracy_cmd import worker_env
     from kvdiag.cli.common import execute, make_run_dir
+
+    cases, analyze = check_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, max_kl=max_kl,
+                                 min_top1=min_top1)
+    run_dir = make_run_dir(output_dir, "dtypes", resume)
+    return execute("dtypes --check", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
+                   quiet=quiet, jobs=jobs, env=worker_env(jobs), render=_render, analyze=analyze)
+
+
+def check_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, *, max_kl=None, min_top1=None):
+    """(cases, analyze) of the support matrix (also used by `kvdiag ci`)."""
+    from kvdiag.checks.dtypes_matrix import analyze
+    from kvdiag.cli.accuracy_cmd import build_cases, resolve_sweep
 
     sweep = resolve_sweep(engine, model, kv_dtype, "auto", engine_arg, device, fault, all_names=True)
     cases = build_cases("dtypes", "kvdiag.checks.dtypes_matrix:run_case", sweep, {}, isolate)
-    run_dir = make_run_dir(output_dir, "dtypes", resume)
-    return execute("dtypes --check", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
-                   quiet=quiet, jobs=jobs, env=worker_env(jobs), render=_render,
-                   analyze=lambda run: analyze(run, max_kl=max_kl, min_top1=min_top1))
+    return cases, lambda run: analyze(run, max_kl=max_kl, min_top1=min_top1)
 
 
 STYLE = {"pass": "green", "unsupported": "yellow", "crashed": "bold red", "wrong": "bold red"}

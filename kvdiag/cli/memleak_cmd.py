@@ -44,16 +44,24 @@ def memleak(
     gc.freeze()"), when memory after shutdown grows from cycle to cycle beyond --threshold, or when
     objects stay frozen after shutdown. The first cycle's one-time cost is reported, not failed.
     """
-    from kvdiag.cli.common import dtype_cases, execute, make_run_dir
+    from kvdiag.cli.common import execute, make_run_dir
 
-    params = {"cycles": cycles, "threshold_mib": threshold, "max_tokens": max_tokens}
-    cases = dtype_cases("memleak", "kvdiag.checks.memleak:run", engine, model, kv_dtype, device, engine_arg, fault,
-                        params)
+    cases = build_cases(engine, model, kv_dtype, device, engine_arg, fault, cycles=cycles, threshold=threshold,
+                        max_tokens=max_tokens)
     run_dir = make_run_dir(output_dir, "memleak", resume)
     code = execute("memleak", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
                    jobs=jobs, render=render)
     raise typer.Exit(code)
 
+
+def build_cases(engine, model, kv_dtype, device, engine_arg, fault, *, cycles=3, threshold=None,
+                max_tokens=16) -> list:
+    """The memleak cases (also used by `kvdiag ci`); every dtype always gets its own worker."""
+    from kvdiag.cli.common import dtype_cases
+
+    params = {"cycles": cycles, "threshold_mib": threshold, "max_tokens": max_tokens}
+    return dtype_cases("memleak", "kvdiag.checks.memleak:run", engine, model, kv_dtype, device, engine_arg, fault,
+                       params)
 
 
 def render(run, con) -> None:

@@ -50,14 +50,23 @@ def poison(
     blocks are the reference. Any NaN/Inf or changed token fails, naming the request and
     position that first differed. Engines without KV access are reported as skipped.
     """
-    from kvdiag.cli.common import dtype_cases, execute, make_run_dir
+    from kvdiag.cli.common import execute, make_run_dir
 
-    params = {"value": value.value, "logprob_tol": logprob_tol}
-    cases = dtype_cases("poison", "kvdiag.checks.poison:run", engine, model, kv_dtype, device, engine_arg, fault,
-                        params, seed=seed, isolate=isolate)
+    cases = build_cases(engine, model, kv_dtype, device, engine_arg, fault, value=value.value,
+                        logprob_tol=logprob_tol, seed=seed, isolate=isolate)
     run_dir = make_run_dir(output_dir, "poison", resume)
     raise typer.Exit(execute("poison", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
                              quiet=quiet, jobs=jobs, render=render))
+
+
+def build_cases(engine, model, kv_dtype, device, engine_arg, fault, *, value="nan", logprob_tol=1e-4, seed=0,
+                isolate="case") -> list:
+    """The poison cases, one per dtype (also used by `kvdiag ci`)."""
+    from kvdiag.cli.common import dtype_cases
+
+    params = {"value": Poison(value).value, "logprob_tol": logprob_tol}
+    return dtype_cases("poison", "kvdiag.checks.poison:run", engine, model, kv_dtype, device, engine_arg, fault,
+                       params, seed=seed, isolate=isolate)
 
 
 def render(run, con) -> None:

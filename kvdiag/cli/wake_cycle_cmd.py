@@ -52,19 +52,28 @@ def wake_cycle(
     checks that memory came back, regenerates and compares token for token, and scans the
     KV slots just written for NaN/Inf. Engines without sleep mode are reported as skipped.
     """
-    from kvdiag.cli.common import dtype_cases, execute, make_run_dir
+    from kvdiag.cli.common import execute, make_run_dir
+
+    cases = build_cases(engine, model, kv_dtype, device, engine_arg, fault, levels=level, staged=staged,
+                        cycles=cycles, max_tokens=max_tokens, logprob_tol=logprob_tol, seed=seed, isolate=isolate)
+    run_dir = make_run_dir(output_dir, "wake-cycle", resume)
+    raise typer.Exit(execute("wake-cycle", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
+                             quiet=quiet, jobs=jobs, render=render))
+
+
+def build_cases(engine, model, kv_dtype, device, engine_arg, fault, *, levels=None, staged=False, cycles=5,
+                max_tokens=24, logprob_tol=1e-4, seed=0, isolate="case") -> list:
+    """The wake-cycle cases, one per dtype and sleep level (also used by `kvdiag ci`)."""
+    from kvdiag.cli.common import dtype_cases
     from kvdiag.errors import UserError
 
-    levels = list(dict.fromkeys(level or [1]))
+    levels = list(dict.fromkeys(levels or [1]))
     if bad := [x for x in levels if x not in (1, 2)]:
         raise UserError(f"--level {bad[0]}: sleep levels are 1 and 2")
     variants = [{"level": lv, "staged": staged, "suffix": f"L{lv}" + ("-staged" if staged else "")} for lv in levels]
     params = {"cycles": cycles, "max_tokens": max_tokens, "logprob_tol": logprob_tol}
-    cases = dtype_cases("wake-cycle", "kvdiag.checks.wake_cycle:run", engine, model, kv_dtype, device, engine_arg,
-                        fault, params, seed=seed, isolate=isolate, variants=variants)
-    run_dir = make_run_dir(output_dir, "wake-cycle", resume)
-    raise typer.Exit(execute("wake-cycle", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
-                             quiet=quiet, jobs=jobs, render=render))
+    return dtype_cases("wake-cycle", "kvdiag.checks.wake_cycle:run", engine, model, kv_dtype, device, engine_arg,
+                       fault, params, seed=seed, isolate=isolate, variants=variants)
 
 
 def mib(n) -> str:

