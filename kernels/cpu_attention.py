@@ -75,6 +75,7 @@ class _Pages:
         ids, local = torch.unique(tables[used], return_inverse=True)
         self.tables = torch.zeros_like(tables)
         self.tables[used] = local  # sequence s, block j -> index into ids
+        self.local = self.tables.tolist()
         self.k = self._dequant(k_cache, k_scale_cache, kv_dtype, k_scale, ids)
         self.v = self._dequant(v_cache, v_scale_cache, kv_dtype, v_scale, ids)
         self.pad = self.k.shape[0] - 1
@@ -82,13 +83,20 @@ class _Pages:
     @staticmethod
     def _dequant(cache, scale_cache, kv_dtype, scale, ids):
         scales = None if scale_cache is None else scale_cache[ids].flatten(0, 1)
-        x = reference.dequantize(cache[ids].flatten(0, 1), kv_dtype, scale, scales)
+        codes = cache[ids].flatten(0, 1)
+        if codes.dtype == torch.float8_e4m3fn:
+            codes = e4m3_to_float(codes)  # == codes.float(), faster
+        x = reference.dequantize(codes, kv_dtype, scale, scales)
         return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
-    def slots(self, s: int, n: int) -> torch.Tensor:
-        """Rows of positions 0..n-1 of sequence s."""
-        bs = self.block_size
-        blocks = self.tables[s, :-(-n // bs)]
+    def slots(self, s: int, n: int) -> torch.Tensor | slice:
+        """Rows of positions 0..n-1 of sequence s (a slice when its blocks are consecutive, as a fresh
+        prefill's usually are)."""
+        bs, nb = self.block_size, -(-n // self.block_size)
+        first = self.local[s][0]
+        if self.local[s][:nb] == list(range(first, first + nb)):
+            return slice(first * bs, first * bs + n)
+        blocks = self.tables[s, :nb]
         return (blocks.view(-1, 1) * bs + torch.arange(bs, device=blocks.device)).flatten()[:n]
 
     def finite_within(self, reads: list[int]) -> bool:
@@ -97,6 +105,14 @@ class _Pages:
             return True
         bad = ~(torch.isfinite(self.k).flatten(1).all(1) & torch.isfinite(self.v).flatten(1).all(1))
         return not any(bool(bad[self.slots(s, r)].any()) for s, r in enumerate(reads))
+
+
+_E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value
+
+
+def e4m3_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """``codes.float()`` for float8_e4m3fn (a 256-entry table built by ``.float()`` itself: ~2x faster on CPU)."""
+    return torch.take(_E4M3.to(codes.device), codes.view(torch.uint8).long()).view(codes.shape)
 
 
 def _attend_one(q, pages: _Pages, s: int, n: int, scale: float) -> torch.Tensor:

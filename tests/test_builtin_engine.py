@@ -178,6 +178,7 @@ def test_block_manager_fork_free_and_fresh_zeroing(model):
     assert t == [0, 1, 2] and fresh == [[0, 1, 2]]
     f = bm.fork(t, 10)  # two full blocks shared, the half-full third copied
     assert f[:2] == [0, 1] and copies == [(2, f[2])] and bm.refs[0] == 2
+    assert fresh == [[0, 1, 2]]  # the copy overwrites the forked block whole: it is not zeroed first
     assert bm.slots(f, 7, 10) == [7, f[2] * 4, f[2] * 4 + 1]
     bm.free(f)
     bm.free(t)

@@ -9,7 +9,8 @@ from kvdiag.dtypes import BUILTIN_DTYPES
 from kvdiag.kernels import cpu_attention, dispatch, reference
 
 
-def _setup(kv_dtype, q_lens, seq_lens, *, share=(), nb=96, bs=4, kvh=2, heads=6, hd=16, seed=0, model=torch.float32):
+def _setup(kv_dtype, q_lens, seq_lens, *, share=(), nb=96, bs=4, kvh=2, heads=6, hd=16, seed=0, model=torch.float32,
+           shuffle=True):
     """Random K/V stored through store_kv into shuffled blocks. ``share``: (s, t) pairs - sequence t's table
     starts with sequence s's full blocks (a forked context, as the engine's score does)."""
     g = torch.Generator().manual_seed(seed)
@@ -19,7 +20,7 @@ def _setup(kv_dtype, q_lens, seq_lens, *, share=(), nb=96, bs=4, kvh=2, heads=6,
     per_token = d.quant == "per_token_head"
     ksc = torch.zeros(nb, bs, kvh) if per_token else None
     vsc = torch.zeros(nb, bs, kvh) if per_token else None
-    free = torch.randperm(nb, generator=g).tolist()
+    free = torch.randperm(nb, generator=g).tolist() if shuffle else list(range(nb))[::-1]  # pop(): 0, 1, ...
     parent = dict((t, s) for s, t in share)
     tables = []
     for t, n in enumerate(seq_lens):
@@ -56,6 +57,10 @@ Q_LENS, SEQ_LENS = [7, 1, 1, 5, 40, 23, 3, 1], [7, 9, 16, 22, 40, 61, 30, 1]
 @pytest.mark.parametrize("kv_dtype", list(BUILTIN_DTYPES))
 def test_matches_reference_for_every_dtype(kv_dtype):
     _check(_setup(kv_dtype, Q_LENS, SEQ_LENS))
+
+
+def test_matches_reference_when_blocks_are_consecutive():  # a fresh prefill's usual layout (read as a slice)
+    _check(_setup("fp8_per_token_head", Q_LENS, SEQ_LENS, shuffle=False))
 
 
 @pytest.mark.parametrize("heads,kvh", [(4, 4), (8, 2), (6, 1)])
@@ -100,6 +105,14 @@ def test_nan_inside_the_context_is_nan_as_in_the_reference():
     args[2][int(args[5][0, 1]), 2, 0, 5] = math.nan  # sequence 0, position 6, V of kv head 0
     got, want = cpu_attention.paged_attention(*args), reference.paged_attention(*args)
     assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+
+
+def test_e4m3_conversion_is_exact_for_all_256_codes():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(4, 8, 8)
+    got, want = cpu_attention.e4m3_to_float(codes), codes.float()
+    assert got.dtype == torch.float32 and torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok].view(torch.int32), want[ok].view(torch.int32))  # bit-exact, -0.0 included
 
 
 def test_dispatch_routes_cpu_tensors_here_unless_reference_is_forced(monkeypatch):
