@@ -262,3 +262,18 @@ def test_unknown_dtype_or_task_exits_2_with_one_line():
         assert r.returncode == 2, (args, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_default_jobs_share_the_cpu_cores_only_for_builtin_cases_on_cpu(monkeypatch):
+    from kvdiag.cli.accuracy_cmd import Sweep, default_jobs, preload, worker_env
+    from kvdiag.cli.options import Isolate
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpu = Sweep("builtin", "m", ["auto", "fp8"], "auto", {"device": "cpu"})
+    assert default_jobs(cpu, Isolate.case, 7) == 2 and worker_env(2) == {"OMP_NUM_THREADS": "1"}
+    assert default_jobs(cpu, Isolate.case, 1) == 1
+    assert default_jobs(cpu, Isolate.run, 7) == 1 and worker_env(1) == {"OMP_NUM_THREADS": "2"}
+    assert default_jobs(Sweep("builtin", "m", [], "auto", {"device": "cuda"}), Isolate.case, 7) == 1
+    assert default_jobs(Sweep("vllm", "m", [], "auto", {"device": "cpu"}), Isolate.case, 7) == 1
+    assert "torch" in preload(cpu) and preload(Sweep("vllm", "m", [], "auto", {"device": "cpu"})) == ()
