@@ -3,6 +3,8 @@
 The engine calls only these three functions. Their signatures are exactly those of
 :mod:`kvdiag.kernels.reference`; the Triton modules (``kvdiag.kernels.store``,
 ``.attention``, ``.zero``) export functions of the same names and signatures.
+On CPU, ``paged_attention`` runs :mod:`kvdiag.kernels.cpu_attention` (torch SDPA over
+the same cache; backend ``"cpu"``); store and zero run the reference.
 
 ``KVDIAG_KERNELS=reference`` forces the reference everywhere; ``KVDIAG_KERNELS=triton``
 makes a missing Triton module an error instead of a silent fallback.
@@ -18,6 +20,7 @@ import os
 from kvdiag.kernels import reference
 
 _TRITON_MODULES = {"store_kv": "store", "paged_attention": "attention", "zero_blocks": "zero"}
+_CPU_MODULES = {"paged_attention": "cpu_attention"}
 _loaded: dict[str, object] = {}  # function name -> Triton function, or None when unavailable
 
 
@@ -34,14 +37,21 @@ def _triton(fn: str):
 
 
 def backend(fn: str, device) -> str:
-    """``"triton"`` or ``"reference"``: what :func:`store_kv` & co. use for tensors on ``device``."""
-    if os.environ.get("KVDIAG_KERNELS") == "reference" or getattr(device, "type", str(device).split(":")[0]) != "cuda":
+    """``"triton"``, ``"cpu"`` or ``"reference"``: what :func:`store_kv` & co. use for tensors on ``device``."""
+    if os.environ.get("KVDIAG_KERNELS") == "reference":
         return "reference"
+    if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        return "cpu" if fn in _CPU_MODULES else "reference"
     return "triton" if _triton(fn) is not None else "reference"
 
 
 def _pick(fn: str, device):
-    return _triton(fn) if backend(fn, device) == "triton" else getattr(reference, fn)
+    kind = backend(fn, device)
+    if kind == "triton":
+        return _triton(fn)
+    if kind == "cpu":
+        return getattr(importlib.import_module(f"kvdiag.kernels.{_CPU_MODULES[fn]}"), fn)
+    return getattr(reference, fn)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, kv_dtype, k_scale=1.0, v_scale=1.0,

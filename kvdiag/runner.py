@@ -1,6 +1,7 @@
 """Cases -> isolated worker processes -> results (DESIGN.md, "Running cases").
 
-Each group of cases runs in its own *spawned* worker process (CUDA-safe). The engine
+Each group of cases runs in its own *spawned* worker process (CUDA-safe; or forked from a
+fork server that pre-imported the heavy modules, when the caller names them). The engine
 runs in-process inside that worker, so memory is measured where it lives. A worker
 that segfaults, aborts, is OOM-killed, hangs past its timeout or raises becomes that
 case's record, and the run goes on. Every finished case is appended to results.jsonl
@@ -77,16 +78,29 @@ def call_target(target: str) -> Callable:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """End the worker if kvdiag itself dies (kill -9), so no orphan keeps the GPU."""
+    """End the worker if kvdiag itself dies (kill -9), so no orphan keeps the GPU. (A forkserver worker's
+    parent is the fork server, which ends with kvdiag: the worker is then re-parented.)"""
     import threading
+
+    first = os.getppid()
 
     def watch():
         while True:
             time.sleep(1.0)
-            if os.getppid() != parent_pid:
+            if os.getppid() != first or not _alive(parent_pid):
                 os._exit(70)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _worker_main(cases: list[dict], run_dir: str, log_path: str, conn, parent_pid: int, env: dict) -> None:
@@ -100,6 +114,8 @@ def _worker_main(cases: list[dict], run_dir: str, log_path: str, conn, parent_pi
 
     faulthandler.enable()  # a segfault writes the Python stack into the log
     os.environ.update(env)
+    if "torch" in sys.modules and env.get("OMP_NUM_THREADS"):  # preloaded by a fork server: set what it read
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     _watch_parent(parent_pid)
     ctx = WorkerContext(Path(run_dir), Path(run_dir) / "artifacts")
     for cd in cases:
@@ -195,14 +211,26 @@ def _describe_exit(code: int | None) -> tuple[str, dict]:
     return f"worker exited with code {code} before reporting", {"exit_code": code}
 
 
+def _mp_context(preload: tuple[str, ...] = ()):
+    """``spawn``; with ``preload``, a fork server that imports those modules once and forks each worker from
+    itself (a worker then starts in milliseconds instead of re-importing torch & co.; still a fresh process
+    for the engine, and CUDA-safe as long as the preloaded modules do not initialise CUDA)."""
+    if not preload:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    return ctx
+
+
 class _Worker:
-    def __init__(self, cases: list[Case], run_dir: Path, default_timeout: float, env: dict):
+    def __init__(self, cases: list[Case], run_dir: Path, default_timeout: float, env: dict,
+                 preload: tuple[str, ...] = ()):
         self.pending = list(cases)
         self.default_timeout = default_timeout
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{safe_name(cases[0].id if len(cases) == 1 else cases[0].group or cases[0].id)}.log"
-        ctx = mp.get_context("spawn")
+        ctx = _mp_context(preload)
         self.conn, child = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=_worker_main,
@@ -277,8 +305,10 @@ def run_cases(
     quiet: bool = False,
     env: dict | None = None,
     on_result: Callable[[CaseResult], None] | None = None,
+    preload: tuple[str, ...] = (),
 ) -> list[CaseResult]:
-    """Run cases in workers; return the records of all cases (recorded earlier ones too, on resume)."""
+    """Run cases in workers; return the records of all cases (recorded earlier ones too, on resume).
+    ``preload``: modules a fork server imports once for all workers (see ``_mp_context``)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     results_path = run_dir / "results.jsonl"
@@ -302,7 +332,7 @@ def run_cases(
     try:
         while groups or active:
             while groups and len(active) < max(1, jobs):
-                w = _Worker(groups.pop(0), run_dir, timeout, env)
+                w = _Worker(groups.pop(0), run_dir, timeout, env, preload)
                 progress.start(w.current)
                 active.append(w)
             time.sleep(0.05)

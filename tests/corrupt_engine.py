@@ -61,10 +61,10 @@ class MatrixEngine(BuiltinEngine):
             spec = replace(spec, kv_cache_dtype="fp8")
         super().start(spec)
 
-    def _forward(self, entries):
+    def _forward(self, entries, **kw):
         if self.spec.kv_cache_dtype == "fp8_per_token_head":
             os.abort()
-        return super()._forward(entries)
+        return super()._forward(entries, **kw)
 
 
 matrix_factory = MatrixEngine

@@ -262,3 +262,21 @@ def test_unknown_dtype_or_task_exits_2_with_one_line():
         assert r.returncode == 2, (args, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_default_jobs_share_the_cpu_cores_only_for_builtin_cases_on_cpu(monkeypatch):
+    from kvdiag.cli.accuracy_cmd import default_jobs, preload, worker_env
+    from kvdiag.cli.options import Isolate
+    from kvdiag.runner import Case
+
+    def cases(engine, device, n):
+        return [Case("accuracy", engine, "m", f"d{i}", "t:f", params={"device": device}) for i in range(n)]
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_jobs(cases("builtin", "cpu", 7), Isolate.case) == 2 and worker_env(2) == {"OMP_NUM_THREADS": "1"}
+    assert default_jobs(cases("builtin", "cpu", 1), Isolate.case) == 1
+    assert default_jobs(cases("builtin", "cpu", 7), Isolate.run) == 1 and worker_env(1) == {"OMP_NUM_THREADS": "2"}
+    assert default_jobs(cases("builtin", "cuda", 7), Isolate.case) == 1
+    assert default_jobs(cases("vllm", "cpu", 7), Isolate.case) == 1
+    assert "torch" in preload(cases("builtin", "cpu", 2)) and preload(cases("vllm", "cpu", 2)) == ()

@@ -191,5 +191,7 @@ def test_paged_attention_never_reads_past_seq_len_unless_whole_page_reads():
 def test_kernels_env_forces_reference(monkeypatch):
     monkeypatch.setenv("KVDIAG_KERNELS", "reference")
     assert dispatch.backend("paged_attention", torch.device("cuda")) == "reference"
-    monkeypatch.delenv("KVDIAG_KERNELS")
     assert dispatch.backend("paged_attention", torch.device("cpu")) == "reference"
+    monkeypatch.delenv("KVDIAG_KERNELS")
+    assert dispatch.backend("paged_attention", torch.device("cpu")) == "cpu"  # kernels/cpu_attention.py
+    assert dispatch.backend("store_kv", torch.device("cpu")) == "reference"

@@ -75,3 +75,15 @@ def test_corrupt_line_is_reported_and_skipped(tmp_path, capsys):
     recs = read_jsonl(path, warn=warnings.append)
     assert list(recs) == ["t/0-healthy"]
     assert "results.jsonl:2" in warnings[0]
+
+
+def test_fork_server_workers_are_isolated_and_not_taken_for_orphans(tmp_path):
+    # preload: workers fork from a fork server (their parent is not kvdiag); a case longer than the
+    # parent watchdog's 1 s period must still finish, and a crash stays that case's record
+    slow = case("touch_then_sleep", 2, sleep=2.5)
+    slow.params["n"] = 2
+    cases = [case("healthy", 0), case("segfault", 1), slow, case("healthy", 3)]
+    recs = run_cases(cases, tmp_path, quiet=True, timeout=30, preload=("case_fns",), env={"OMP_NUM_THREADS": "1"})
+    assert [r.status for r in recs] == ["pass", "crashed", "pass", "pass"]
+    assert recs[1].findings[0].evidence["signal"] == "SIGSEGV"
+    assert recs[0].metrics["pid"] != recs[3].metrics["pid"]

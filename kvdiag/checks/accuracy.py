@@ -30,7 +30,7 @@ def run_case(case, ctx):
     from kvdiag.lm_eval_adapter import EngineLM, run_tasks
 
     p, times = case.params, {"startup": _startup_once()}
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     try:
         engine = acquire_engine(case)
     except EngineUnsupported as e:
@@ -49,6 +49,7 @@ def run_case(case, ctx):
                     num_fewshot=p.get("num_fewshot"), seed=p.get("seed", 0))
     ctx.artifact(case, SAMPLES).write_text(json.dumps(out["samples"]))
     times["lm_eval"], times["lm_eval_in_engine"] = _lap(t), round(lm.engine_seconds, 3)
+    times["cpu"] = round(time.process_time() - cpu, 3)  # CPU seconds of the case, all threads
     metrics = {"scores": out["scores"], "model_dtype": model_dtype(engine, case), "finite": drift.finite(probe),
                "drift_over": probe["over"], "timings": times,
                "artifacts": {"samples": ctx.artifact(case, SAMPLES).name, "drift": ctx.artifact(case, DRIFT).name}}

@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from kvdiag.cli.options import (DeviceOpt, EngineArgOpt, EngineOpt, FaultOpt, Format, FormatOpt, Isolate,
-                                IsolateOpt, JobsOpt, KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt,
-                                SeedOpt, TimeoutOpt)
+                                IsolateOpt, KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt,
+                                SeedOpt, SweepJobsOpt, TimeoutOpt)
 
 TasksOpt = Annotated[Optional[list[str]], typer.Option(
     "--tasks", "-t", help="lm_eval task names or globs (comma-separated or repeated). Default: kvdiag's shipped "
@@ -32,6 +32,9 @@ MinTop1Opt = Annotated[Optional[float], typer.Option(
     "--min-top1", help="Top-1 agreement with the baseline required (default: per dtype family).", min=0, max=1)]
 
 
+LM_EVAL_MODULES = ("kvdiag.lm_eval_adapter", "lm_eval.evaluator")  # what the workers' fork server pre-imports
+
+
 def accuracy(
     engine: EngineOpt = "builtin",
     model: ModelOpt = None,
@@ -47,7 +50,7 @@ def accuracy(
     max_kl: MaxKLOpt = None,
     min_top1: MinTop1Opt = None,
     isolate: IsolateOpt = Isolate.case,
-    jobs: JobsOpt = 1,
+    jobs: SweepJobsOpt = None,
     device: DeviceOpt = "auto",
     engine_arg: EngineArgOpt = None,
     output_dir: OutputDirOpt = None,
@@ -70,8 +73,10 @@ def accuracy(
                                     engine_arg, device, fault, isolate, max_drop=max_drop, alpha=alpha, max_kl=max_kl,
                                     min_top1=min_top1)
     run_dir = make_run_dir(output_dir, "accuracy", resume)
+    jobs = jobs or default_jobs(cases, isolate)
     code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
-                   jobs=jobs, env=worker_env(jobs), analyze=analyze, render=render)
+                   jobs=jobs, env=worker_env(jobs), preload=preload(cases, *LM_EVAL_MODULES), analyze=analyze,
+                   render=render)
     raise typer.Exit(code)
 
 
@@ -136,6 +141,30 @@ def resolve_sweep(engine, model, kv_dtype, baseline, engine_arg, device, fault, 
         raise UserError(f"--baseline: {e}") from None
     spec = {"device": device, "engine_args": engine_args, "faults": resolve_faults(engine, fault)}
     return Sweep(engine, model, [base] + [d for d in names if d != base], base, spec)
+
+
+def default_jobs(cases: list, isolate) -> int:
+    """Workers at once when --jobs is not given: with --isolate case, the builtin engine on the CPU shares the
+    cores among up to 4 single-case workers (small models use one core better than two); else 1 (one GPU)."""
+    import glob
+    import os
+
+    if not cases:
+        return 1
+    device = cases[0].params.get("device", "auto")
+    on_cpu = device == "cpu" or device == "auto" and not glob.glob("/dev/nvidia[0-9]*")
+    if Isolate(isolate) == Isolate.run or any(c.engine != "builtin" for c in cases) or not on_cpu:
+        return 1
+    return max(1, min(4, os.cpu_count() or 1, len(cases)))
+
+
+def preload(cases: list, *modules: str) -> tuple[str, ...]:
+    """What the workers' fork server imports once (kvdiag.runner): torch, the builtin engine, the tokenizer
+    class and ``modules``. Nothing for other engines (vLLM's import must stay in the worker)."""
+    if not cases or any(c.engine != "builtin" for c in cases):
+        return ()
+    return ("torch", "kvdiag.engines.builtin.engine", "transformers.tokenization_utils_tokenizers",
+            "kvdiag.checks.accuracy", *modules)
 
 
 def worker_env(jobs: int) -> dict:

@@ -174,6 +174,7 @@ def execute(
     render: Callable | None = None,
     judge: Callable | None = None,
     finish: Callable | None = None,
+    preload: tuple[str, ...] = (),
 ) -> int:
     """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed).
 
@@ -191,7 +192,8 @@ def execute(
                     cases=[], environment=environment(), run_dir=str(run_dir))
     write_run_json(run_dir, run)  # a run directory always says what it is, even if killed
     quiet = quiet or fmt.value == "json" and not sys.stderr.isatty()
-    run.cases = run_cases(cases, run_dir, timeout=timeout, resume=resume, quiet=quiet, jobs=jobs, env=env)
+    run.cases = run_cases(cases, run_dir, timeout=timeout, resume=resume, quiet=quiet, jobs=jobs, env=env,
+                          preload=preload)
     if analyze is not None:
         analyze(run)  # may update case statuses/findings (re-appended) and fill run.analysis
     run.summary = summarize(run.cases)

@@ -9,7 +9,7 @@ import typer
 
 from kvdiag.cli.accuracy_cmd import MaxKLOpt, MinTop1Opt
 from kvdiag.cli.options import (DeviceOpt, EngineArgOpt, EngineOpt, FaultOpt, Format, FormatOpt, Isolate, IsolateOpt,
-                                JobsOpt, KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt, TimeoutOpt)
+                                KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt, SweepJobsOpt, TimeoutOpt)
 
 CheckOpt = Annotated[bool, typer.Option(
     "--check", help="Run the support matrix: for each dtype, does the engine start, is a short greedy generation "
@@ -28,7 +28,7 @@ def dtypes(
     max_kl: MaxKLOpt = None,
     min_top1: MinTop1Opt = None,
     isolate: IsolateOpt = Isolate.case,
-    jobs: JobsOpt = 1,
+    jobs: SweepJobsOpt = None,
     output_dir: OutputDirOpt = None,
     timeout: TimeoutOpt = 300.0,
     resume: ResumeOpt = None,
@@ -77,14 +77,16 @@ def _list(engine, kv_dtype, fmt) -> None:
 
 def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs, output_dir, timeout,
            resume, quiet, fault) -> int:
-    from kvdiag.cli.accuracy_cmd import worker_env
+    from kvdiag.cli.accuracy_cmd import default_jobs, preload, worker_env
     from kvdiag.cli.common import execute, make_run_dir
 
     cases, analyze = check_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, max_kl=max_kl,
                                  min_top1=min_top1)
+    jobs = jobs or default_jobs(cases, isolate)
     run_dir = make_run_dir(output_dir, "dtypes", resume)
     return execute("dtypes --check", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
-                   quiet=quiet, jobs=jobs, env=worker_env(jobs), render=_render, analyze=analyze)
+                   quiet=quiet, jobs=jobs, env=worker_env(jobs), render=_render, preload=preload(cases),
+                   analyze=analyze)
 
 
 def check_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, *, max_kl=None, min_top1=None):

@@ -44,6 +44,9 @@ EngineArgOpt = Annotated[Optional[list[str]], typer.Option(
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N (builtin engine).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed for sampling and for lm_eval.")]
 JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Cases run at once (each in its own worker).")]
+SweepJobsOpt = Annotated[Optional[int], typer.Option(
+    "--jobs", "-j", min=1, help="Cases run at once (each in its own worker). Default: with --isolate case, the "
+    "builtin engine on a machine without a GPU runs up to 4 (the CPU cores, split among them), else 1.")]
 IsolateOpt = Annotated[Isolate, typer.Option(
     "--isolate", help="case: every dtype in its own worker process; run: one worker for all dtypes "
     "(weights loaded once; a crash ends the dtypes after it).")]

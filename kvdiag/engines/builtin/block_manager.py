@@ -33,13 +33,14 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free_ids)
 
-    def allocate(self, num_blocks: int) -> list[int]:
+    def allocate(self, num_blocks: int, fresh: bool = True) -> list[int]:
+        """Take blocks off the free list; ``fresh=False``: the caller overwrites them whole (no ``on_fresh``)."""
         if not self.can_allocate(num_blocks):
             raise RuntimeError(f"out of KV blocks: need {num_blocks}, {len(self.free_ids)} free")
         ids = [heapq.heappop(self.free_ids) for _ in range(num_blocks)]
         for b in ids:
             self.refs[b] = 1
-        if ids and self.on_fresh is not None:
+        if ids and fresh and self.on_fresh is not None:
             self.on_fresh(ids)
         return ids
 
@@ -59,7 +60,7 @@ class BlockManager:
             self.refs[b] += 1
         if not partial:
             return list(shared)
-        new = self.allocate(1)[0]
+        new = self.allocate(1, fresh=self.on_copy is None)[0]  # the copy overwrites every tensor of the block
         if self.on_copy is not None:
             self.on_copy(table[full], new)
         return shared + [new]

@@ -24,6 +24,7 @@ from kvdiag.engines.builtin.block_manager import BlockManager
 from kvdiag.engines.builtin.config import ModelConfig
 from kvdiag.engines.builtin.faults import Faults
 from kvdiag.engines.builtin.kv_cache import AttnMetadata, KVCache
+from kvdiag.engines.builtin.model import Rows
 from kvdiag.engines.builtin.sampling import Request, sample, score_rows
 from kvdiag.errors import UserError
 
@@ -200,7 +201,7 @@ class BuiltinEngine:
 
     def _ids(self, x, special: bool) -> list[int]:
         ids = self.tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else [int(t) for t in x]
-        if any(t < 0 or t >= self.cfg.vocab_size for t in ids):
+        if ids and (min(ids) < 0 or max(ids) >= self.cfg.vocab_size):
             raise UserError(f"token id out of range [0, {self.cfg.vocab_size}) in {ids[:8]}...")
         return ids
 
@@ -216,9 +217,10 @@ class BuiltinEngine:
                             f"the cache has {self.kv.num_blocks} (raise num_blocks or kv_cache_memory)")
 
     # ----- forward -----------------------------------------------------------------------------
-    def _forward(self, entries) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, entries, last_only: bool = False) -> tuple[torch.Tensor, list[int]]:
         """Run packed new tokens. ``entries``: (block table, first position, new token ids).
-        Returns final hidden states [num_new_tokens, hidden] and query_start_loc."""
+        Returns final hidden states [num_new_tokens, hidden] (``last_only``: [num_entries, hidden], each
+        entry's last token) and query_start_loc."""
         ids, pos, slots, qsl, lens = [], [], [], [0], []
         for table, start, toks in entries:
             ids += toks
@@ -233,7 +235,8 @@ class BuiltinEngine:
                             torch.tensor(qsl, dtype=torch.int32, device=dev),
                             torch.tensor(lens, dtype=torch.int32, device=dev),
                             torch.tensor(tables, dtype=torch.int32, device=dev))
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.kv, meta)
+        rows = Rows.last_of_each(meta) if last_only else None
+        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.kv, meta, rows)
         return hidden, qsl
 
     # ----- generate ----------------------------------------------------------------------------
@@ -263,8 +266,7 @@ class BuiltinEngine:
                 self.blocks.grow(r.table, len(r.tokens))
                 batch.append(r)
             if batch:
-                hidden, qsl = self._forward([(r.table, 0, r.tokens) for r in batch])
-                last = hidden[[q - 1 for q in qsl[1:]]]
+                last, _ = self._forward([(r.table, 0, r.tokens) for r in batch], last_only=True)
                 running += batch
             else:
                 batch = list(running)
@@ -326,8 +328,7 @@ class BuiltinEngine:
 
     def _score_contexts(self, batch, conts, results, top_k: int) -> None:
         tables = [self.blocks.grow([], len(ctx)) for ctx, _ in batch]
-        hidden, qsl = self._forward([(t, 0, list(ctx)) for t, (ctx, _) in zip(tables, batch)])
-        first = hidden[[q - 1 for q in qsl[1:]]]
+        first, _ = self._forward([(t, 0, list(ctx)) for t, (ctx, _) in zip(tables, batch)], last_only=True)
         work = [(g, r) for g, (_, reqs) in enumerate(batch) for r in reqs if len(conts[r]) > 1]
         rest: dict[int, torch.Tensor] = {}
         j = 0

@@ -10,12 +10,38 @@ Tokens of all sequences are packed: every tensor is [num_tokens, ...].
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvdiag.engines.builtin.config import ModelConfig
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; on CPU, half-precision operands are multiplied in float32 and the result rounded once
+    to their dtype (what a half GEMM with float32 accumulation gives, ~5x faster than CPU half GEMMs)."""
+    if x.device.type != "cpu" or x.dtype not in _HALF:
+        return F.linear(x, weight, bias)
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+class Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        """No random init: the loader fills every weight (and a random init on the meta device imports torch's
+        compiler stack, ~2.5 s)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        """No random init, as :meth:`Linear.reset_parameters`."""
 
 
 class RMSNorm(nn.Module):
@@ -85,15 +111,16 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, x, rotary: Rotary, kv, meta):
-        """``kv`` is the engine's KVCache, ``meta`` the batch's AttnMetadata (kv_cache.py)."""
+    def forward(self, positions, x, rotary: Rotary, kv, meta, rows=None):
+        """``kv`` is the engine's KVCache, ``meta`` the batch's AttnMetadata (kv_cache.py).
+        ``rows`` (Rows): every token's K/V is stored, but only these rows attend and come out."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.heads, self.head_dim)
@@ -103,15 +130,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         kv.store(self.layer, k, v, meta)
+        if rows is not None:
+            q, meta = q[rows.index], rows.meta
         out = kv.attend(self.layer, q, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj(out.reshape(q.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -126,17 +155,34 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, x, rotary, kv, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv, meta)
+    def forward(self, positions, x, rotary, kv, meta, rows=None):
+        h = self.self_attn(positions, self.input_layernorm(x), rotary, kv, meta, rows)
+        x = (x if rows is None else x[rows.index]) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+@dataclass
+class Rows:
+    """A subset of a packed batch's tokens: the last k_s tokens of each sequence s, ``index`` into the batch's
+    rows and ``meta`` the AttnMetadata of those tokens as queries (same sequences, lengths and tables)."""
+
+    index: torch.Tensor
+    meta: object
+
+    @classmethod
+    def last_of_each(cls, meta) -> "Rows":
+        """The last token of each sequence (what prefill needs for next-token logits)."""
+        index = meta.query_start_loc[1:].long() - 1
+        qsl = torch.arange(index.numel() + 1, dtype=meta.query_start_loc.dtype, device=index.device)
+        return cls(index, replace(meta, slot_mapping=meta.slot_mapping[index], query_start_loc=qsl))
 
 
 class CausalLM(nn.Module):
@@ -146,19 +192,21 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = DecoderModel(cfg, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                       dtype=dtype)
         self.rotary = Rotary(cfg, max_len)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, kv, meta) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden_size] of the packed batch."""
+    def forward(self, input_ids, positions, kv, meta, rows: Rows | None = None) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden_size] of the packed batch; with ``rows``, of those rows
+        only (the last layer computes its attention output and MLP for them alone)."""
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(positions, x, self.rotary, kv, meta)
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x = layer(positions, x, self.rotary, kv, meta, rows if i == last else None)
         return self.model.norm(x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight)
