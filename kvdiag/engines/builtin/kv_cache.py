@@ -22,6 +22,11 @@ from kvdiag.engines.base import KVLayer
 from kvdiag.kernels import dispatch
 
 
+# decode splits of 512 context tokens (vLLM's partition size): each token's attention then depends on its own
+# context only, so eager steps and the decode CUDA graphs (cuda_graph.py) give the same bits
+SPLIT_TOKENS = 512
+
+
 @dataclass
 class AttnMetadata:
     """One packed batch: what store_kv and paged_attention need besides the cache."""
@@ -114,4 +119,5 @@ class KVCache:
         c = self.views[layer]
         return dispatch.paged_attention(q, c.k, c.v, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
                                         self.kv_dtype, self.k_scales[layer], self.v_scales[layer], c.k_scale,
-                                        c.v_scale, whole_page_reads=self.whole_page_reads)
+                                        c.v_scale, whole_page_reads=self.whole_page_reads,
+                                        split_tokens=SPLIT_TOKENS)
