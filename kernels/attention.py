@@ -30,6 +30,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked tiles give 0 weights, not NaN
 BLOCK_M_PREFILL = 64
 MIN_SPLIT_TOKENS = 512
+S_CHUNK = 16  # splits the combine kernel merges at once
 
 
 @triton.jit
@@ -127,6 +128,8 @@ def _attn_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v_s
     else:
         n_read = ctx - q_end + tl.minimum(t0 + BLOCK_Q, q_end)
     lo = sp * split_len
+    if SPLIT and lo >= n_read:  # an empty split (splits sized for the longest context): nothing to write
+        return
     hi = tl.minimum(lo + split_len, n_read)
     qk_scale = sm_scale * LOG2E
     if QUANT == 1:
@@ -177,20 +180,39 @@ def _attn_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v_s
 
 
 @triton.jit
-def _combine_kernel(part_o, part_ml, out, s_ot, s_oh, num_splits, num_rows,
-                    D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
-    """out[t, h] = the splits' partial results of (t, h) merged by their running max and sum."""
+def _combine_kernel(part_o, part_ml, out, qsl, seq_lens, s_ot, s_oh, num_splits, num_rows, num_seqs, split_len,
+                    D: tl.constexpr, D_PAD: tl.constexpr, S_CHUNK: tl.constexpr, PAGE: tl.constexpr,
+                    WHOLE_PAGE: tl.constexpr):
+    """out[t, h] = the non-empty splits' partial results of (t, h) merged by their running max and sum, in
+    chunks of S_CHUNK splits. Splits past the token's context were never written and are not read, so the
+    result does not depend on how many splits the launch had (a CUDA graph sized for the longest context
+    gives the bits of an eager launch sized for the batch)."""
     t, h = tl.program_id(0), tl.program_id(1)
+    s = find_seq(qsl, num_seqs, t, 1, 0)
+    q_end, ctx = tl.load(qsl + s + 1), tl.load(seq_lens + s)
+    if WHOLE_PAGE:
+        n_read = tl.cdiv(ctx, PAGE) * PAGE
+    else:
+        n_read = ctx - q_end + tl.minimum(t + 1, q_end)
+    n_sp = tl.minimum(tl.cdiv(n_read, split_len), num_splits)
     row = t.to(tl.int64) * tl.num_programs(1) + h
-    sp = tl.arange(0, S_PAD)
-    ok = sp < num_splits
-    m = tl.load(part_ml + row * num_splits + sp, mask=ok, other=NEG_BIG)
-    l_ = tl.load(part_ml + num_rows * num_splits + row * num_splits + sp, mask=ok, other=0.0)
-    w = tl.where(ok, tl.exp2(m - tl.max(m, 0)), 0.0)
+    m_max = tl.max(tl.full([S_CHUNK], NEG_BIG, tl.float32), 0)
+    for c in range(0, n_sp, S_CHUNK):
+        sp = c + tl.arange(0, S_CHUNK)
+        m_max = tl.maximum(m_max, tl.max(tl.load(part_ml + row * num_splits + sp, mask=sp < n_sp, other=NEG_BIG), 0))
     d = tl.arange(0, D_PAD)
-    o = tl.load(part_o + (row * num_splits + sp)[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0)
-    res = tl.sum(o * w[:, None], 0) / tl.sum(l_ * w, 0)
-    tl.store(out + t.to(tl.int64) * s_ot + h * s_oh + d, res.to(out.dtype.element_ty), mask=d < D)
+    acc = tl.zeros([D_PAD], tl.float32)
+    l_sum = tl.sum(tl.zeros([S_CHUNK], tl.float32), 0)
+    for c in range(0, n_sp, S_CHUNK):
+        sp = c + tl.arange(0, S_CHUNK)
+        ok = sp < n_sp
+        m = tl.load(part_ml + row * num_splits + sp, mask=ok, other=NEG_BIG)
+        l_ = tl.load(part_ml + num_rows * num_splits + row * num_splits + sp, mask=ok, other=0.0)
+        w = tl.where(ok, tl.exp2(m - m_max), 0.0)
+        o = tl.load(part_o + (row * num_splits + sp)[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
+        l_sum += tl.sum(l_ * w, 0)
+    tl.store(out + t.to(tl.int64) * s_ot + h * s_oh + d, (acc / l_sum).to(out.dtype.element_ty), mask=d < D)
 
 
 _ATTN, _COMBINE = Launcher(_attn_kernel), Launcher(_combine_kernel)
@@ -223,8 +245,13 @@ def default_splits(num_rows: int, max_ctx: int, device: torch.device, per_sm: in
 def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, kv_dtype="auto",
                     k_scale=1.0, v_scale=1.0, k_scale_cache=None, v_scale_cache=None, whole_page_reads=False,
                     num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                    num_stages: int | None = None, cdt: torch.dtype | None = None):
-    """See :func:`kvdiag.kernels.reference.paged_attention` (the keywords after it: tuning overrides)."""
+                    num_stages: int | None = None, cdt: torch.dtype | None = None, split_tokens: int | None = None):
+    """See :func:`kvdiag.kernels.reference.paged_attention` (the keywords after it: tuning overrides).
+
+    ``split_tokens``: decode splits of that many context tokens (rounded up to the tile), as many as the
+    block table's width needs, instead of a split count chosen for the batch size: a token's result then
+    depends on its own context only, not on the batch or the table's width (the engine's eager steps and
+    CUDA graphs give the same bits)."""
     quant, _ = quant_params(kv_dtype)
     num_tokens, num_heads, head_size = query.shape
     num_seqs = seq_lens.shape[0]
@@ -244,11 +271,14 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     max_ctx = block_tables.shape[1] * page
     if not decode:
         num_splits = 1
-    elif num_splits is None:
+    elif num_splits is None and not split_tokens:
         # per SM: 2 programs (2-byte caches), 16 (1-byte): the best of the H100 sweeps (BENCHMARKS.md)
         num_splits = default_splits(num_tokens * num_kv_heads, max_ctx, query.device,
                                     16 if k_cache.element_size() == 1 else 2)
-    split_len = cdiv(cdiv(max_ctx, num_splits), block_n) * block_n
+    if decode and split_tokens:
+        split_len = cdiv(split_tokens, block_n) * block_n
+    else:
+        split_len = cdiv(cdiv(max_ctx, num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_ctx, split_len))
     d_pad = next_pow2(head_size)
     if num_splits > 1:
@@ -276,6 +306,8 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
           num_warps=num_warps, **extra)
     if num_splits > 1:
         _COMBINE((num_tokens, num_heads),
-                 (part_o, part_ml, out, out.stride(0), out.stride(1), num_splits, num_tokens * num_heads),
-                 dict(D=head_size, D_PAD=d_pad, S_PAD=next_pow2(num_splits)), num_warps=4)
+                 (part_o, part_ml, out, query_start_loc, seq_lens, out.stride(0), out.stride(1), num_splits,
+                  num_tokens * num_heads, num_seqs, split_len),
+                 dict(D=head_size, D_PAD=d_pad, S_CHUNK=S_CHUNK, PAGE=page, WHOLE_PAGE=bool(whole_page_reads)),
+                 num_warps=4)
     return out

@@ -201,6 +201,7 @@ def run_bench(kinds=KINDS, size: str = "full", device="cuda", progress=None) -> 
     before each row. Targets are judged on full-size runs only."""
     import triton
 
+    from kvdiag.engines.builtin import cuda_graph
     from kvdiag.kernels.bench_engine import engine_rows
     from kvdiag.kernels.bench_kernels import kernel_rows
     from kvdiag.kernels.launch import direct_launch
@@ -221,6 +222,7 @@ def run_bench(kinds=KINDS, size: str = "full", device="cuda", progress=None) -> 
             progress("engine rows (builtin vs transformers generate)")
         rows += engine_rows(device, tiny=size == "tiny", new_tokens=128 if size == "full" else 8)
     env = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-           "triton": triton.__version__, "fast_paths": fast_paths(), "direct_launch": direct_launch()}
+           "triton": triton.__version__, "fast_paths": fast_paths(), "direct_launch": direct_launch(),
+           "cuda_graphs": cuda_graph.enabled(None, device)}
     return {"environment": env, "size": size, "copy_gbps": copy, "rows": rows,
             "targets": judge(rows) if size == "full" else []}

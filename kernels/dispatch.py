@@ -62,11 +62,15 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, kv_dtype, k_scale=1.0, 
 
 
 def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, kv_dtype="auto",
-                    k_scale=1.0, v_scale=1.0, k_scale_cache=None, v_scale_cache=None, whole_page_reads=False):
-    """See :func:`kvdiag.kernels.reference.paged_attention`."""
-    return _pick("paged_attention", query.device)(
-        query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, kv_dtype, k_scale, v_scale,
-        k_scale_cache, v_scale_cache, whole_page_reads)
+                    k_scale=1.0, v_scale=1.0, k_scale_cache=None, v_scale_cache=None, whole_page_reads=False,
+                    split_tokens=None):
+    """See :func:`kvdiag.kernels.reference.paged_attention`. ``split_tokens`` (the Triton kernel's; the
+    reference and the CPU path have no splits): decode splits of a fixed length, so results do not depend on the batch."""
+    fn = _pick("paged_attention", query.device)
+    extra = {"split_tokens": split_tokens} if split_tokens and backend("paged_attention", query.device) == "triton" \
+        else {}
+    return fn(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, kv_dtype, k_scale, v_scale,
+              k_scale_cache, v_scale_cache, whole_page_reads, **extra)
 
 
 def zero_blocks(block_ids, tensors) -> None:

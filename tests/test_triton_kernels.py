@@ -229,6 +229,28 @@ def test_attention_reads_unwritten_slots_only_with_whole_page_reads(kv_dtype):
     assert torch.equal(bad.isnan(), want.isnan()) and bad.isnan()[:4].all() and not bad.isnan()[4].any()
 
 
+@in_process
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8_per_token_head"])
+@pytest.mark.parametrize("whole_page", [False, True])
+def test_fixed_length_splits_give_the_same_bits_at_any_table_width(kv_dtype, whole_page):
+    """``split_tokens`` (the engine's decode): a token's result does not depend on how many (empty) splits the
+    block table's width makes, split or not - what lets a CUDA graph sized for the longest context replay an
+    eager step bit for bit."""
+    model_dtype = torch.bfloat16 if GPU else torch.float32
+    b = paged_batch(kv_dtype, [1, 1, 1, 1], [1, 6, 17, 33], 4, 2, 16, 4, model_dtype, DEV, seed=3)
+    wide = torch.zeros(4, b.block_tables.shape[1] + 23, dtype=torch.int32, device=DEV)
+    wide[:, :b.block_tables.shape[1]] = b.block_tables
+    narrow = b.block_tables[:, :9]  # 36 tokens: 3 splits of 16 against 28 in the wide table
+    run = dict(whole_page_reads=whole_page, block_n=16, split_tokens=16)
+    args = list(b.args())
+    got = [attention.paged_attention(*args[:5], t, *args[6:], **run) for t in (narrow, wide)]
+    assert torch.equal(got[0], got[1])
+    assert _rel_err(got[0], reference.paged_attention(*b.args(), whole_page)) < (2e-5 if not GPU else 1e-2)
+    short = [attention.paged_attention(args[0][:2], *args[1:3], args[3][:3], args[4][:2], t[:2], *args[6:], **run)
+             for t in (narrow[:, :4], wide)]  # 6 tokens: one split, no combine, against 28 splits
+    assert torch.equal(short[0], short[1]) and torch.equal(short[0], got[0][:2])
+
+
 def _zero_tensors(size):
     if size == "tiny":
         shapes = [((10, 4, 2, 16), torch.bfloat16), ((10, 4, 2, 16), torch.float8_e4m3fn), ((10, 4, 2), torch.float32),

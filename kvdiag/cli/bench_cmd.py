@@ -83,7 +83,9 @@ def render(record: dict, con) -> None:
     con.print(t)
     engine = [r for r in record["rows"] if r["kernel"] == "engine"]
     if engine:
-        e = Table(title=f"engine decode tokens/s, {engine[0]['model']}", title_justify="left")
+        graphs = "on" if env.get("cuda_graphs") else "off (KVDIAG_CUDA_GRAPHS=0)"
+        e = Table(title=f"engine decode tokens/s, {engine[0]['model']}, decode CUDA graphs {graphs}",
+                  title_justify="left")
         for col in ("batch", "builtin tok/s", "transformers tok/s", "speedup", "builtin kernels"):
             e.add_column(col)
         for r in engine:

@@ -19,7 +19,7 @@ import torch
 
 from kvdiag import dtypes
 from kvdiag.engines.base import Capabilities, Completion, EngineSpec, KVBlockView, Scored
-from kvdiag.engines.builtin import loader
+from kvdiag.engines.builtin import cuda_graph, loader
 from kvdiag.engines.builtin.block_manager import BlockManager
 from kvdiag.engines.builtin.config import ModelConfig
 from kvdiag.engines.builtin.faults import Faults
@@ -54,6 +54,7 @@ class BuiltinEngine:
         self.max_model_len = 0
         self.weight_loads = 0  # how many times weights were read from disk
         self._weights_key = None
+        self.graphs: cuda_graph.DecodeGraphs | None = None  # decode CUDA graphs, dropped with the cache
 
     @staticmethod
     def supported_kv_dtypes() -> list[str]:
@@ -118,6 +119,7 @@ class BuiltinEngine:
         self.blocks = BlockManager(self.kv.num_blocks, spec.block_size, on_fresh, self.kv.copy_block)
 
     def _release_kv(self, keep_tables: bool = False) -> None:
+        self.graphs = cuda_graph.release(self.graphs)  # they hold the cache's and the weights' addresses
         if self.kv is not None:
             self.kv.release(keep_tables)
             if not keep_tables:
@@ -228,6 +230,8 @@ class BuiltinEngine:
             slots += self.blocks.slots(table, start, start + len(toks))
             qsl.append(qsl[-1] + len(toks))
             lens.append(start + len(toks))
+        if len(ids) == len(entries) and (graphs := cuda_graph.for_engine(self)) and graphs.fits(len(ids)):
+            return graphs.run(ids, pos, slots, lens, [t for t, _, _ in entries]), qsl  # decode: replay a graph
         width = max(len(t) for t, _, _ in entries)
         tables = [t + [0] * (width - len(t)) for t, _, _ in entries]
         dev = self.device

@@ -22,6 +22,11 @@ from kvdiag.engines.base import KVLayer
 from kvdiag.kernels import dispatch
 
 
+# decode splits of 512 context tokens (vLLM's partition size): each token's attention then depends on its own
+# context only, so eager steps and the decode CUDA graphs (cuda_graph.py) give the same bits
+SPLIT_TOKENS = 512
+
+
 @dataclass
 class AttnMetadata:
     """One packed batch: what store_kv and paged_attention need besides the cache."""
@@ -118,4 +123,4 @@ class KVCache:
             v_scale, v_scale_cache = self.k_scales[layer], c.k_scale
         return dispatch.paged_attention(q, c.k, c.v, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
                                         self.kv_dtype, self.k_scales[layer], v_scale, c.k_scale, v_scale_cache,
-                                        whole_page_reads=self.whole_page_reads)
+                                        whole_page_reads=self.whole_page_reads, split_tokens=SPLIT_TOKENS)
