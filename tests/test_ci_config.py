@@ -21,6 +21,7 @@ def run_cli(capsys, *args) -> tuple[int, str]:
     ('kv_dtypes = ["auto"]\n\n[memleak]\ncycles = "two"\n', 4, ["'cycles'", "expected an integer >= 1"]),
     ('kv_dtypes = ["auto"]\n[wake-cycle]\nlevels = [1, 3]\n', 3, ["'levels'", "one of 1, 2"]),
     ('kv_dtypes = ["auto"\n[memleak]\n', 2, ["bad TOML"]),
+    ('[memleak]\ncycles = 1\nkv_dtypes = [\n', 3, ["bad TOML", "the file ends inside it"]),
     ('kv_dtypes = ["auto"]\n[memleak]\nkv_dtypes = ["fp8", "fp9"]\n', 3, ["unknown kv-cache dtype 'fp9'", "fp8_e5m2"]),
     ('kv_dtypes = ["fp9"]\n[memleak]\ncycles = 1\n', 1, ["unknown kv-cache dtype 'fp9'"]),
     ('speed = 3\n[memleak]\n', 1, ["unknown key 'speed'", "kv_dtypes"]),

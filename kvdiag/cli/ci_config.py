@@ -146,8 +146,10 @@ def load_config(path: Path) -> CIConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         m = re.search(r"\(at line (\d+), column \d+\)", str(e))
-        msg = re.sub(r"\s*\(at line .*\)$", "", str(e))
-        raise ConfigError(f"{path}:{m.group(1) if m else '?'}: bad TOML: {msg}") from None
+        msg = re.sub(r"\s*\(at (line .*|end of document)\)$", "", str(e))
+        line = m.group(1) if m else max(1, len(text.splitlines()))  # "at end of document": the last line
+        raise ConfigError(f"{path}:{line}: bad TOML: {msg} (the file ends inside it)" if not m
+                          else f"{path}:{line}: bad TOML: {msg}") from None
     prefix = ("tool", "kvdiag") if path.name == "pyproject.toml" else ()
     for part in prefix:
         data = data.get(part, {})
