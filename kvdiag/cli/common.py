@@ -172,15 +172,13 @@ def execute(
     env: dict | None = None,
     analyze: Callable | None = None,
     render: Callable | None = None,
-    judge: Callable | None = None,
     finish: Callable | None = None,
     preload: tuple[str, ...] = (),
 ) -> int:
     """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed).
 
-    ``judge(run)``, when given, decides the exit code after the analysis instead of the case statuses.
     ``finish(run)`` (optional) runs on the finished run before run.json is written: it may add to
-    run.analysis, raise run.exit_code and write reports.
+    run.analysis, set run.exit_code (which is first derived from the case statuses) and write reports.
     """
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
     from kvdiag.runner import run_cases
@@ -197,7 +195,7 @@ def execute(
     if analyze is not None:
         analyze(run)  # may update case statuses/findings (re-appended) and fill run.analysis
     run.summary = summarize(run.cases)
-    run.exit_code = judge(run) if judge is not None else exit_code_for(run.cases)
+    run.exit_code = exit_code_for(run.cases)
     run.finished = now()
     if finish is not None:
         finish(run)
