@@ -82,12 +82,15 @@ class _Pages:
 
     @staticmethod
     def _dequant(cache, scale_cache, kv_dtype, scale, ids):
+        """float32 rows of blocks ``ids`` (``reference.dequantize``) and a zero row after them, in one buffer."""
         scales = None if scale_cache is None else scale_cache[ids].flatten(0, 1)
         codes = cache[ids].flatten(0, 1)
         if codes.dtype == torch.float8_e4m3fn:
             codes = e4m3_to_float(codes)  # == codes.float(), faster
-        x = reference.dequantize(codes, kv_dtype, scale, scales)
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+        out = torch.empty(codes.shape[0] + 1, *codes.shape[1:], dtype=torch.float32, device=codes.device)
+        out[-1] = 0
+        reference.dequantize(codes, kv_dtype, scale, scales, out=out[:-1])
+        return out
 
     def slots(self, s: int, n: int) -> torch.Tensor | slice:
         """Rows of positions 0..n-1 of sequence s (a slice when its blocks are consecutive, as a fresh
@@ -108,12 +111,14 @@ class _Pages:
 
 
 def e4m3_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """``codes.float()`` for float8_e4m3fn (a 256-entry table built by ``.float()`` itself: ~2x faster on CPU).
+    """``codes.float()`` for float8_e4m3fn: a 256-entry table built by ``.float()`` itself, looked up with int32
+    indices (1.1 ns a value on one AVX2 core; ``.float()`` 4.3 ns, ``torch.take``'s int64 indices 2.5 ns).
 
     The table is built per call (microseconds), not kept in a module global: kvdiag's own memleak check would
     rightly report a tensor that outlives the engine."""
     table = torch.arange(256, dtype=torch.int32, device=codes.device).to(torch.uint8).view(torch.float8_e4m3fn)
-    return torch.take(table.float(), codes.view(torch.uint8).long()).view(codes.shape)
+    index = codes.reshape(-1).view(torch.uint8).int()
+    return torch.index_select(table.float(), 0, index).view(codes.shape)
 
 
 def _attend_one(q, pages: _Pages, s: int, n: int, scale: float) -> torch.Tensor:

@@ -68,18 +68,18 @@ def quantize_per_tensor(x: torch.Tensor, kv_dtype: str, scale) -> torch.Tensor:
     return (x.float() / scale).clamp(-d.qmax, d.qmax).to(getattr(torch, d.storage))
 
 
-def dequantize(codes: torch.Tensor, kv_dtype: str, scale=None, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 values of cache entries ``codes`` [..., num_kv_heads, head_size].
+def dequantize(codes: torch.Tensor, kv_dtype: str, scale=None, scales: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 values of cache entries ``codes`` [..., num_kv_heads, head_size] (written into ``out`` if given).
 
     Unquantized dtypes: ``codes.float()``. Per-tensor fp8: ``codes.float() * scale``.
     Per-token-head: ``codes.float() * scales[..., None]`` with ``scales`` [..., num_kv_heads].
     """
     d = _kv(kv_dtype)
     if d.quant == "none":
-        return codes.float()
-    if d.quant == "per_tensor":
-        return codes.float() * scale
-    return codes.float() * scales.unsqueeze(-1)
+        return codes.float() if out is None else out.copy_(codes)
+    factor = scale if d.quant == "per_tensor" else scales.unsqueeze(-1)
+    return torch.mul(codes.float(), factor, **({} if out is None else {"out": out}))
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

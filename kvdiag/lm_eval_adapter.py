@@ -205,11 +205,30 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
     """``lm_eval.simple_evaluate`` with per-sample logging; returns ``{"scores": .., "samples": ..}`` (``summarize``)."""
     from lm_eval import simple_evaluate
 
-    res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(include_paths, include_defaults),
-                          log_samples=True, limit=limit, num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
-                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                          fewshot_random_seed=seed)
+    with _without_env_probe():
+        res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(include_paths, include_defaults),
+                              log_samples=True, limit=limit, num_fewshot=num_fewshot,
+                              bootstrap_iters=bootstrap_iters, random_seed=seed, numpy_random_seed=seed,
+                              torch_random_seed=seed, fewshot_random_seed=seed)
     return summarize(res)
+
+
+@contextlib.contextmanager
+def _without_env_probe():
+    """lm_eval's ``add_env_info`` runs torch's ``collect_env`` (``pip list``, compilers, drivers: ~0.8 s and a
+    subprocess per call, i.e. per kv dtype) and ``git describe``; kvdiag records its own environment and
+    drops those fields, so both are skipped while ``simple_evaluate`` runs (if this lm_eval has them)."""
+    import lm_eval.evaluator as ev
+
+    saved = {n: getattr(ev, n) for n in ("add_env_info", "get_git_commit_hash") if hasattr(ev, n)}
+    stubs = {"add_env_info": lambda storage: None, "get_git_commit_hash": lambda: None}
+    for n in saved:
+        setattr(ev, n, stubs[n])
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(ev, n, f)
 
 
 def summarize(res: dict) -> dict:

@@ -10,6 +10,8 @@ at once; ``resume`` skips the ids already recorded.
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib
 import multiprocessing as mp
 import os
@@ -222,6 +224,21 @@ def _mp_context(preload: tuple[str, ...] = ()):
     return ctx
 
 
+@contextlib.contextmanager
+def _environ(env: dict):
+    """``os.environ`` updated with ``env`` inside the block, restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class _Worker:
     def __init__(self, cases: list[Case], run_dir: Path, default_timeout: float, env: dict,
                  preload: tuple[str, ...] = ()):
@@ -237,7 +254,8 @@ class _Worker:
             args=([asdict(c) for c in cases], str(run_dir), str(self.log_path), child, os.getpid(), env),
             daemon=False,
         )
-        self.proc.start()
+        with _environ(env):  # a fork server starts with the first worker: its preloaded native libraries read
+            self.proc.start()  # their settings (OpenMP: OMP_WAIT_POLICY) once, at load
         child.close()
         self.case_started = time.monotonic()
         self.log_offset = 0

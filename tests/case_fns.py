@@ -43,3 +43,10 @@ def touch_then_sleep(case, ctx):
     (ctx.run_dir / f"started-{case.params['n']}").touch()
     time.sleep(case.params.get("sleep", 0.0))
     return case.result("pass", metrics={"n": case.params["n"]})
+
+
+def server_env(case, ctx):
+    """What the worker's parent (the fork server, under preload) had in its environment when it started."""
+    with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return case.result("pass", metrics={"server_wait_policy": env.get(b"OMP_WAIT_POLICY", b"").decode()})

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -72,6 +73,24 @@ def test_identical_probes_and_first_divergence():
     assert drift.first_divergence([[1, 2]], [[1, 2, 3]]) == {"prompt": 0, "position": 2}
 
 
+def test_drift_artifacts_round_trip_and_the_parent_reads_them_without_torch(tmp_path):
+    full = probe(random_dists(8), [[1, 2, 3]] * 3)
+    full["dists"][1][2, 4] = math.nan
+    topk = {"over": "top-k", "top": [drift._topk_dicts(d, 4) for d in random_dists(9)], "greedy": [[7]] * 3,
+            "chosen": [[-0.25, math.inf]] * 3, "greedy_logprobs": [[-0.1]] * 3}
+    for name, data in (("full", full), ("topk", topk)):
+        drift.save(data, tmp_path / f"{name}.drift.npz")
+        back = drift.load(tmp_path / f"{name}.drift.npz")
+        assert {k: v for k, v in back.items() if k != "dists"} == {k: v for k, v in data.items() if k != "dists"}
+        assert [d.tobytes() for d in back.get("dists", [])] == [d.numpy().tobytes() for d in data.get("dists", [])]
+        assert drift.compare(data, back)["identical"] is (name == "topk")  # NaN is never equal to itself
+    script = (f"import sys; from kvdiag.checks import drift; "
+              f"p = drift.load({str(tmp_path / 'full.drift.npz')!r}); "
+              f"m = drift.compare(p, p); print(m['positions'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["15", "False"], out.stderr[-2000:]
+
+
 def test_dtype_families_and_limits():
     assert drift.family("auto", "bfloat16") == "identical"
     assert drift.family("bfloat16", "bfloat16") == "identical"
@@ -112,11 +131,11 @@ def fake_case(run_dir, dtype, acc, dists, role="test", status="pass", greedy=Non
     art = run_dir / "artifacts"
     art.mkdir(exist_ok=True)
     (art / f"{dtype}.samples.json").write_text(json.dumps({"t": {"acc": {str(i): v for i, v in enumerate(acc)}}}))
-    drift.save(probe(dists, greedy or [[1, 2, 3]] * len(dists)), art / f"{dtype}.drift.pt")
+    drift.save(probe(dists, greedy or [[1, 2, 3]] * len(dists)), art / f"{dtype}.drift.npz")
     rec.metrics = {"scores": {"t": {"acc": {"score": sum(acc) / len(acc), "stderr": 0.01, "higher_is_better": True,
                                             "n": len(acc)}}},
                    "model_dtype": "bfloat16", "finite": True,
-                   "artifacts": {"samples": f"{dtype}.samples.json", "drift": f"{dtype}.drift.pt"}}
+                   "artifacts": {"samples": f"{dtype}.samples.json", "drift": f"{dtype}.drift.npz"}}
     return rec
 
 
@@ -274,9 +293,26 @@ def test_default_jobs_share_the_cpu_cores_only_for_builtin_cases_on_cpu(monkeypa
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert default_jobs(cases("builtin", "cpu", 7), Isolate.case) == 2 and worker_env(2) == {"OMP_NUM_THREADS": "1"}
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert default_jobs(cases("builtin", "cpu", 7), Isolate.case) == 4
+    assert worker_env(4) == {**passive, "OMP_NUM_THREADS": "1"}
+    assert default_jobs(cases("builtin", "cpu", 3), Isolate.case) == 3
     assert default_jobs(cases("builtin", "cpu", 1), Isolate.case) == 1
-    assert default_jobs(cases("builtin", "cpu", 7), Isolate.run) == 1 and worker_env(1) == {"OMP_NUM_THREADS": "2"}
+    assert default_jobs(cases("builtin", "cpu", 7), Isolate.run) == 1
+    assert worker_env(1) == {**passive, "OMP_NUM_THREADS": "2"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert worker_env(4) == {}  # the user's choice stands
     assert default_jobs(cases("builtin", "cuda", 7), Isolate.case) == 1
     assert default_jobs(cases("vllm", "cpu", 7), Isolate.case) == 1
     assert "torch" in preload(cases("builtin", "cpu", 2)) and preload(cases("vllm", "cpu", 2)) == ()
+
+
+def test_process_age_counts_from_when_the_process_started():
+    # the 'startup' timing of a case; psutil's create_time can be up to 1 s early (boot time in whole seconds)
+    script = "import time; from kvdiag.checks.accuracy import process_age; print(time.time() - process_age())"
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    started = float(out.stdout)
+    assert t0 - 0.05 <= started <= time.time(), (t0, started)

@@ -78,10 +78,10 @@ def test_refusing_the_models_own_dtype_is_wrong_not_unsupported(tmp_path):
 
     (tmp_path / "artifacts").mkdir()
     drift.save({"over": "full", "dists": [torch.log_softmax(torch.zeros(2, 5), -1)], "chosen": [[-1.0, -1.0]],
-                "greedy": [[1]], "greedy_logprobs": [[-0.1]]}, tmp_path / "artifacts" / "auto.pt")
+                "greedy": [[1]], "greedy_logprobs": [[-0.1]]}, tmp_path / "artifacts" / "auto.npz")
     base = CaseResult(id="auto", check="dtypes", engine="e", model="m", kv_dtype="auto", status="pass",
                       params={"role": "baseline"}, metrics={"started": True, "finite": True, "model_dtype": "bfloat16",
-                                                            "artifacts": {"drift": "auto.pt"}})
+                                                            "artifacts": {"drift": "auto.npz"}})
 
     def refused(dtype):
         rec = CaseResult(id=dtype, check="dtypes", engine="e", model="m", kv_dtype=dtype, status="skipped",

@@ -116,3 +116,27 @@ def test_run_tasks_on_a_shipped_task_gives_per_document_values(engine):
     assert score["score"] == pytest.approx(sum(samples["acc"].values()) / 12)
     p = score["score"]
     assert score["stderr"] == pytest.approx(math.sqrt(p * (1 - p) / 11), abs=1e-9)
+
+
+def test_run_tasks_skips_lm_evals_environment_probe_and_restores_it(engine, monkeypatch):
+    # collect_env runs `pip list` & co. (~0.8 s a dtype); kvdiag records its own environment
+    import lm_eval.evaluator as ev
+    import torch.utils.collect_env as ce
+
+    calls = []
+    monkeypatch.setattr(ce, "get_pretty_env_info", lambda: calls.append("collect_env") or "")
+    before = (ev.add_env_info, ev.get_git_commit_hash)
+    run_tasks(EngineLM(engine), ["kv_recall"], limit=2, seed=0)
+    assert calls == [] and (ev.add_env_info, ev.get_git_commit_hash) == before
+    ev.add_env_info({})  # still lm_eval's own function outside run_tasks
+    assert calls == ["collect_env"]
+
+
+def test_kvdiags_own_tasks_resolve_without_importing_lm_eval():
+    import subprocess
+    import sys
+
+    script = ("import sys; from kvdiag.cli.accuracy_cmd import _tasks; "
+              "print(_tasks(None, None), _tasks(['kv_recall,kv_recall'], None), 'lm_eval' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "(['kv_recall', 'kv_recall_long'], False) (['kv_recall'], False) False", out.stderr

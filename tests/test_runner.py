@@ -1,6 +1,9 @@
 """The case runner: isolation of crashes, timeouts and errors; order; resume."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -75,6 +78,24 @@ def test_corrupt_line_is_reported_and_skipped(tmp_path, capsys):
     recs = read_jsonl(path, warn=warnings.append)
     assert list(recs) == ["t/0-healthy"]
     assert "results.jsonl:2" in warnings[0]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc")
+def test_the_fork_server_starts_with_the_workers_env(tmp_path):
+    # OpenMP reads OMP_WAIT_POLICY once, when the fork server's preloaded torch loads it: the server itself
+    # must start with the workers' env, and kvdiag's own environment must be left as it was. (In a fresh
+    # process: a fork server lives as long as the process that started it.)
+    script = f"""if True:
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_runner import case
+        from kvdiag.runner import run_cases
+        recs = run_cases([case("server_env", 0)], {str(tmp_path)!r}, quiet=True, timeout=30, preload=("case_fns",),
+                         env={{"OMP_WAIT_POLICY": "PASSIVE"}})
+        print(recs[0].status, recs[0].metrics.get("server_wait_policy"), os.environ.get("OMP_WAIT_POLICY"))"""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["pass", "PASSIVE", "None"], out.stderr[-2000:]
 
 
 def test_fork_server_workers_are_isolated_and_not_taken_for_orphans(tmp_path):

@@ -14,6 +14,7 @@ what any rounding does on a flat distribution, not a change of the model's answe
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, replace
 
@@ -35,8 +36,8 @@ def collect(engine, prompts, *, greedy_tokens: int = GREEDY_TOKENS) -> dict:
     scored = engine.score([p.context for p in prompts], [p.continuation for p in prompts], top_k=top_k)
     out = {"over": "full" if full else "top-k", "chosen": [list(map(float, s.logprobs)) for s in scored]}
     if full:
-        dists = [torch.as_tensor(s.distributions).float().cpu() for s in scored]
-        if sum(d.numel() for d in dists) * 4 > MAX_FULL_BYTES:
+        dists = [torch.as_tensor(s.distributions).float().cpu().numpy() for s in scored]
+        if sum(d.size for d in dists) * 4 > MAX_FULL_BYTES:
             out["over"], out["top"] = "top-k", [_topk_dicts(d, TOP_K) for d in dists]
         else:
             out["dists"] = dists
@@ -49,27 +50,48 @@ def collect(engine, prompts, *, greedy_tokens: int = GREEDY_TOKENS) -> dict:
 
 
 def _topk_dicts(dist, k: int) -> list[dict[int, float]]:
-    vals, idx = dist.topk(min(k, dist.shape[-1]), dim=-1)
-    return [dict(zip(i.tolist(), v.tolist())) for i, v in zip(idx, vals)]
+    """Each row's k largest entries as {index: value} (``dist``: [positions, vocab], numpy or a CPU tensor)."""
+    import numpy as np
+
+    dist = np.asarray(dist)
+    idx = np.argsort(-dist, axis=-1, kind="stable")[:, :min(k, dist.shape[-1])]
+    return [dict(zip(i.tolist(), row[i].tolist())) for i, row in zip(idx, dist)]
 
 
 def finite(data: dict) -> bool:
     """No NaN/inf in what the engine returned for the prompts (logprobs may be -inf only in distributions)."""
+    import numpy as np
+
     vals = [v for row in data["chosen"] + data["greedy_logprobs"] for v in row]
-    return all(math.isfinite(v) for v in vals) and not any(
-        bool(d.isnan().any()) for d in data.get("dists", []))
+    return all(math.isfinite(v) for v in vals) and not any(bool(np.isnan(d).any()) for d in data.get("dists", []))
 
 
 def save(data: dict, path) -> None:
-    import torch
+    """numpy's .npz (no pickle): the distributions as float32 arrays, everything else as one JSON string. The
+    parent that compares the dtypes then needs numpy only, not torch (~1.8 s of import)."""
+    import numpy as np
 
-    torch.save(data, path)
+    meta = {k: v for k, v in data.items() if k != "dists"}
+    arrays = {f"dist{i}": np.asarray(d, dtype=np.float32) for i, d in enumerate(data.get("dists", []))}
+    with open(path, "wb") as f:
+        np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
 
 
 def load(path) -> dict:
-    import torch
+    import numpy as np
 
-    return torch.load(path, weights_only=True)
+    if str(path).endswith(".pt"):  # an artifact of an earlier kvdiag (torch.save of the same dict), e.g. on --resume
+        import torch
+
+        return torch.load(path, weights_only=True)
+    with np.load(path, allow_pickle=False) as z:
+        data = json.loads(str(z["meta"]))
+        dists = sorted((int(k[4:]), z[k]) for k in z.files if k.startswith("dist"))
+    if "top" in data:  # JSON object keys are strings
+        data["top"] = [[{int(t): v for t, v in pos.items()} for pos in rows] for rows in data["top"]]
+    if dists or data.get("over") == "full":
+        data["dists"] = [d for _, d in dists]
+    return data
 
 
 # ------------------------------------------------------------------ parent side
@@ -104,13 +126,14 @@ def _tops(data: dict, i: int) -> list[dict[int, float]]:
 
 
 def _full_pos(p_log, q_log) -> tuple[list[float], list[bool]]:
-    import torch
+    import numpy as np
 
-    p_log, q_log = p_log.double(), q_log.double()
-    terms = torch.where(p_log > -math.inf, p_log.exp() * (p_log - q_log), torch.zeros_like(p_log))
-    kl = terms.sum(-1).clamp_min(0.0)
-    picked = p_log.gather(-1, q_log.argmax(-1, keepdim=True)).squeeze(-1)
-    return kl.tolist(), (picked >= p_log.max(-1).values - TIE_NATS).tolist()
+    p_log, q_log = np.asarray(p_log, dtype=np.float64), np.asarray(q_log, dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        terms = np.where(p_log > -math.inf, np.exp(p_log) * (p_log - q_log), 0.0)
+        kl = np.maximum(terms.sum(-1), 0.0)  # NaN stays NaN
+        picked = np.take_along_axis(p_log, q_log.argmax(-1)[:, None], -1)[:, 0]
+        return kl.tolist(), (picked >= p_log.max(-1) - TIE_NATS).tolist()
 
 
 def _topk_pos(base_rows, test_rows) -> tuple[list[float], list[bool]]:
@@ -132,9 +155,9 @@ def _topk_pos(base_rows, test_rows) -> tuple[list[float], list[bool]]:
 
 def _same_dists(base: dict, test: dict, over: str) -> bool:
     if over == "full":
-        import torch
+        import numpy as np
 
-        return all(torch.equal(x, y) for x, y in zip(base["dists"], test["dists"]))
+        return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(base["dists"], test["dists"]))
     return all(_tops(base, i) == _tops(test, i) for i in range(len(base["chosen"])))
 
 

@@ -58,9 +58,8 @@ def _shard_rows(cfg: ModelConfig, packed: str) -> list[int]:
 
 def build_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device, max_len: int) -> CausalLM:
     """A :class:`CausalLM` on ``device`` in ``dtype`` holding the checkpoint's weights."""
-    with torch.device("meta"):
-        model = CausalLM(cfg, dtype, max_len)
-    model.to_empty(device=device)
+    with torch.device(device):  # uninitialised storage (no random init, see model.Linear); not meta + to_empty,
+        model = CausalLM(cfg, dtype, max_len)  # whose empty_like imports sympy (~0.5 s a process)
     model.rotary.build()
     params = dict(model.named_parameters())
     missing = set()
