@@ -213,6 +213,26 @@ def test_paged_attention_matches_reference(size, kv_dtype, layout, batch, fast, 
     assert _rel_err(out, want) < (2e-5 if model_dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.skipif(not GPU, reason="the register conversions exist compiled only (inline PTX)")
+@pytest.mark.parametrize("storage,cdt,fast", [(torch.int8, torch.bfloat16, 1), (torch.int8, torch.float16, 4),
+                                              (torch.float8_e4m3fn, torch.float16, 2),
+                                              (torch.float8_e5m2, torch.float16, 3)])
+@pytest.mark.parametrize("pure", [False, True])
+def test_register_conversions_of_all_1_byte_codes_are_exact(storage, cdt, fast, pure):
+    """attention.to_compute's inline-PTX conversions (pure or not) give torch's conversion of every code."""
+    @triton.jit
+    def kern(x, y, CDT: triton.language.constexpr, FAST: triton.language.constexpr,
+             PURE: triton.language.constexpr):
+        o = triton.language.arange(0, 256)
+        triton.language.store(y + o, attention.to_compute(triton.language.load(x + o), CDT, FAST, PURE))
+
+    codes = torch.arange(256, dtype=torch.int32, device=DEV).to(torch.uint8).view(torch.int8).view(storage)
+    got = torch.full((256,), math.nan, dtype=cdt, device=DEV)
+    kern[(1,)](codes, got, CDT=attention._TL[cdt], FAST=fast, PURE=pure)
+    assert attention._FAST[(storage, cdt)] == fast
+    torch.testing.assert_close(got, codes.to(cdt), rtol=0, atol=0, equal_nan=True)
+
+
 @in_process
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8_per_token_head"])
 def test_attention_reads_unwritten_slots_only_with_whole_page_reads(kv_dtype):
@@ -249,6 +269,21 @@ def test_fixed_length_splits_give_the_same_bits_at_any_table_width(kv_dtype, who
     short = [attention.paged_attention(args[0][:2], *args[1:3], args[3][:3], args[4][:2], t[:2], *args[6:], **run)
              for t in (narrow[:, :4], wide)]  # 6 tokens: one split, no combine, against 28 splits
     assert torch.equal(short[0], short[1]) and torch.equal(short[0], got[0][:2])
+
+
+@in_process
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8_per_token_head"])
+@pytest.mark.parametrize("swap_v", [False, True])
+def test_decode_matches_reference_with_the_pv_product_transposed_or_not(kv_dtype, swap_v):
+    """``swap_v`` (decode's default for 1-byte caches: acc^T += V^T P^T, the codes converted in the dot
+    operands' layout) and the plain P.V form both match the reference, in one split and in three."""
+    model_dtype = torch.bfloat16 if GPU else torch.float32
+    b = paged_batch(kv_dtype, [1, 1, 1, 1], [1, 5, 17, 33], 8, 2, 64, 4, model_dtype, DEV, seed=5)
+    want = reference.paged_attention(*b.args())
+    for splits in (1, 3):
+        out = attention.paged_attention(*b.args(), num_splits=splits, swap_v=swap_v)
+        assert torch.isfinite(out).all()
+        assert _rel_err(out, want) < (2e-5 if not GPU else 1e-2)
 
 
 def _zero_tensors(size):
