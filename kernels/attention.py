@@ -15,8 +15,8 @@ K codes enter the dot product in the query's dtype where exact (int8, fp8, same 
 else float32 (IEEE); per-token-head K scales multiply the score columns, per-tensor
 ``k_scale`` folds into the softmax scale; V's per-token-head scales multiply the
 probabilities before the P.V product, per-tensor ``v_scale`` the result. Decode over 1-byte
-caches computes the P.V product transposed (acc^T += V^T P^T) and converts the K and V codes in the
-dot operands' layout (``swap_v``, BENCHMARKS.md "Round 3").
+caches (with the fast paths) converts the K codes in the dot operand's layout (``PURE_K``,
+BENCHMARKS.md "Round 3").
 """
 
 from __future__ import annotations
@@ -100,12 +100,12 @@ def fp8_to_f16(x, E5M2: tl.constexpr, PURE: tl.constexpr):
 
 @triton.jit
 def to_compute(x, CDT: tl.constexpr, FAST: tl.constexpr, PURE: tl.constexpr = False):
-    """Cache codes -> the dot's dtype. ``FAST`` (compiled only): convert in registers. Not ``PURE``: where
-    the data was loaded (Triton cannot move the asm past the layout change), then the converted tile goes
-    through shared memory to the dot; ``PURE``: Triton hoists the dot operand's layout above the asm, reads
-    the 1-byte tile from shared memory in that layout and converts it there (decode; faster at its
-    tiles, BENCHMARKS.md "Round 3"). Without FAST, Triton moves 1-byte tiles through shared memory one
-    byte at a time."""
+    """Cache codes -> the dot's dtype. ``FAST`` (compiled only): convert in registers; not ``PURE``: where
+    the data was loaded (Triton cannot move the asm past the layout change), the converted tile then goes
+    through shared memory to the dot; ``PURE``: Triton hoists the dot operand's layout above the asm and
+    reads the codes from shared memory in that layout (decode's K tile: faster, BENCHMARKS.md "Round 3";
+    for V, whose dot operand needs consecutive tokens, one byte per load: slower). Without FAST, Triton
+    moves 1-byte tiles through shared memory one byte at a time."""
     if FAST == 1:
         y = i8_to_bf16(x, PURE)
     elif FAST == 2:
@@ -127,7 +127,7 @@ def _attn_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v_s
                  BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, ADD_S: tl.constexpr, QUANT: tl.constexpr,
                  K_PTR: tl.constexpr, V_PTR: tl.constexpr, WHOLE_PAGE: tl.constexpr, SPLIT: tl.constexpr,
                  CDT: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, PRESCALE: tl.constexpr,
-                 SWAP_V: tl.constexpr):
+                 PURE_K: tl.constexpr):
     kvh, pid, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s = find_seq(qsl, num_seqs, pid, BLOCK_Q, ADD_S)
     q_start, q_end = tl.load(qsl + s), tl.load(qsl + s + 1)
@@ -161,19 +161,15 @@ def _attn_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v_s
         qt = qt.to(CDT)
     m_i = tl.full([BLOCK_Q * G_PAD], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
-    if SWAP_V:
-        acc = tl.zeros([D_PAD, BLOCK_Q * G_PAD], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         ld = offs < hi
         page = tl.load(block_tables + s * bt_s + offs // PAGE, mask=ld, other=0).to(tl.int64)
         in_page = offs % PAGE
-        kv_row = page * c_b + in_page * c_o + kvh * c_h
-        kv_off = kv_row[:, None] + d[None, :]
+        kv_off = (page * c_b + in_page * c_o + kvh * c_h)[:, None] + d[None, :]
         kv_mask = ld[:, None] & (d[None, :] < D)
-        k = to_compute(tl.load(k_cache + kv_off, mask=kv_mask, other=0.0), CDT, FAST, SWAP_V)
+        k = to_compute(tl.load(k_cache + kv_off, mask=kv_mask, other=0.0), CDT, FAST, PURE_K)
         scores = tl.dot(qt, tl.trans(k), input_precision=PREC)
         if QUANT == 2:
             sc_off = page * sc_b + in_page * sc_o + kvh * sc_h
@@ -184,18 +180,11 @@ def _attn_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v_s
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        v = to_compute(tl.load(v_cache + kv_off, mask=kv_mask, other=0.0), CDT, FAST)
         if QUANT == 2:
             p = p * tl.load(v_scale_cache + sc_off, mask=ld, other=0.0)[None, :]
-        if SWAP_V:  # acc^T += V^T P^T: V^T is the dot's A operand (M = head size), the kernel's fastest form
-            v_t = tl.load(v_cache + kv_row[None, :] + d[:, None], mask=ld[None, :] & (d[:, None] < D), other=0.0)
-            acc = acc * alpha[None, :] + tl.dot(to_compute(v_t, CDT, FAST, True), tl.trans(p).to(CDT),
-                                                input_precision=PREC)
-        else:
-            v = to_compute(tl.load(v_cache + kv_off, mask=kv_mask, other=0.0), CDT, FAST)
-            acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v, input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v, input_precision=PREC)
         m_i = m_new
-    if SWAP_V:
-        acc = tl.trans(acc)
     if QUANT == 1:
         acc = acc * load_scale(v_scale, V_PTR)
     if SPLIT:
@@ -305,17 +294,13 @@ def default_splits(num_rows: int, max_ctx: int, device: torch.device, per_sm: in
 def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, kv_dtype="auto",
                     k_scale=1.0, v_scale=1.0, k_scale_cache=None, v_scale_cache=None, whole_page_reads=False,
                     num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                    num_stages: int | None = None, cdt: torch.dtype | None = None, split_tokens: int | None = None,
-                    swap_v: bool | None = None):
+                    num_stages: int | None = None, cdt: torch.dtype | None = None, split_tokens: int | None = None):
     """See :func:`kvdiag.kernels.reference.paged_attention` (the keywords after it: tuning overrides).
 
     ``split_tokens``: decode splits of that many context tokens (rounded up to the tile), as many as the
     block table's width needs, instead of a split count chosen for the batch size: a token's result then
     depends on its own context only, not on the batch or the table's width (the engine's eager steps and
-    CUDA graphs give the same bits).
-
-    ``swap_v``: compute the P.V product transposed (V^T P^T) with the converted tiles read in the dot
-    operand's layout; default: decode over 1-byte caches, with 2 pipeline stages (BENCHMARKS.md, "Round 3")."""
+    CUDA graphs give the same bits)."""
     quant, _ = quant_params(kv_dtype)
     num_tokens, num_heads, head_size = query.shape
     num_seqs = seq_lens.shape[0]
@@ -353,10 +338,7 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     ksc, vsc, sc, (ks, k_ptr), (vs, v_ptr) = scale_args(quant, k_cache, v_cache, k_scale, v_scale, k_scale_cache,
                                                          v_scale_cache)
     programs = num_tokens if decode else num_tokens // block_q + num_seqs
-    if swap_v is None:
-        swap_v = decode and k_cache.element_size() == 1
-    if num_stages is None and swap_v and decode:
-        num_stages = 2
+    fast = _FAST.get((k_cache.dtype, cdt), 0) if fast_paths() else 0
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _ATTN((num_kv_heads, programs, num_splits),
           (query, k_cache, v_cache, ksc, vsc, ks, vs, query_start_loc, seq_lens, block_tables, out, part_o, part_ml,
@@ -365,8 +347,7 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
           dict(G=group, G_PAD=g_pad, D=head_size, D_PAD=d_pad, PAGE=page, BLOCK_Q=block_q, BLOCK_N=block_n,
                ADD_S=0 if decode else 1, QUANT=quant, K_PTR=k_ptr, V_PTR=v_ptr, WHOLE_PAGE=bool(whole_page_reads),
                SPLIT=num_splits > 1, CDT=_TL[cdt], PREC="ieee" if cdt == torch.float32 else None,
-               FAST=_FAST.get((k_cache.dtype, cdt), 0) if fast_paths() else 0,
-               PRESCALE=cdt == torch.float16 and query.dtype != torch.float16, SWAP_V=bool(swap_v)),
+               FAST=fast, PRESCALE=cdt == torch.float16 and query.dtype != torch.float16, PURE_K=decode and fast > 0),
           num_warps=num_warps, **extra)
     if num_splits > 1:
         _COMBINE((num_tokens, num_kv_heads),

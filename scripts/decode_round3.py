@@ -20,8 +20,11 @@ size 16. Also: the current kernel's time split into its two kernels (torch.profi
 variant the TTGIR facts that matter (MMA version, shared-memory round trips of the converted tiles).
 Recorded runs: ``--round a`` -> scripts/decode_round3_h100.json (its "current" entries: round 2's
 kernel), ``--round b`` -> scripts/decode_round3b_h100.json ("current": SWAP_V + PURE in attention.py,
-round 2's combine kernel, int8 in bf16 dots; its int8 rows with cdt None ran bf16 dots, the default then).
-FUSE 3 is attention.py's combine kernel since round 3; FUSE 0 round 2's (one program per query head).
+round 2's combine kernel, int8 in bf16 dots; its int8 rows with cdt None ran bf16 dots, the default then),
+``--round c`` -> scripts/decode_round3c_h100.json (PURE for K only, ``pure_v`` 0, against both; "current":
+SWAP_V + PURE, the new combine kernel, int8 in fp16 dots). FUSE 3 is attention.py's combine kernel since
+round 3; FUSE 0 round 2's (one program per query head). attention.py kept round c's SWAP_K 0, SWAP_V 0,
+PURE for K only, FUSE 3, int8 in fp16 dots (BENCHMARKS.md, "Round 3").
 
     python3 scripts/decode_round3.py --out scripts/decode_round3_h100.json   # on the GPU
     TRITON_INTERPRET=1 python3 scripts/decode_round3.py --quick              # CPU check of the kernel
@@ -95,7 +98,7 @@ def _decode_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v
                    QUANT: tl.constexpr, K_PTR: tl.constexpr, V_PTR: tl.constexpr, SPLIT: tl.constexpr,
                    CDT: tl.constexpr, FAST: tl.constexpr, PRESCALE: tl.constexpr, SWAP_K: tl.constexpr,
                    SWAP_V: tl.constexpr, FUSE: tl.constexpr, S_CHUNK: tl.constexpr, PURE: tl.constexpr,
-                   G4: tl.constexpr):
+                   G4: tl.constexpr, PURE_V: tl.constexpr):
     kvh, t, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # decode: token t is sequence t
     ctx = tl.load(seq_lens + t)
     lo = sp * split_len
@@ -159,11 +162,11 @@ def _decode_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v
             p_t = tl.trans(p)
         if SWAP_V:
             v_t = to_compute(tl.load(v_cache + kv_row[None, :] + d[:, None], mask=ld[None, :], other=0.0),
-                             CDT, FAST, PURE)
+                             CDT, FAST, PURE_V)
             acc = acc * alpha[None, :] + tl.dot(v_t, p_t.to(CDT))
         else:
             v = to_compute(tl.load(v_cache + kv_row[:, None] + d[None, :], mask=ld[:, None], other=0.0),
-                           CDT, FAST, PURE)
+                           CDT, FAST, PURE_V)
             acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v)
         m_i = m_new
     if SWAP_V:
@@ -232,7 +235,8 @@ def decode(b, v, compile_only=False):
                   K_PTR=kp, V_PTR=vp, SPLIT=num_splits > 1, CDT=attention._TL[cdt],
                   FAST=attention._FAST.get((kc.dtype, cdt), 0) if fast_paths() else 0,
                   PRESCALE=cdt == torch.float16 and query.dtype != torch.float16, SWAP_K=v["swap_k"],
-                  SWAP_V=v["swap_v"], FUSE=v["fuse"], S_CHUNK=S_CHUNK, PURE=v["pure"], G4=next_pow2(group))
+                  SWAP_V=v["swap_v"], FUSE=v["fuse"], S_CHUNK=S_CHUNK, PURE=bool(v["pure"]), G4=next_pow2(group),
+                  PURE_V=bool(v["pure"] if v.get("pure_v") is None else v["pure_v"]))
     if compile_only:
         return _decode_kernel[grid](*args, **consts, num_warps=v["warps"], num_stages=v["stages"])
     _DECODE(grid, args, consts, num_warps=v["warps"], num_stages=v["stages"])  # direct launch, as the engine's kernel
@@ -266,14 +270,19 @@ def variants(kv=None, quick=False, round_="b"):
     merging a kv head's query heads at once (FUSE 2), a combine kernel doing the same (FUSE 3), split counts."""
     out = []
 
-    def add(sp, bn, w, st, sk, sv, fuse, pure, cdt=None):
+    def add(sp, bn, w, st, sk, sv, fuse, pure, cdt=None, pure_v=None):
         out.append(dict(splits=sp, block_n=bn, warps=w, stages=st, swap_k=sk, swap_v=sv, fuse=fuse, pure=pure,
-                        cdt=cdt))
+                        cdt=cdt, pure_v=pure_v))
 
     if quick:
         for sk, sv, fu in itertools.product((0, 1), (0, 1), (0, 1, 2, 3)):
             add(3, 16, 4, 2, sk, sv, fu, 1)
         add(3, 16, 4, 2, 0, 1, 0, 1, "float16")
+        return out
+    if round_ == "c":  # K pure, V not (converted where loaded, through shared memory), against both pure
+        cdt = "float16" if kv == "int8_per_token_head" else None
+        for sv, pure_v, fuse, st, sp in itertools.product((0, 1), (0, 1), (3, 2), (2, 3), (4, 8)):
+            add(sp, 128, 4, st, 0, sv, fuse, 1, cdt, pure_v)
         return out
     if round_ == "b":
         structures = {"fp8": [(0, 0, 1, None), (0, 1, 1, None)],
@@ -349,7 +358,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--dtypes", default=",".join(DTYPES))
-    ap.add_argument("--round", default="b", choices=("a", "b"), help="which variant list (see variants())")
+    ap.add_argument("--round", default="b", choices=("a", "b", "c"), help="which variant list (see variants())")
     a = ap.parse_args()
     dtypes = a.dtypes.split(",")
     if a.quick:
@@ -409,8 +418,8 @@ def main() -> int:
     if a.out:
         json.dump({"copy_gbps": copy, "current": current, "rows": rows, "errors": errors}, open(a.out, "w"),
                   indent=1)
-    print("best per dtype and (swap_k, swap_v, fuse, pure, cdt):  x copy  (current kernel)")
-    fields = ("swap_k", "swap_v", "fuse", "pure", "cdt")
+    print("best per dtype and (swap_k, swap_v, fuse, pure, cdt, pure_v):  x copy  (current kernel)")
+    fields = ("swap_k", "swap_v", "fuse", "pure", "cdt", "pure_v")
     for kv in dtypes:
         for key in sorted({tuple(str(r[f]) for f in fields) for r in rows}):
             rs = [r for r in rows if r["kv"] == kv and tuple(str(r[f]) for f in fields) == key

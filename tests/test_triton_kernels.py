@@ -271,21 +271,6 @@ def test_fixed_length_splits_give_the_same_bits_at_any_table_width(kv_dtype, who
     assert torch.equal(short[0], short[1]) and torch.equal(short[0], got[0][:2])
 
 
-@in_process
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8_per_token_head"])
-@pytest.mark.parametrize("swap_v", [False, True])
-def test_decode_matches_reference_with_the_pv_product_transposed_or_not(kv_dtype, swap_v):
-    """``swap_v`` (decode's default for 1-byte caches: acc^T += V^T P^T, the codes converted in the dot
-    operands' layout) and the plain P.V form both match the reference, in one split and in three."""
-    model_dtype = torch.bfloat16 if GPU else torch.float32
-    b = paged_batch(kv_dtype, [1, 1, 1, 1], [1, 5, 17, 33], 8, 2, 64, 4, model_dtype, DEV, seed=5)
-    want = reference.paged_attention(*b.args())
-    for splits in (1, 3):
-        out = attention.paged_attention(*b.args(), num_splits=splits, swap_v=swap_v)
-        assert torch.isfinite(out).all()
-        assert _rel_err(out, want) < (2e-5 if not GPU else 1e-2)
-
-
 def _zero_tensors(size):
     if size == "tiny":
         shapes = [((10, 4, 2, 16), torch.bfloat16), ((10, 4, 2, 16), torch.float8_e4m3fn), ((10, 4, 2), torch.float32),
