@@ -1,18 +1,21 @@
 """Round 3 decode experiments (BENCHMARKS.md, "Round 3"): swapped dot operands, fused split combine.
 
 A decode-only copy of kvdiag/kernels/attention.py's kernel (one program per kv head, token,
-KV split) with four switches:
+KV split) with these switches (a variant's keys):
 
 - ``SWAP_K``: scores^T = dot(K [BLOCK_N, D], Q^T [D, 16]) instead of dot(Q [16, D], K^T): M = BLOCK_N,
   so Triton picks Hopper's wgmma and the converted K tile may stay in registers as operand A;
   the softmax runs along axis 0.
 - ``SWAP_V``: acc^T [D, 16] += dot(V^T [D, BLOCK_N], P^T [BLOCK_N, 16]), V loaded in that shape.
-- ``PURE``: the register conversions of the 1-byte codes marked pure (attention.to_compute), so Triton
-  hoists the dot operand layout above them: the codes are read from shared memory in that layout and
-  converted there, instead of converted where loaded and stored to shared memory again.
-- ``FUSE``: no second kernel: each program writes its partial result, bumps a per-(token, kv head)
-  counter, and the last program of the token merges the partials in split order (the combine
-  kernel's arithmetic) and resets the counter.
+- ``PURE`` (``pure``; ``pure_v`` for V alone, default ``pure``): the register conversions of the 1-byte
+  codes marked pure (attention.to_compute), so Triton hoists the dot operand layout above them: the
+  codes are read from shared memory in that layout and converted there, instead of converted where
+  loaded and stored to shared memory again.
+- ``FUSE``: 0 round 2's combine kernel (one program per query head); 1 and 2 no second kernel: each
+  program writes its partial result, bumps a per-(token, kv head) counter, and the last program of
+  the token merges the partials in split order and resets the counter (1 head by head, 2 all heads
+  at once with attention.merge_heads); 3 attention.py's combine kernel since round 3 (merge_heads).
+- ``cdt``: the dot's dtype (default attention.compute_dtype), e.g. float16 for int8 caches.
 
 Phase 1 compiles every variant in worker processes, phase 2 times them in this process with
 ``triton.testing.do_bench`` (as ``kvdiag bench``) at 32 seqs x 4096 ctx, 32/8 heads x 128, block
@@ -22,12 +25,11 @@ Recorded runs: ``--round a`` -> scripts/decode_round3_h100.json (its "current" e
 kernel), ``--round b`` -> scripts/decode_round3b_h100.json ("current": SWAP_V + PURE in attention.py,
 round 2's combine kernel, int8 in bf16 dots; its int8 rows with cdt None ran bf16 dots, the default then),
 ``--round c`` -> scripts/decode_round3c_h100.json (PURE for K only, ``pure_v`` 0, against both; "current":
-SWAP_V + PURE, the new combine kernel, int8 in fp16 dots). FUSE 3 is attention.py's combine kernel since
-round 3; FUSE 0 round 2's (one program per query head). attention.py kept round c's SWAP_K 0, SWAP_V 0,
+SWAP_V + PURE, the new combine kernel, int8 in fp16 dots). attention.py kept round c's SWAP_K 0, SWAP_V 0,
 PURE for K only, FUSE 3, int8 in fp16 dots (BENCHMARKS.md, "Round 3").
 
-    python3 scripts/decode_round3.py --out scripts/decode_round3_h100.json   # on the GPU
-    TRITON_INTERPRET=1 python3 scripts/decode_round3.py --quick              # CPU check of the kernel
+    python3 scripts/decode_round3.py --round c --out decode_round3c.json   # on the GPU (--round a / b / c)
+    TRITON_INTERPRET=1 python3 scripts/decode_round3.py --quick            # CPU check of the kernel
 """
 
 from __future__ import annotations
