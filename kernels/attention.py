@@ -5,7 +5,8 @@ One kernel, two launch shapes:
 
 - decode (``num_tokens <= num_seqs``): one program per (kv head, query token, KV split);
   its rows are the token's query heads of that kv head (GQA), padded to 16. Long
-  contexts are cut into splits whose partial results a second kernel combines.
+  contexts are cut into splits whose partial results a second kernel combines (one program per
+  token and kv head).
 - prefill: one program per (kv head, tile of ``BLOCK_Q`` query tokens of one sequence),
   rows = tokens x heads; a program finds its sequence by binary search over
   ``query_start_loc`` (vLLM's ``q_start // BLOCK_Q + s`` numbering), so no host sync.
@@ -13,7 +14,9 @@ One kernel, two launch shapes:
 K codes enter the dot product in the query's dtype where exact (int8, fp8, same dtype),
 else float32 (IEEE); per-token-head K scales multiply the score columns, per-tensor
 ``k_scale`` folds into the softmax scale; V's per-token-head scales multiply the
-probabilities before the P.V product, per-tensor ``v_scale`` the result.
+probabilities before the P.V product, per-tensor ``v_scale`` the result. Decode over 1-byte
+caches (with the fast paths) converts the K codes in the dot operand's layout (``PURE_K``,
+BENCHMARKS.md "Round 3").
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ def find_seq(qsl, num_seqs, target, BQ: tl.constexpr, ADD_S: tl.constexpr):
 
 
 @triton.jit
-def i8_to_bf16(x):
+def i8_to_bf16(x, PURE: tl.constexpr):
     """Exact int8 -> bf16 in registers, 4 values per 32-bit word: the bytes biased by 128 become the low
     bits of 2**23 in float32, minus 2**23 + 128, packed to bf16 pairs. Used when compiled: Triton's own
-    conversion would move the int8 tile through shared memory one byte at a time."""
+    conversion would move the int8 tile through shared memory one byte at a time. ``PURE``: see
+    :func:`to_compute`."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 t, m, a0, a1, a2, a3;
@@ -69,11 +73,21 @@ def i8_to_bf16(x):
         cvt.rn.bf16x2.f32 $0, a1, a0;
         cvt.rn.bf16x2.f32 $1, a3, a2;
         }""",
-        constraints="=r,=r,r", args=[x], dtype=tl.bfloat16, is_pure=False, pack=4)
+        constraints="=r,=r,r", args=[x], dtype=tl.bfloat16, is_pure=PURE, pack=4)
 
 
 @triton.jit
-def fp8_to_f16(x, E5M2: tl.constexpr):
+def i8_to_f16(x, PURE: tl.constexpr):
+    """Exact int8 -> fp16 in registers, 2 values per packed subtraction: the bytes biased by 128 become the
+    low mantissa bits of 1024.0 in fp16 (``prmt``), minus 1024 + 128."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b32 t, m, c; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x64646464; mov.b32 c, 0x64806480; "
+            "prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; sub.rn.f16x2 $0, $0, c; sub.rn.f16x2 $1, $1, c; }",
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=PURE, pack=4)
+
+
+@triton.jit
+def fp8_to_f16(x, E5M2: tl.constexpr, PURE: tl.constexpr):
     """fp8 (e4m3fn or e5m2) -> fp16 in registers, 2 values per instruction (NaN kept)."""
     if E5M2:
         cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2"
@@ -81,20 +95,25 @@ def fp8_to_f16(x, E5M2: tl.constexpr):
         cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2"
     return tl.inline_asm_elementwise(
         asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; " + cvt.value + " $0, lo; " + cvt.value + " $1, hi; }",
-        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=PURE, pack=4)
 
 
 @triton.jit
-def to_compute(x, CDT: tl.constexpr, FAST: tl.constexpr):
-    """Cache codes -> the dot's dtype. ``FAST`` (compiled only): convert in registers where the data was
-    loaded (the asm is not pure, so Triton cannot move it past the layout change), else Triton moves
-    1-byte tiles through shared memory one byte at a time."""
+def to_compute(x, CDT: tl.constexpr, FAST: tl.constexpr, PURE: tl.constexpr = False):
+    """Cache codes -> the dot's dtype. ``FAST`` (compiled only): convert in registers; not ``PURE``: where
+    the data was loaded (Triton cannot move the asm past the layout change), the converted tile then goes
+    through shared memory to the dot; ``PURE``: Triton hoists the dot operand's layout above the asm and
+    reads the codes from shared memory in that layout (decode's K tile: faster, BENCHMARKS.md "Round 3";
+    for V, whose dot operand needs consecutive tokens, one byte per load: slower). Without FAST, Triton
+    moves 1-byte tiles through shared memory one byte at a time."""
     if FAST == 1:
-        y = i8_to_bf16(x)
+        y = i8_to_bf16(x, PURE)
     elif FAST == 2:
-        y = fp8_to_f16(x, False)
+        y = fp8_to_f16(x, False, PURE)
     elif FAST == 3:
-        y = fp8_to_f16(x, True)
+        y = fp8_to_f16(x, True, PURE)
+    elif FAST == 4:
+        y = i8_to_f16(x, PURE)
     else:
         y = x.to(CDT)
     return y
@@ -107,7 +126,8 @@ def _attn_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v_s
                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, ADD_S: tl.constexpr, QUANT: tl.constexpr,
                  K_PTR: tl.constexpr, V_PTR: tl.constexpr, WHOLE_PAGE: tl.constexpr, SPLIT: tl.constexpr,
-                 CDT: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, PRESCALE: tl.constexpr):
+                 CDT: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, PRESCALE: tl.constexpr,
+                 PURE_K: tl.constexpr):
     kvh, pid, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s = find_seq(qsl, num_seqs, pid, BLOCK_Q, ADD_S)
     q_start, q_end = tl.load(qsl + s), tl.load(qsl + s + 1)
@@ -149,7 +169,7 @@ def _attn_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v_s
         in_page = offs % PAGE
         kv_off = (page * c_b + in_page * c_o + kvh * c_h)[:, None] + d[None, :]
         kv_mask = ld[:, None] & (d[None, :] < D)
-        k = to_compute(tl.load(k_cache + kv_off, mask=kv_mask, other=0.0), CDT, FAST)
+        k = to_compute(tl.load(k_cache + kv_off, mask=kv_mask, other=0.0), CDT, FAST, PURE_K)
         scores = tl.dot(qt, tl.trans(k), input_precision=PREC)
         if QUANT == 2:
             sc_off = page * sc_b + in_page * sc_o + kvh * sc_h
@@ -180,14 +200,45 @@ def _attn_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v_s
 
 
 @triton.jit
+def merge_heads(part_o, part_ml, o_ptr, row0, n_sp, num_splits, num_rows, s_oh, G: tl.constexpr, G4: tl.constexpr,
+                D: tl.constexpr, D_PAD: tl.constexpr, S_CHUNK: tl.constexpr):
+    """Rows ``row0 .. row0 + G - 1`` (a token's query heads of one kv head) of the partial results: their first
+    ``n_sp`` splits merged by running max and sum, in split order, S_CHUNK splits at a time (one round of
+    loads where n_sp <= S_CHUNK), written to ``o_ptr`` (head stride ``s_oh``). Loads bypass L1."""
+    g = tl.arange(0, G4)
+    sp = tl.arange(0, S_CHUNK)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < G
+    rows = row0 + g
+    m_max = tl.full([G4], NEG_BIG, tl.float32)
+    l_sum = tl.zeros([G4], tl.float32)
+    acc = tl.zeros([G4, D_PAD], tl.float32)
+    for c in range(0, n_sp, S_CHUNK):
+        ok = g_ok[:, None] & (c + sp < n_sp)[None, :]
+        idx = rows[:, None] * num_splits + c + sp[None, :]
+        m = tl.load(part_ml + idx, mask=ok, other=NEG_BIG, cache_modifier=".cg")
+        l_ = tl.load(part_ml + num_rows * num_splits + idx, mask=ok, other=0.0, cache_modifier=".cg")
+        o = tl.load(part_o + idx[:, :, None] * D_PAD + d[None, None, :], mask=ok[:, :, None], other=0.0,
+                    cache_modifier=".cg")
+        m_new = tl.maximum(m_max, tl.max(m, 1))
+        alpha = tl.exp2(m_max - m_new)
+        w = tl.where(ok, tl.exp2(m - m_new[:, None]), 0.0)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+        l_sum = l_sum * alpha + tl.sum(l_ * w, 1)
+        m_max = m_new
+    tl.store(o_ptr + g[:, None] * s_oh + d[None, :], (acc / l_sum[:, None]).to(o_ptr.dtype.element_ty),
+             mask=g_ok[:, None] & (d[None, :] < D))
+
+
+@triton.jit
 def _combine_kernel(part_o, part_ml, out, qsl, seq_lens, s_ot, s_oh, num_splits, num_rows, num_seqs, split_len,
-                    D: tl.constexpr, D_PAD: tl.constexpr, S_CHUNK: tl.constexpr, PAGE: tl.constexpr,
-                    WHOLE_PAGE: tl.constexpr):
-    """out[t, h] = the non-empty splits' partial results of (t, h) merged by their running max and sum, in
-    chunks of S_CHUNK splits. Splits past the token's context were never written and are not read, so the
+                    G: tl.constexpr, G4: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_CHUNK: tl.constexpr,
+                    PAGE: tl.constexpr, WHOLE_PAGE: tl.constexpr):
+    """One program per (token t, kv head): out[t, its query heads] = the token's non-empty splits merged
+    (:func:`merge_heads`). Splits past the token's context were never written and are not read, so the
     result does not depend on how many splits the launch had (a CUDA graph sized for the longest context
     gives the bits of an eager launch sized for the batch)."""
-    t, h = tl.program_id(0), tl.program_id(1)
+    t, kvh = tl.program_id(0), tl.program_id(1)
     s = find_seq(qsl, num_seqs, t, 1, 0)
     q_end, ctx = tl.load(qsl + s + 1), tl.load(seq_lens + s)
     if WHOLE_PAGE:
@@ -195,43 +246,41 @@ def _combine_kernel(part_o, part_ml, out, qsl, seq_lens, s_ot, s_oh, num_splits,
     else:
         n_read = ctx - q_end + tl.minimum(t + 1, q_end)
     n_sp = tl.minimum(tl.cdiv(n_read, split_len), num_splits)
-    row = t.to(tl.int64) * tl.num_programs(1) + h
-    m_max = tl.max(tl.full([S_CHUNK], NEG_BIG, tl.float32), 0)
-    for c in range(0, n_sp, S_CHUNK):
-        sp = c + tl.arange(0, S_CHUNK)
-        m_max = tl.maximum(m_max, tl.max(tl.load(part_ml + row * num_splits + sp, mask=sp < n_sp, other=NEG_BIG), 0))
-    d = tl.arange(0, D_PAD)
-    acc = tl.zeros([D_PAD], tl.float32)
-    l_sum = tl.sum(tl.zeros([S_CHUNK], tl.float32), 0)
-    for c in range(0, n_sp, S_CHUNK):
-        sp = c + tl.arange(0, S_CHUNK)
-        ok = sp < n_sp
-        m = tl.load(part_ml + row * num_splits + sp, mask=ok, other=NEG_BIG)
-        l_ = tl.load(part_ml + num_rows * num_splits + row * num_splits + sp, mask=ok, other=0.0)
-        w = tl.where(ok, tl.exp2(m - m_max), 0.0)
-        o = tl.load(part_o + (row * num_splits + sp)[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0)
-        acc += tl.sum(o * w[:, None], 0)
-        l_sum += tl.sum(l_ * w, 0)
-    tl.store(out + t.to(tl.int64) * s_ot + h * s_oh + d, (acc / l_sum).to(out.dtype.element_ty), mask=d < D)
+    row0 = t.to(tl.int64) * tl.num_programs(1) * G + kvh * G
+    merge_heads(part_o, part_ml, out + t.to(tl.int64) * s_ot + kvh * G * s_oh, row0, n_sp, num_splits, num_rows,
+                s_oh, G, G4, D, D_PAD, S_CHUNK)
 
 
 _ATTN, _COMBINE = Launcher(_attn_kernel), Launcher(_combine_kernel)
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # (cache dtype, compute dtype) -> the register conversion of to_compute
 _FAST = {(torch.int8, torch.bfloat16): 1, (torch.float8_e4m3fn, torch.float16): 2,
-         (torch.float8_e5m2, torch.float16): 3}
+         (torch.float8_e5m2, torch.float16): 3, (torch.int8, torch.float16): 4}
 
 
 def compute_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
     """The dtype Q and K/V enter the dot products in: the query's where the cache converts exactly.
-    With :func:`fast_paths`, float16 for fp8 caches under a bf16 query (fp8 -> fp16 is one packed
-    instruction, fp8 -> bf16 two; the query is pre-scaled, then rounded to fp16).
-    Always float32 under TRITON_INTERPRET, whose bf16 dot multiplies raw bit patterns."""
+    With :func:`fast_paths`, float16 for fp8 and int8 caches under a bf16 query (fp8 -> fp16 is one packed
+    instruction, fp8 -> bf16 two; int8 -> fp16 two instructions a pair, int8 -> bf16 five; the query is
+    pre-scaled, then rounded to fp16). Always float32 under TRITON_INTERPRET, whose bf16 dot multiplies raw
+    bit patterns."""
     if interpreted() or query_dtype == torch.float32 or (cache_dtype in _TL and cache_dtype != query_dtype):
         return torch.float32
-    if fast_paths() and query_dtype == torch.bfloat16 and cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if fast_paths() and query_dtype == torch.bfloat16 and cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2,
+                                                                          torch.int8):
         return torch.float16
     return query_dtype
+
+
+def scale_args(quant, k_cache, v_cache, k_scale, v_scale, k_scale_cache, v_scale_cache):
+    """The kernels' scale arguments: the K and V scale caches (the caches themselves stand in where there are
+    none), the scale caches' strides, and (scale, is pointer) of the per-tensor K and V scales."""
+    per_token = quant == QUANT_TOKEN_HEAD
+    ksc, vsc = (k_scale_cache, v_scale_cache) if per_token else (k_cache, v_cache)
+    sc = k_scale_cache.stride() if per_token else (0, 0, 0)
+    if quant != QUANT_TENSOR:
+        return ksc, vsc, sc, (1.0, False), (1.0, False)
+    return ksc, vsc, sc, scale_arg(k_scale), scale_arg(v_scale)
 
 
 def default_splits(num_rows: int, max_ctx: int, device: torch.device, per_sm: int = 4) -> int:
@@ -286,13 +335,10 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         part_ml = torch.empty(2, num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_o = part_ml = out
-    per_token = quant == QUANT_TOKEN_HEAD
-    ksc, vsc = (k_scale_cache, v_scale_cache) if per_token else (k_cache, v_cache)
-    sc = k_scale_cache.stride() if per_token else (0, 0, 0)
-    (ks, k_ptr), (vs, v_ptr) = scale_arg(k_scale), scale_arg(v_scale)
-    if quant != QUANT_TENSOR:
-        (ks, k_ptr), (vs, v_ptr) = (1.0, False), (1.0, False)
+    ksc, vsc, sc, (ks, k_ptr), (vs, v_ptr) = scale_args(quant, k_cache, v_cache, k_scale, v_scale, k_scale_cache,
+                                                         v_scale_cache)
     programs = num_tokens if decode else num_tokens // block_q + num_seqs
+    fast = _FAST.get((k_cache.dtype, cdt), 0) if fast_paths() else 0
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _ATTN((num_kv_heads, programs, num_splits),
           (query, k_cache, v_cache, ksc, vsc, ks, vs, query_start_loc, seq_lens, block_tables, out, part_o, part_ml,
@@ -301,13 +347,12 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
           dict(G=group, G_PAD=g_pad, D=head_size, D_PAD=d_pad, PAGE=page, BLOCK_Q=block_q, BLOCK_N=block_n,
                ADD_S=0 if decode else 1, QUANT=quant, K_PTR=k_ptr, V_PTR=v_ptr, WHOLE_PAGE=bool(whole_page_reads),
                SPLIT=num_splits > 1, CDT=_TL[cdt], PREC="ieee" if cdt == torch.float32 else None,
-               FAST=_FAST.get((k_cache.dtype, cdt), 0) if fast_paths() else 0,
-               PRESCALE=cdt == torch.float16 and query.dtype != torch.float16),
+               FAST=fast, PRESCALE=cdt == torch.float16 and query.dtype != torch.float16, PURE_K=decode and fast > 0),
           num_warps=num_warps, **extra)
     if num_splits > 1:
-        _COMBINE((num_tokens, num_heads),
+        _COMBINE((num_tokens, num_kv_heads),
                  (part_o, part_ml, out, query_start_loc, seq_lens, out.stride(0), out.stride(1), num_splits,
                   num_tokens * num_heads, num_seqs, split_len),
-                 dict(D=head_size, D_PAD=d_pad, S_CHUNK=S_CHUNK, PAGE=page, WHOLE_PAGE=bool(whole_page_reads)),
-                 num_warps=4)
+                 dict(G=group, G4=next_pow2(group), D=head_size, D_PAD=d_pad, S_CHUNK=S_CHUNK, PAGE=page,
+                      WHOLE_PAGE=bool(whole_page_reads)), num_warps=4)
     return out

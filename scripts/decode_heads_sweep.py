@@ -26,7 +26,7 @@ from kvdiag.kernels import attention, reference
 from kvdiag.kernels.attention import _COMBINE, LOG2E, NEG_BIG, S_CHUNK, compute_dtype, to_compute
 from kvdiag.kernels.bench import copy_gbps, kv_bytes, paged_batch, time_ms
 from kvdiag.kernels.launch import cdiv, next_pow2
-from kvdiag.kernels.store import QUANT_TENSOR, QUANT_TOKEN_HEAD, fast_paths, load_scale, quant_params, scale_arg
+from kvdiag.kernels.store import fast_paths, load_scale, quant_params
 
 
 @triton.jit
@@ -102,12 +102,7 @@ def heads_attention(b, num_splits, block_n, num_warps, stages):
     out = torch.empty_like(query)
     part_o = torch.empty(n, heads, num_splits, hd, dtype=torch.float32, device=query.device)
     part_ml = torch.empty(2, n, heads, num_splits, dtype=torch.float32, device=query.device)
-    per_token = quant == QUANT_TOKEN_HEAD
-    ksc, vsc = (b.k_scale_cache, b.v_scale_cache) if per_token else (kc, vc)
-    sc = ksc.stride() if per_token else (0, 0, 0)
-    (ks, kp), (vs, vp) = scale_arg(b.k_scale), scale_arg(b.v_scale)
-    if quant != QUANT_TENSOR:
-        (ks, kp), (vs, vp) = (1.0, False), (1.0, False)
+    ksc, vsc, sc, (ks, kp), (vs, vp) = attention.scale_args(quant, kc, vc, *b.args()[8:])
     _heads_kernel[(n, num_splits)](
         query, kc, vc, ksc, vsc, ks, vs, b.seq_lens, b.block_tables, part_o, part_ml, float(b.scale),
         query.stride(0), query.stride(1), *kc.stride()[:3], *sc[:3], b.block_tables.stride(0), split_len,
@@ -115,9 +110,11 @@ def heads_attention(b, num_splits, block_n, num_warps, stages):
         QUANT=quant, K_PTR=kp, V_PTR=vp, CDT=attention._TL[cdt],
         FAST=attention._FAST.get((kc.dtype, cdt), 0) if fast_paths() else 0,
         PRESCALE=cdt == torch.float16 and query.dtype != torch.float16, STAGES=stages, num_warps=num_warps)
-    _COMBINE((n, heads), (part_o, part_ml, out, b.query_start_loc, b.seq_lens, out.stride(0), out.stride(1),
-                          num_splits, n * heads, n, split_len),
-             dict(D=hd, D_PAD=hd, S_CHUNK=S_CHUNK, PAGE=kc.shape[1], WHOLE_PAGE=False), num_warps=4)
+    g = heads // kvh
+    _COMBINE((n, kvh), (part_o, part_ml, out, b.query_start_loc, b.seq_lens, out.stride(0), out.stride(1),
+                        num_splits, n * heads, n, split_len),
+             dict(G=g, G4=next_pow2(g), D=hd, D_PAD=hd, S_CHUNK=S_CHUNK, PAGE=kc.shape[1], WHOLE_PAGE=False),
+             num_warps=4)
     return out
 
 

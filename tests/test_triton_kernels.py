@@ -213,6 +213,26 @@ def test_paged_attention_matches_reference(size, kv_dtype, layout, batch, fast, 
     assert _rel_err(out, want) < (2e-5 if model_dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.skipif(not GPU, reason="the register conversions exist compiled only (inline PTX)")
+@pytest.mark.parametrize("storage,cdt,fast", [(torch.int8, torch.bfloat16, 1), (torch.int8, torch.float16, 4),
+                                              (torch.float8_e4m3fn, torch.float16, 2),
+                                              (torch.float8_e5m2, torch.float16, 3)])
+@pytest.mark.parametrize("pure", [False, True])
+def test_register_conversions_of_all_1_byte_codes_are_exact(storage, cdt, fast, pure):
+    """attention.to_compute's inline-PTX conversions (pure or not) give torch's conversion of every code."""
+    @triton.jit
+    def kern(x, y, CDT: triton.language.constexpr, FAST: triton.language.constexpr,
+             PURE: triton.language.constexpr):
+        o = triton.language.arange(0, 256)
+        triton.language.store(y + o, attention.to_compute(triton.language.load(x + o), CDT, FAST, PURE))
+
+    codes = torch.arange(256, dtype=torch.int32, device=DEV).to(torch.uint8).view(torch.int8).view(storage)
+    got = torch.full((256,), math.nan, dtype=cdt, device=DEV)
+    kern[(1,)](codes, got, CDT=attention._TL[cdt], FAST=fast, PURE=pure)
+    assert attention._FAST[(storage, cdt)] == fast
+    torch.testing.assert_close(got, codes.to(cdt), rtol=0, atol=0, equal_nan=True)
+
+
 @in_process
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8_per_token_head"])
 def test_attention_reads_unwritten_slots_only_with_whole_page_reads(kv_dtype):
