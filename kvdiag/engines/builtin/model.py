@@ -98,9 +98,14 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def forward(self, positions, q, k):
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+    def at(self, positions, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of ``positions`` in ``dtype``, [num_tokens, 1, head_dim]: gathered once per forward, not
+        once per layer."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+    @staticmethod
+    def apply(cos_sin, q, k):
+        cos, sin = cos_sin
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
@@ -118,8 +123,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, x, rotary: Rotary, kv, meta, rows=None):
-        """``kv`` is the engine's KVCache, ``meta`` the batch's AttnMetadata (kv_cache.py).
+    def forward(self, cos_sin, x, kv, meta, rows=None):
+        """``cos_sin``: :meth:`Rotary.at` of the tokens' positions; ``kv`` is the engine's KVCache, ``meta`` the
+        batch's AttnMetadata (kv_cache.py).
         ``rows`` (Rows): every token's K/V is stored, but only these rows attend and come out."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -128,7 +134,7 @@ class Attention(nn.Module):
         v = v.reshape(n, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = Rotary.apply(cos_sin, q, k)
         kv.store(self.layer, k, v, meta)
         if rows is not None:
             q, meta = q[rows.index], rows.meta
@@ -155,8 +161,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, x, rotary, kv, meta, rows=None):
-        h = self.self_attn(positions, self.input_layernorm(x), rotary, kv, meta, rows)
+    def forward(self, cos_sin, x, kv, meta, rows=None):
+        h = self.self_attn(cos_sin, self.input_layernorm(x), kv, meta, rows)
         x = (x if rows is None else x[rows.index]) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -201,9 +207,10 @@ class CausalLM(nn.Module):
         """Final hidden states [num_tokens, hidden_size] of the packed batch; with ``rows``, of those rows
         only (the last layer computes its attention output and MLP for them alone)."""
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.at(positions, x.dtype)
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(positions, x, self.rotary, kv, meta, rows if i == last else None)
+            x = layer(cos_sin, x, kv, meta, rows if i == last else None)
         return self.model.norm(x)
 
     @torch.inference_mode()
