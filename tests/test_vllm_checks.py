@@ -88,9 +88,9 @@ def test_accuracy_through_vllm_agrees_with_the_builtin_engine(tmp_path):
 
 
 def _greedy_agree_up_to_ties(path_a: Path, path_b: Path) -> None:
-    import torch
+    from kvdiag.checks import drift
 
-    pa, pb = (torch.load(p, weights_only=True) for p in (path_a, path_b))
+    pa, pb = (drift.load(p) for p in (path_a, path_b))
     for ta, tb, la, lb in zip(pa["greedy"], pb["greedy"], pa["greedy_logprobs"], pb["greedy_logprobs"]):
         j = next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
         if j is not None:  # where they part, neither engine was sure of its token
