@@ -34,8 +34,7 @@ NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked ti
 BLOCK_M_PREFILL = 64
 MIN_SPLIT_TOKENS = 512
 S_CHUNK = 16  # splits the combine kernel merges at once
-I8_BIAS = tl.constexpr(1152.0)  # i8_to_f16_biased's offset
-DECODE_I8_BIASED = True  # decode over int8 caches in fp16 dots: codes converted without the subtraction
+WAVE_FILL = 0.95  # default_splits: one split where one program per row fills its waves to this fraction
 
 
 @triton.jit
@@ -89,16 +88,6 @@ def i8_to_f16(x, PURE: tl.constexpr):
 
 
 @triton.jit
-def i8_to_f16_biased(x, PURE: tl.constexpr):
-    """int8 -> fp16 plus 1152, exact: :func:`i8_to_f16` without its subtraction (c + 1152 for code c). Decode
-    subtracts the bias from the sums instead (1152 times the query's or the probabilities' sum)."""
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .b32 t, m; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x64646464; "
-            "prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; }",
-        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=PURE, pack=4)
-
-
-@triton.jit
 def fp8_to_f16(x, E5M2: tl.constexpr, PURE: tl.constexpr):
     """fp8 (e4m3fn or e5m2) -> fp16 in registers, 2 values per instruction (NaN kept)."""
     if E5M2:
@@ -126,8 +115,6 @@ def to_compute(x, CDT: tl.constexpr, FAST: tl.constexpr, PURE: tl.constexpr = Fa
         y = fp8_to_f16(x, True, PURE)
     elif FAST == 4:
         y = i8_to_f16(x, PURE)
-    elif FAST == 5:
-        y = i8_to_f16_biased(x, PURE)
     else:
         y = x.to(CDT)
     return y
@@ -175,9 +162,6 @@ def _attn_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v_s
         qt = qt.to(CDT)
     m_i = tl.full([BLOCK_Q * G_PAD], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
-    if FAST == 5:  # codes enter the dots as c + I8_BIAS: subtract I8_BIAS * (sum of q) from the scores
-        q_bias = tl.sum(qt.to(tl.float32), 1) * I8_BIAS
-        p_sum = tl.zeros([BLOCK_Q * G_PAD], tl.float32)  # and I8_BIAS * (sum of the probabilities) from acc
     acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
@@ -188,8 +172,6 @@ def _attn_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v_s
         kv_mask = ld[:, None] & (d[None, :] < D)
         k = to_compute(tl.load(k_cache + kv_off, mask=kv_mask, other=0.0), CDT, FAST, PURE_K)
         scores = tl.dot(qt, tl.trans(k), input_precision=PREC)
-        if FAST == 5:
-            scores = scores - q_bias[:, None]
         if QUANT == 2:
             sc_off = page * sc_b + in_page * sc_o + kvh * sc_h
             scores = scores * tl.load(k_scale_cache + sc_off, mask=ld, other=0.0)[None, :]
@@ -202,13 +184,8 @@ def _attn_kernel(q, k_cache, v_cache, k_scale_cache, v_scale_cache, k_scale, v_s
         v = to_compute(tl.load(v_cache + kv_off, mask=kv_mask, other=0.0), CDT, FAST)
         if QUANT == 2:
             p = p * tl.load(v_scale_cache + sc_off, mask=ld, other=0.0)[None, :]
-        p = p.to(CDT)
-        if FAST == 5:
-            p_sum = p_sum * alpha + tl.sum(p.to(tl.float32), 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v, input_precision=PREC)
         m_i = m_new
-    if FAST == 5:
-        acc = acc - p_sum[:, None] * I8_BIAS
     if QUANT == 1:
         acc = acc * load_scale(v_scale, V_PTR)
     if SPLIT:
@@ -307,10 +284,15 @@ def scale_args(quant, k_cache, v_cache, k_scale, v_scale, k_scale_cache, v_scale
     return ksc, vsc, sc, scale_arg(k_scale), scale_arg(v_scale)
 
 
-def default_splits(num_rows: int, max_ctx: int, device: torch.device, per_sm: int = 4) -> int:
-    """KV splits for a decode launch: enough programs for ``per_sm`` per SM, splits of >= MIN_SPLIT_TOKENS."""
+def default_splits(num_rows: int, max_ctx: int, device: torch.device, per_sm: int = 4,
+                   whole_waves: bool = False) -> int:
+    """KV splits for a decode launch: enough programs for ``per_sm`` per SM, splits of >= MIN_SPLIT_TOKENS.
+    ``whole_waves``: one split (no combine kernel) where one program per row fills whole waves of one program
+    per SM to at least WAVE_FILL (1-byte caches: BENCHMARKS.md "Round 4")."""
     sms = sm_count(device)
     if num_rows >= per_sm * sms:
+        return 1
+    if whole_waves and num_rows >= sms and num_rows >= WAVE_FILL * cdiv(num_rows, sms) * sms:
         return 1
     return max(1, min(cdiv(per_sm * sms, num_rows), max_ctx // MIN_SPLIT_TOKENS))
 
@@ -345,9 +327,11 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if not decode:
         num_splits = 1
     elif num_splits is None and not split_tokens:
-        # per SM: 2 programs (2-byte caches), 16 (1-byte): the best of the H100 sweeps (BENCHMARKS.md)
-        num_splits = default_splits(num_tokens * num_kv_heads, max_ctx, query.device,
-                                    16 if k_cache.element_size() == 1 else 2)
+        # per SM: 2 programs (2-byte caches), 16 (1-byte): the best of the H100 sweeps (BENCHMARKS.md); 1-byte
+        # caches with the fast paths: one split where the rows fill whole waves (round 4)
+        one_byte = k_cache.element_size() == 1
+        num_splits = default_splits(num_tokens * num_kv_heads, max_ctx, query.device, 16 if one_byte else 2,
+                                    whole_waves=one_byte and fast_paths())
     if decode and split_tokens:
         split_len = cdiv(split_tokens, block_n) * block_n
     else:
@@ -363,8 +347,6 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
                                                          v_scale_cache)
     programs = num_tokens if decode else num_tokens // block_q + num_seqs
     fast = _FAST.get((k_cache.dtype, cdt), 0) if fast_paths() else 0
-    if decode and fast == 4 and DECODE_I8_BIASED:
-        fast = 5
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _ATTN((num_kv_heads, programs, num_splits),
           (query, k_cache, v_cache, ksc, vsc, ks, vs, query_start_loc, seq_lens, block_tables, out, part_o, part_ml,

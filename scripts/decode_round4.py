@@ -1,25 +1,33 @@
-"""Round 4 decode experiments (BENCHMARKS.md, "Round 4"): decode without tensor cores (CUDA-core FMA path).
+"""Round 4 decode experiments (BENCHMARKS.md, "Round 4"): decode without tensor cores (CUDA-core FMA path),
+the current kernel's split / tile / warp / stage overrides, int8 codes converted without the subtraction.
 
-A GQA group has 4 query heads; round 3's kernel pads them to 16 rows for ``mma.sync`` and moves the
-K and V tiles into the dot operands' layouts. Here the K and V tiles stay in the blocked layout they
-are loaded in (16-byte loads, each thread one contiguous chunk of a row), converted in registers, and
-the products are broadcasts and reductions over a [G_PAD, BLOCK_N, D] product:
+The FMA kernel: a GQA group has 4 query heads; round 3's kernel pads them to 16 rows for ``mma.sync`` and
+moves the K and V tiles into the dot operands' layouts. Here the K and V tiles stay in the blocked layout
+they are loaded in ([1, BLOCK_N, D] tiles, 16-byte loads, each thread one contiguous chunk of a row; loaded
+as [BLOCK_N, D] Triton gave the 3-D product another layout), converted in registers, and the products are
+broadcasts and reductions over a [G_PAD, BLOCK_N, D] product:
 
-- scores [G_PAD, BLOCK_N] = sum over D of q[:, None, :] * k[None, :, :] (in-thread, then the 8 threads
-  of a row), online softmax per head;
-- ``ACC3`` 0: acc [G_PAD, D] += sum over BLOCK_N of p[:, :, None] * v[None, :, :] (a cross-thread and
-  cross-warp reduction every tile); 1: an unreduced accumulator [G_PAD, BLOCK_N, D] (acc3 * alpha + p * v,
+- scores [G_PAD, BLOCK_N] = sum over D of q[:, None, :] * k (in-thread, then the 8 threads of a row),
+  online softmax per head;
+- ``ACC3`` 0: acc [G_PAD, D] += sum over BLOCK_N of p[:, :, None] * v (a cross-thread and cross-warp
+  reduction every tile); 1: an unreduced accumulator [G_PAD, BLOCK_N, D] (acc3 * alpha + p * v,
   elementwise), reduced over BLOCK_N once after the loop;
-- ``CVT``: 0 ``.to(float32)``; 1 attention.to_compute's register conversions (fp8 / int8 -> fp16 pairs),
-  then float32.
+- ``cvt``: 0 ``.to(float32)``; 1 attention.to_compute's register conversions (fp8 / int8 -> fp16), then
+  float32; ``pf``: the next tile loaded into registers before this tile's arithmetic.
 
-Partial results go to attention.py's combine kernel (one program per token and kv head). Each call
-compiles the variants in worker processes, then times them and the current ``paged_attention`` with
-``triton.testing.do_bench`` (L2 flushed, as ``kvdiag bench``) at 32 seqs x 4096 ctx, 32/8 heads x 128,
-block size 16.
+Partial results go to attention.py's combine kernel. Each call compiles the variants in worker processes,
+then times them and the current ``paged_attention`` with ``triton.testing.do_bench`` (L2 flushed, as
+``kvdiag bench``) at 32 seqs x 4096 ctx, 32/8 heads x 128, block size 16. Recorded runs on the H100:
+scripts/decode_round4_h100.json (FMA path), decode_round4_current_h100.json (``--current``),
+decode_round4_confirm_h100.json and decode_round4_last_h100.json (``--confirm``, the second with
+``--variants``; "default" there was 8 splits in the first, 1 split - kept - in the second),
+decode_round4_biased_h100.json (``--biased``, with the attention.py of commit 091d34d).
 
-    python3 scripts/decode_round4.py --out decode_round4.json     # on the GPU
-    python3 scripts/decode_round4.py --ttgir 16,4,1,1,1              # CPU: TTGIR of one variant (sm_90)
+    python3 scripts/decode_round4.py --out decode_round4.json      # on the GPU: the FMA path
+    python3 scripts/decode_round4.py --current --dtypes fp8,int8_per_token_head,fp8_per_token_head
+    python3 scripts/decode_round4.py --confirm [--variants '[null, {"splits": 1, ...}]']
+    python3 scripts/decode_round4.py --quick                        # the FMA kernel against the reference
+    python3 scripts/decode_round4.py --ttgir 16,4,1,1,1             # CPU: TTGIR of one variant (sm_90)
 """
 
 from __future__ import annotations
@@ -330,7 +338,7 @@ CONFIRM = [None, dict(splits=1, block_n=128, warps=4, stages=2), dict(splits=1, 
            dict(splits=8, block_n=128, warps=4, stages=2)]
 
 
-def confirm(dtypes, out_path, reps=5) -> int:
+def confirm(dtypes, out_path, reps=5, variants_=None) -> int:
     """The best overrides of the sweep and the defaults (None), timed ``reps`` times round-robin, block sizes 16
     and 32 (median x copy)."""
     copy = copy_gbps("cuda")
@@ -338,13 +346,14 @@ def confirm(dtypes, out_path, reps=5) -> int:
     for kv, bs in [(kv, 16) for kv in dtypes] + [("int8_per_token_head", 32)]:
         b = paged_batch(kv, [1] * SEQS, [CTX] * SEQS, HEADS, KVH, HD, bs, torch.bfloat16, "cuda", seed=7)
         nbytes = kv_bytes(b)
+        vs = variants_ or CONFIRM
         fns = [(lambda: attention.paged_attention(*b.args())) if v is None else (lambda v=v: _run_current(b, v))
-               for v in CONFIRM]
-        times = [[] for _ in CONFIRM]
+               for v in vs]
+        times = [[] for _ in vs]
         for _ in range(reps):
             for i, fn in enumerate(fns):
                 times[i].append(time_ms(fn))
-        for v, t in zip(CONFIRM, times):
+        for v, t in zip(vs, times):
             xs = sorted(nbytes / ms / 1e6 / copy for ms in t)
             res.append(dict(kv=kv, block_size=bs, variant=v or "default", x_copy=xs[len(xs) // 2], all=xs))
             print(f"  {kv:20s} bs{bs} {str(v or 'default'):62s} median {xs[len(xs) // 2]:.3f} "
@@ -357,7 +366,11 @@ def confirm(dtypes, out_path, reps=5) -> int:
 
 def biased(out_path, reps=5) -> int:
     """int8 codes converted with and without the subtraction (attention.DECODE_I8_BIASED), defaults and 1 split,
-    timed ``reps`` times round-robin (median x copy), with the relative error against the reference."""
+    timed ``reps`` times round-robin (median x copy), with the relative error against the reference. Needs the
+    attention.py of commit 091d34d (the switch was reverted with the variant)."""
+    if not hasattr(attention, "DECODE_I8_BIASED"):
+        print("attention.DECODE_I8_BIASED is gone: check out kernels/attention.py of commit 091d34d")
+        return 2
     copy = copy_gbps("cuda")
     res = []
     for bs in (16, 32):
@@ -396,6 +409,7 @@ def main() -> int:
     ap.add_argument("--current", action="store_true", help="sweep the current kernel's tuning overrides instead")
     ap.add_argument("--confirm", action="store_true", help="re-time the best overrides against the defaults")
     ap.add_argument("--biased", action="store_true", help="int8: conversions with and without the subtraction")
+    ap.add_argument("--variants", default=None, help="--confirm: JSON list of override dicts (null: defaults)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--dtypes", default=",".join(DTYPES))
@@ -404,7 +418,7 @@ def main() -> int:
     if a.biased:
         return biased(a.out)
     if a.confirm:
-        return confirm(dtypes, a.out)
+        return confirm(dtypes, a.out, variants_=json.loads(a.variants) if a.variants else None)
     if a.current:
         return sweep_current(dtypes, a.out, a.jobs)
     if a.ttgir:
