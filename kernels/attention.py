@@ -34,6 +34,7 @@ NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked ti
 BLOCK_M_PREFILL = 64
 MIN_SPLIT_TOKENS = 512
 S_CHUNK = 16  # splits the combine kernel merges at once
+WAVE_FILL = 0.95  # default_splits: one split where one program per row fills its waves to this fraction
 
 
 @triton.jit
@@ -283,10 +284,15 @@ def scale_args(quant, k_cache, v_cache, k_scale, v_scale, k_scale_cache, v_scale
     return ksc, vsc, sc, scale_arg(k_scale), scale_arg(v_scale)
 
 
-def default_splits(num_rows: int, max_ctx: int, device: torch.device, per_sm: int = 4) -> int:
-    """KV splits for a decode launch: enough programs for ``per_sm`` per SM, splits of >= MIN_SPLIT_TOKENS."""
+def default_splits(num_rows: int, max_ctx: int, device: torch.device, per_sm: int = 4,
+                   whole_waves: bool = False) -> int:
+    """KV splits for a decode launch: enough programs for ``per_sm`` per SM, splits of >= MIN_SPLIT_TOKENS.
+    ``whole_waves``: one split (no combine kernel) where one program per row fills whole waves of one program
+    per SM to at least WAVE_FILL (1-byte caches: BENCHMARKS.md "Round 4")."""
     sms = sm_count(device)
     if num_rows >= per_sm * sms:
+        return 1
+    if whole_waves and num_rows >= sms and num_rows >= WAVE_FILL * cdiv(num_rows, sms) * sms:
         return 1
     return max(1, min(cdiv(per_sm * sms, num_rows), max_ctx // MIN_SPLIT_TOKENS))
 
@@ -321,9 +327,11 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if not decode:
         num_splits = 1
     elif num_splits is None and not split_tokens:
-        # per SM: 2 programs (2-byte caches), 16 (1-byte): the best of the H100 sweeps (BENCHMARKS.md)
-        num_splits = default_splits(num_tokens * num_kv_heads, max_ctx, query.device,
-                                    16 if k_cache.element_size() == 1 else 2)
+        # per SM: 2 programs (2-byte caches), 16 (1-byte): the best of the H100 sweeps (BENCHMARKS.md); 1-byte
+        # caches with the fast paths: one split where the rows fill whole waves (round 4)
+        one_byte = k_cache.element_size() == 1
+        num_splits = default_splits(num_tokens * num_kv_heads, max_ctx, query.device, 16 if one_byte else 2,
+                                    whole_waves=one_byte and fast_paths())
     if decode and split_tokens:
         split_len = cdiv(split_tokens, block_n) * block_n
     else:
