@@ -83,8 +83,8 @@ class _Pages:
     @staticmethod
     def _dequant(cache, scale_cache, kv_dtype, scale, ids):
         """float32 rows of blocks ``ids`` (``reference.dequantize``) and a zero row after them, in one buffer."""
-        scales = None if scale_cache is None else scale_cache[ids].flatten(0, 1)
-        codes = cache[ids].flatten(0, 1)
+        scales = None if scale_cache is None else rows_of(scale_cache, ids).flatten(0, 1)
+        codes = rows_of(cache, ids).flatten(0, 1)
         if codes.dtype == torch.float8_e4m3fn:
             codes = e4m3_to_float(codes)  # == codes.float(), faster
         out = torch.empty(codes.shape[0] + 1, *codes.shape[1:], dtype=torch.float32, device=codes.device)
@@ -121,12 +121,20 @@ def e4m3_to_float(codes: torch.Tensor) -> torch.Tensor:
     return torch.index_select(table.float(), 0, index).view(codes.shape)
 
 
+def rows_of(x: torch.Tensor, index) -> torch.Tensor:
+    """``x[index]`` for a slice or an integer index tensor of any shape over x's first dimension: ``index_select``,
+    ~4x faster than advanced indexing for these row gathers on CPU."""
+    if isinstance(index, slice):
+        return x[index]
+    return torch.index_select(x, 0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
+
+
 def _attend_one(q, pages: _Pages, s: int, n: int, scale: float) -> torch.Tensor:
     """Causal attention of sequence s's q_len new tokens (its last positions) over its n positions."""
     q_len = q.shape[0]
     rows = pages.slots(s, n)
-    k = pages.k[rows].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, d]
-    v = pages.v[rows].transpose(0, 1).unsqueeze(0)
+    k = rows_of(pages.k, rows).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, d]
+    v = rows_of(pages.v, rows).transpose(0, 1).unsqueeze(0)
     qf = q.float().transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
     if q_len == n:
         o = F.scaled_dot_product_attention(qf, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -166,8 +174,8 @@ def _attend_group(query, out, pages: _Pages, group, starts, lens, scale: float) 
     rows = (first + j)[q_valid]
     q = torch.zeros(n, qmax, *query.shape[1:], dtype=torch.float32, device=dev)
     q[q_valid] = query[rows].float()
-    k = pages.k[slots].transpose(1, 2)  # [n, kv_heads, rmax, d]
-    v = pages.v[slots].transpose(1, 2)
+    k = rows_of(pages.k, slots).transpose(1, 2)  # [n, kv_heads, rmax, d]
+    v = rows_of(pages.v, slots).transpose(1, 2)
     qpos = ctx - q_lens + j  # [n, qmax]: each new token's position; pad rows see keys past it (finite, discarded)
     mask = key_pos.view(1, 1, rmax) <= qpos.unsqueeze(-1)
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), scale=scale,

@@ -224,6 +224,18 @@ def _mp_context(preload: tuple[str, ...] = ()):
     return ctx
 
 
+SHARE_CORES = "KVDIAG_SHARE_CORES"
+
+
+def _share_cores(env: dict, jobs: int, left: int) -> dict:
+    """With ``KVDIAG_SHARE_CORES=N`` in ``env``, a worker's torch threads: N shared by the workers that can still
+    run at once, ``min(jobs, groups not started yet, its own included)``; the last groups of a sweep get the cores
+    the finished ones freed (7 dtypes on 2 single-thread workers: the 7th runs alone with 2 threads)."""
+    if SHARE_CORES not in env:
+        return env
+    return {**env, "OMP_NUM_THREADS": str(max(1, int(env[SHARE_CORES]) // max(1, min(jobs, left))))}
+
+
 @contextlib.contextmanager
 def _environ(env: dict):
     """``os.environ`` updated with ``env`` inside the block, restored after."""
@@ -350,7 +362,7 @@ def run_cases(
     try:
         while groups or active:
             while groups and len(active) < max(1, jobs):
-                w = _Worker(groups.pop(0), run_dir, timeout, env, preload)
+                w = _Worker(groups.pop(0), run_dir, timeout, _share_cores(env, jobs, len(groups) + 1), preload)
                 progress.start(w.current)
                 active.append(w)
             time.sleep(0.05)

@@ -50,3 +50,9 @@ def server_env(case, ctx):
     with open(f"/proc/{os.getppid()}/environ", "rb") as f:
         env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
     return case.result("pass", metrics={"server_wait_policy": env.get(b"OMP_WAIT_POLICY", b"").decode()})
+
+
+def threads(case, ctx):
+    import torch
+
+    return case.result("pass", metrics={"omp": os.environ.get("OMP_NUM_THREADS"), "torch": torch.get_num_threads()})

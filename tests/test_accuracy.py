@@ -294,16 +294,15 @@ def test_default_jobs_share_the_cpu_cores_only_for_builtin_cases_on_cpu(monkeypa
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert default_jobs(cases("builtin", "cpu", 7), Isolate.case) == 4
-    assert worker_env(4) == {**passive, "OMP_NUM_THREADS": "1"}
-    assert default_jobs(cases("builtin", "cpu", 3), Isolate.case) == 3
+    passive = {"OMP_WAIT_POLICY": "PASSIVE", "KVDIAG_SHARE_CORES": "2"}
+    assert default_jobs(cases("builtin", "cpu", 7), Isolate.case) == 2
+    assert worker_env(2) == {**passive, "OMP_NUM_THREADS": "1"}
     assert default_jobs(cases("builtin", "cpu", 1), Isolate.case) == 1
     assert default_jobs(cases("builtin", "cpu", 7), Isolate.run) == 1
     assert worker_env(1) == {**passive, "OMP_NUM_THREADS": "2"}
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert worker_env(4) == {}  # the user's choice stands
+    assert worker_env(2) == {}  # the user's choice stands
     assert default_jobs(cases("builtin", "cuda", 7), Isolate.case) == 1
     assert default_jobs(cases("vllm", "cpu", 7), Isolate.case) == 1
     assert "torch" in preload(cases("builtin", "cpu", 2)) and preload(cases("vllm", "cpu", 2)) == ()

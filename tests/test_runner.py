@@ -98,6 +98,17 @@ def test_the_fork_server_starts_with_the_workers_env(tmp_path):
     assert out.stdout.split() == ["pass", "PASSIVE", "None"], out.stderr[-2000:]
 
 
+def test_the_last_workers_of_a_sweep_get_the_cores_the_finished_ones_freed(tmp_path):
+    # 3 cases, 2 at once, 2 cores shared: the first two get 1 thread each, the third (alone once the others end)
+    # both cores; torch in a fork-server worker follows the env
+    cases = [case("threads", n) for n in range(3)]
+    recs = run_cases(cases, tmp_path, quiet=True, timeout=60, jobs=2, preload=("torch",),
+                     env={"OMP_NUM_THREADS": "1", "KVDIAG_SHARE_CORES": "2"})
+    assert [(r.metrics["omp"], r.metrics["torch"]) for r in recs] == [("1", 1), ("1", 1), ("2", 2)]
+    recs = run_cases(cases, tmp_path / "b", quiet=True, timeout=60, jobs=2, env={"OMP_NUM_THREADS": "1"})
+    assert [r.metrics["omp"] for r in recs] == ["1", "1", "1"]  # without sharing: as given
+
+
 def test_fork_server_workers_are_isolated_and_not_taken_for_orphans(tmp_path):
     # preload: workers fork from a fork server (their parent is not kvdiag); a case longer than the
     # parent watchdog's 1 s period must still finish, and a crash stays that case's record

@@ -147,10 +147,9 @@ def resolve_sweep(engine, model, kv_dtype, baseline, engine_arg, device, fault, 
 
 
 def default_jobs(cases: list, isolate) -> int:
-    """Workers at once when --jobs is not given. With --isolate case, the builtin engine on the CPU runs up to 4
-    single-case workers, twice the cores where cores are few: the default sweep's 7 dtypes on 2 workers of a
-    2-core machine leave the last dtype alone on one core (62.4 s), 4 workers sharing the 2 cores end together
-    (57.7 s); small models use one core better than two. Else 1 (one GPU, or one worker for the whole run)."""
+    """Workers at once when --jobs is not given: with --isolate case, the builtin engine on the CPU shares the
+    cores among up to 4 single-case workers (small models use one core better than two; the runner gives the last
+    workers of a sweep the cores the finished ones freed: worker_env); else 1 (one GPU, or one worker for all)."""
     import glob
     import os
 
@@ -160,7 +159,7 @@ def default_jobs(cases: list, isolate) -> int:
     on_cpu = device == "cpu" or device == "auto" and not glob.glob("/dev/nvidia[0-9]*")
     if Isolate(isolate) == Isolate.run or any(c.engine != "builtin" for c in cases) or not on_cpu:
         return 1
-    return max(1, min(4, 2 * (os.cpu_count() or 1), len(cases)))
+    return max(1, min(4, os.cpu_count() or 1, len(cases)))
 
 
 def preload(cases: list, *modules: str) -> tuple[str, ...]:
@@ -173,15 +172,18 @@ def preload(cases: list, *modules: str) -> tuple[str, ...]:
 
 
 def worker_env(jobs: int) -> dict:
-    """Torch threads per worker: the cores shared by the workers that run at once (unless the user chose), and
-    OpenMP's passive wait: with its default spin-wait, idle OpenMP threads kept spinning between the small ops
-    of the builtin engine, and a 2-thread worker ran a dtype of the default sweep in 31.6 s instead of 13.1 s
-    (1 thread: 16.3 s) on a 2-core machine."""
+    """Torch threads per worker: the cores shared by the workers that run at once (unless the user chose; the
+    runner gives the last workers of a sweep the cores the finished ones freed), and OpenMP's passive wait: with
+    its default spin-wait, idle OpenMP threads kept spinning between the small ops of the builtin engine, and a
+    2-thread worker ran a dtype of the default sweep in 31.6 s instead of 13.1 s (1 thread: 16.3 s) on 2 cores."""
     import os
+
+    from kvdiag.runner import SHARE_CORES
 
     env = {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
     if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, jobs)))
+        cores = os.cpu_count() or 1
+        env.update({"OMP_NUM_THREADS": str(max(1, cores // max(1, jobs))), SHARE_CORES: str(cores)})
     return env
 
 

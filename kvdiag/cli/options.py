@@ -46,8 +46,8 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed for sampling a
 JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Cases run at once (each in its own worker).")]
 SweepJobsOpt = Annotated[Optional[int], typer.Option(
     "--jobs", "-j", min=1, help="Cases run at once (each in its own worker). Default: with --isolate case, the "
-    "builtin engine on a machine without a GPU runs up to 4, at most twice the CPU cores (the cores split among "
-    "them, one thread at least), else 1.")]
+    "builtin engine on a machine without a GPU runs up to 4, at most the CPU cores (split among them; the last "
+    "cases of a sweep get the cores the finished ones freed), else 1.")]
 IsolateOpt = Annotated[Isolate, typer.Option(
     "--isolate", help="case: every dtype in its own worker process; run: one worker for all dtypes "
     "(weights loaded once; a crash ends the dtypes after it).")]
