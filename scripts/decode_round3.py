@@ -37,10 +37,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import multiprocessing as mp
 import re
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import triton
@@ -49,12 +47,11 @@ import triton.language as tl
 from kvdiag.kernels import attention, reference
 from kvdiag.kernels.attention import (_COMBINE, LOG2E, NEG_BIG, S_CHUNK, compute_dtype, merge_heads,
                                       to_compute)
-from kvdiag.kernels.bench import copy_gbps, kv_bytes, paged_batch, time_ms
+from kvdiag.kernels.bench import copy_gbps, time_ms
 from kvdiag.kernels.launch import Launcher, cdiv, next_pow2
 from kvdiag.kernels.store import fast_paths, load_scale, quant_params
 
-SEQS, CTX, HEADS, KVH, HD, BS = 32, 4096, 32, 8, 128, 16
-DTYPES = ["fp8", "int8_per_token_head", "fp8_per_token_head", "bfloat16"]
+from decode_sweep import DTYPES, batch, compile_variants, reference_and_current  # scripts/decode_sweep.py
 
 
 @triton.jit
@@ -307,25 +304,6 @@ def variants(kv=None, quick=False, round_="b"):
     return out
 
 
-def _batch(kv, dev, quick):
-    if quick:
-        return paged_batch(kv, [1] * 4, [1, 5, 40, 70], 8, 2, 16, 4, torch.float32, dev, seed=7)
-    return paged_batch(kv, [1] * SEQS, [CTX] * SEQS, HEADS, KVH, HD, BS, torch.bfloat16, dev, seed=7)
-
-
-def _warm(job):
-    kv, vs = job
-    b = _batch(kv, "cuda", False)
-    res = []
-    for v in vs:
-        try:
-            res.append((v, ir_facts(decode(b, v, compile_only=True)), None))
-        except Exception as e:  # noqa: BLE001 - reported; the variant is skipped
-            res.append((v, None, f"{type(e).__name__}: {e}"[:400]))
-    torch.cuda.synchronize()
-    return kv, res
-
-
 def profile_current(b, reps=20):
     """GPU microseconds of the current kernel's two launches (torch.profiler, L2 flushed before each call)."""
     from torch.profiler import ProfilerActivity, profile
@@ -367,7 +345,7 @@ def main() -> int:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         bad = 0
         for kv in ["auto", "fp8", "int8_per_token_head"]:
-            b = _batch(kv, dev, True)
+            b = batch(kv, dev, True)
             want = reference.paged_attention(*b.args()).double()
             unfused = {}
             for v in variants(quick=True):
@@ -382,22 +360,13 @@ def main() -> int:
         return int(bad > 0)
     copy = copy_gbps("cuda")
     jobs = [(kv, variants(kv, round_=a.round)[i::4]) for kv in dtypes for i in range(4)]
-    facts, errors = {}, []
-    with ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as ex:
-        for kv, res in ex.map(_warm, jobs):
-            for v, f, e in res:
-                if e:
-                    errors.append(dict(kv=kv, **v, error=e))
-                else:
-                    facts[(kv, tuple(v.values()))] = f
-    print(f"compiled; {len(errors)} failed", flush=True)
+    facts, errors = compile_variants(jobs, decode, ir_facts, a.jobs)
     rows, current = [], {}
     for kv in dtypes:
-        b = _batch(kv, "cuda", False)
-        want = reference.paged_attention(*b.args()).double()
-        nbytes = kv_bytes(b)
-        ms = time_ms(lambda: attention.paged_attention(*b.args()))
-        current[kv] = dict(ms=ms, x_copy=nbytes / ms / 1e6 / copy, **profile_current(b))
+        b = batch(kv, "cuda", False)
+        want, nbytes, current[kv] = reference_and_current(b, copy)
+        current[kv].update(profile_current(b))
+        ms = current[kv]["ms"]
         print(f"{kv}: current kernel {ms * 1e3:.1f} us {current[kv]['x_copy']:.3f} x copy; "
               f"{ {k: v for k, v in current[kv].items() if k in ('attn', 'combine', 'gap')} }", flush=True)
         unfused = {}

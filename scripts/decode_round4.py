@@ -49,8 +49,8 @@ from kvdiag.kernels.bench import copy_gbps, kv_bytes, paged_batch, time_ms
 from kvdiag.kernels.launch import Launcher, cdiv, next_pow2
 from kvdiag.kernels.store import fast_paths, load_scale, quant_params
 
-SEQS, CTX, HEADS, KVH, HD, BS = 32, 4096, 32, 8, 128, 16
-DTYPES = ["fp8", "int8_per_token_head", "fp8_per_token_head", "bfloat16"]
+from decode_sweep import (CTX, DTYPES, HD, HEADS, KVH, SEQS, batch, compile_variants,  # scripts/decode_sweep.py
+                          reference_and_current)
 
 
 @triton.jit
@@ -214,25 +214,6 @@ def variants(kv=None, quick=False):
     return out
 
 
-def _batch(kv, dev, quick):
-    if quick:
-        return paged_batch(kv, [1] * 4, [1, 5, 40, 70], 8, 2, 16, 4, torch.float32, dev, seed=7)
-    return paged_batch(kv, [1] * SEQS, [CTX] * SEQS, HEADS, KVH, HD, BS, torch.bfloat16, dev, seed=7)
-
-
-def _warm(job):
-    kv, vs = job
-    b = _batch(kv, "cuda", False)
-    res = []
-    for v in vs:
-        try:
-            res.append((v, ir_facts(decode(b, v, compile_only=True)), None))
-        except Exception as e:  # noqa: BLE001 - reported; the variant is skipped
-            res.append((v, None, f"{type(e).__name__}: {e}"[:400]))
-    torch.cuda.synchronize()
-    return kv, res
-
-
 def ttgir(spec: str, kv: str) -> str:
     """TTGIR of one variant ("block_n,warps,acc3,cvt,pf") compiled for sm_90 without a GPU."""
     from triton.backends.compiler import GPUTarget
@@ -278,7 +259,7 @@ def _run_current(b, v):
 
 def _warm_current(job):
     kv, vs = job
-    b = _batch(kv, "cuda", False)
+    b = batch(kv, "cuda", False)
     errs = []
     for v in vs:
         try:
@@ -300,11 +281,8 @@ def sweep_current(dtypes, out_path, jobs) -> int:
     bad = {(e["kv"], e["splits"], e["block_n"], e["warps"], e["stages"]) for e in errors}
     rows, current = [], {}
     for kv in dtypes:
-        b = _batch(kv, "cuda", False)
-        want = reference.paged_attention(*b.args()).double()
-        nbytes = kv_bytes(b)
-        ms = time_ms(lambda: attention.paged_attention(*b.args()))
-        current[kv] = dict(ms=ms, x_copy=nbytes / ms / 1e6 / copy)
+        b = batch(kv, "cuda", False)
+        want, nbytes, current[kv] = reference_and_current(b, copy)
         for v in current_variants(kv):
             if (kv, *v.values()) in bad:
                 continue
@@ -428,7 +406,7 @@ def main() -> int:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         bad = 0
         for kv in ["auto", "fp8", "int8_per_token_head", "fp8_per_token_head"]:
-            b = _batch(kv, dev, True)
+            b = batch(kv, dev, True)
             want = reference.paged_attention(*b.args()).double()
             for v in variants(quick=True):
                 outs = [decode(b, v) for _ in range(2)]
@@ -439,22 +417,12 @@ def main() -> int:
         return int(bad > 0)
     copy = copy_gbps("cuda")
     jobs = [(kv, variants(kv)[i::3]) for kv in dtypes for i in range(3)]
-    facts, errors = {}, []
-    with ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as ex:
-        for kv, res in ex.map(_warm, jobs):
-            for v, f, e in res:
-                if e:
-                    errors.append(dict(kv=kv, **v, error=e))
-                else:
-                    facts[(kv, tuple(v.values()))] = f
-    print(f"compiled; {len(errors)} failed", flush=True)
+    facts, errors = compile_variants(jobs, decode, ir_facts, a.jobs)
     rows, current = [], {}
     for kv in dtypes:
-        b = _batch(kv, "cuda", False)
-        want = reference.paged_attention(*b.args()).double()
-        nbytes = kv_bytes(b)
-        ms = time_ms(lambda: attention.paged_attention(*b.args()))
-        current[kv] = dict(ms=ms, x_copy=nbytes / ms / 1e6 / copy)
+        b = batch(kv, "cuda", False)
+        want, nbytes, current[kv] = reference_and_current(b, copy)
+        ms = current[kv]["ms"]
         print(f"{kv}: current kernel {ms * 1e3:.1f} us {current[kv]['x_copy']:.3f} x copy", flush=True)
         for v in variants(kv):
             f = facts.get((kv, tuple(v.values())))
