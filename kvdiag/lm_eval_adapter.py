@@ -158,12 +158,11 @@ def cut_at_stop(text: str, until) -> str:
 
 @functools.lru_cache(maxsize=4)
 def task_manager(include_paths: tuple[str, ...] = (), include_defaults: bool = False):
-    """kvdiag's tasks + ``include_paths``; lm_eval's own ~15k tasks only when asked (indexing them takes ~7 s)."""
-    from lm_eval.tasks import TaskManager
+    """:func:`kvdiag.tasks.task_manager`, built once per arguments; lm_eval's own ~15k tasks only when asked
+    (indexing them takes ~7 s)."""
+    from kvdiag.tasks import task_manager as build
 
-    from kvdiag.tasks import TASKS_DIR
-
-    return TaskManager(include_path=[str(TASKS_DIR), *include_paths], include_defaults=include_defaults)
+    return build(include_paths, include_defaults)
 
 
 def resolve_tasks(names: list[str], include_paths: tuple[str, ...] = ()) -> tuple[list[str], bool]:

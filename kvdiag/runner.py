@@ -11,7 +11,6 @@ at once; ``resume`` skips the ids already recorded.
 from __future__ import annotations
 
 import contextlib
-
 import importlib
 import multiprocessing as mp
 import os
