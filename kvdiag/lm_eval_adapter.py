@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from itertools import groupby
 
@@ -212,22 +213,35 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
     return summarize(res)
 
 
+_PROBE_LOCK = threading.Lock()
+_PROBE_USERS: list = []  # one entry per simple_evaluate running now (cases on threads, runner's ``threads``)
+_PROBE_SAVED: dict = {}
+
+
 @contextlib.contextmanager
 def _without_env_probe():
     """lm_eval's ``add_env_info`` runs torch's ``collect_env`` (``pip list``, compilers, drivers: ~0.8 s and a
     subprocess per call, i.e. per kv dtype) and ``git describe``; kvdiag records its own environment and
-    drops those fields, so both are skipped while ``simple_evaluate`` runs (if this lm_eval has them)."""
+    drops those fields, so both are skipped while ``simple_evaluate`` runs (if this lm_eval has them). Calls on
+    several threads at once: the first one in replaces them, the last one out puts them back."""
     import lm_eval.evaluator as ev
 
-    saved = {n: getattr(ev, n) for n in ("add_env_info", "get_git_commit_hash") if hasattr(ev, n)}
     stubs = {"add_env_info": lambda storage: None, "get_git_commit_hash": lambda: None}
-    for n in saved:
-        setattr(ev, n, stubs[n])
+    with _PROBE_LOCK:
+        if not _PROBE_USERS:
+            _PROBE_SAVED.update({n: getattr(ev, n) for n in stubs if hasattr(ev, n)})
+            for n in _PROBE_SAVED:
+                setattr(ev, n, stubs[n])
+        _PROBE_USERS.append(True)
     try:
         yield
     finally:
-        for n, f in saved.items():
-            setattr(ev, n, f)
+        with _PROBE_LOCK:
+            _PROBE_USERS.pop()
+            if not _PROBE_USERS:
+                for n, f in _PROBE_SAVED.items():
+                    setattr(ev, n, f)
+                _PROBE_SAVED.clear()
 
 
 def summarize(res: dict) -> dict:

@@ -104,7 +104,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _worker_main(cases: list[dict], run_dir: str, log_path: str, conn, parent_pid: int, env: dict) -> None:
+def _worker_main(cases: list[dict], run_dir: str, log_path: str, conn, parent_pid: int, env: dict,
+                 threads: int = 1) -> None:
     # Everything the worker and its native libraries print goes to the case log.
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -119,22 +120,69 @@ def _worker_main(cases: list[dict], run_dir: str, log_path: str, conn, parent_pi
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     _watch_parent(parent_pid)
     ctx = WorkerContext(Path(run_dir), Path(run_dir) / "artifacts")
-    for cd in cases:
-        case = Case(**cd)
-        print(f"=== case {case.id} ===", flush=True)
-        t0 = time.perf_counter()
-        try:
-            rec = call_target(case.target)(case, ctx)
-            if not isinstance(rec, CaseResult):
-                raise TypeError(f"{case.target} returned {type(rec).__name__}, not CaseResult")
-        except BaseException as e:  # noqa: BLE001 - a case's failure is its record
-            tb = traceback.format_exc()
-            print(tb, flush=True)
-            rec = case.result("error", log_tail=tb[-LOG_TAIL_CHARS:])
-            rec.add("error", "exception", f"{type(e).__name__}: {e}".splitlines()[0][:500])
-        rec.duration_s = rec.duration_s or round(time.perf_counter() - t0, 3)
-        conn.send(rec.to_json())
+    if threads > 1 and len(cases) > 1:
+        _run_on_threads(cases, ctx, conn, threads, env)
+    else:
+        for cd in cases:
+            conn.send(_started(cd))
+            conn.send(("done", _run_one(Case(**cd), ctx)))
     conn.close()
+
+
+def _started(cd: dict) -> tuple:
+    """The "start" message: the case and the size of the log before its first line (its tail starts there)."""
+    sys.stdout.flush()
+    return "start", (cd["id"], os.fstat(1).st_size)
+
+
+def _run_one(case: Case, ctx: WorkerContext) -> str:
+    """One case in this worker: its record as JSON (an exception becomes an ``error`` record)."""
+    print(f"=== case {case.id} ===", flush=True)
+    t0 = time.perf_counter()
+    try:
+        rec = call_target(case.target)(case, ctx)
+        if not isinstance(rec, CaseResult):
+            raise TypeError(f"{case.target} returned {type(rec).__name__}, not CaseResult")
+    except BaseException as e:  # noqa: BLE001 - a case's failure is its record
+        tb = traceback.format_exc()
+        print(tb, flush=True)
+        rec = case.result("error", log_tail=tb[-LOG_TAIL_CHARS:])
+        rec.add("error", "exception", f"{type(e).__name__}: {e}".splitlines()[0][:500])
+    rec.duration_s = rec.duration_s or round(time.perf_counter() - t0, 3)
+    return rec.to_json()
+
+
+def _run_on_threads(cases: list[dict], ctx: WorkerContext, conn, threads: int, env: dict) -> None:
+    """Up to ``threads`` cases of the group at once, each on its own thread (``run_cases(threads=...)``). With
+    KVDIAG_SHARE_CORES each thread sets its own torch threads (per-thread in OpenMP) as workers would."""
+    import threading
+
+    todo, lock = list(cases), threading.Lock()
+
+    def send(msg):
+        with lock:
+            conn.send(msg)
+
+    def loop():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                cd, left = todo.pop(0), len(todo) + 1
+            n = _share_cores(env, threads, left).get("OMP_NUM_THREADS")
+            if n and SHARE_CORES in env:
+                import torch
+
+                torch.get_num_threads()  # torch's lazy per-thread init first: it would apply the process-wide count
+                torch.set_num_threads(int(n))  # then this thread's own (OpenMP's thread count is per thread)
+            send(_started(cd))
+            send(("done", _run_one(Case(**cd), ctx)))
+
+    pool = [threading.Thread(target=loop, name=f"case-thread-{i}") for i in range(min(threads, len(cases)))]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
 
 
 # --------------------------------------------------------------------------- parent side
@@ -144,11 +192,12 @@ class Progress:
     """Plain progress lines on stderr (CI logs); RichProgress draws a bar on a terminal."""
 
     def __init__(self, total: int, quiet: bool = False):
-        self.total, self.done, self.quiet = total, 0, quiet
+        self.total, self.done, self.started, self.quiet = total, 0, 0, quiet
 
     def start(self, case: Case) -> None:
+        self.started += 1
         if not self.quiet:
-            print(f"[{self.done + 1}/{self.total}] {case.id} ...", file=sys.stderr, flush=True)
+            print(f"[{self.started}/{self.total}] {case.id} ...", file=sys.stderr, flush=True)
 
     def finish(self, rec: CaseResult) -> None:
         self.done += 1
@@ -251,8 +300,10 @@ def _environ(env: dict):
 
 
 class _Worker:
+    """One worker process and the cases it still owes: ``running`` (it said "start"), then the rest in order."""
+
     def __init__(self, cases: list[Case], run_dir: Path, default_timeout: float, env: dict,
-                 preload: tuple[str, ...] = ()):
+                 preload: tuple[str, ...] = (), threads: int = 1):
         self.pending = list(cases)
         self.default_timeout = default_timeout
         logs = run_dir / "logs"
@@ -262,66 +313,95 @@ class _Worker:
         self.conn, child = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=_worker_main,
-            args=([asdict(c) for c in cases], str(run_dir), str(self.log_path), child, os.getpid(), env),
+            args=([asdict(c) for c in cases], str(run_dir), str(self.log_path), child, os.getpid(), env, threads),
             daemon=False,
         )
         with _environ(env):  # a fork server starts with the first worker: its preloaded native libraries read
             self.proc.start()  # their settings (OpenMP: OMP_WAIT_POLICY) once, at load
         child.close()
-        self.case_started = time.monotonic()
-        self.log_offset = 0
+        self.running: dict[str, float] = {}  # case id -> when the worker started it
+        self.log_from: dict[str, int] = {}  # case id -> the log's size then (its tail starts there)
+        self.idle_since = time.monotonic()  # no case running: since the spawn or the last result
         self.eof = False
 
-    @property
-    def current(self) -> Case | None:
-        return self.pending[0] if self.pending else None
+    def _case(self, case_id: str) -> Case:
+        return next(c for c in self.pending if c.id == case_id)
 
-    def deadline(self) -> float:
-        c = self.current
-        return self.case_started + (c.timeout or self.default_timeout)
+    def _timeout(self, case: Case) -> float:
+        return case.timeout or self.default_timeout
 
-    def poll(self) -> list[CaseResult]:
-        """Collect what finished; turn a dead or hung worker into records. Non-blocking."""
-        out = []
+    def overdue(self) -> list[Case]:
+        """The running cases past their timeout (before any started: the next one, counted from idle_since)."""
+        now = time.monotonic()
+        if not self.running:
+            c = self.pending[0]
+            return [c] if now > self.idle_since + self._timeout(c) else []
+        return [c for c in self.pending if c.id in self.running and now > self.running[c.id] + self._timeout(c)]
+
+    def poll(self) -> tuple[list[Case], list[CaseResult]]:
+        """(cases that started, records of cases that ended) since the last poll; a dead or hung worker's owed
+        cases become records. Non-blocking."""
+        started, out = [], []
         while self.pending and not self.eof and self.conn.poll(0):
             try:
-                data = self.conn.recv()
+                kind, data = self.conn.recv()
             except (EOFError, OSError):
                 self.eof = True
                 break
-            out.append(CaseResult.from_json(data))
-            self.pending.pop(0)
-            self.case_started = time.monotonic()
-            self.log_offset = os.path.getsize(self.log_path) if self.log_path.exists() else 0
+            if kind == "start":
+                case_id, self.log_from[case_id] = data
+                self.running[case_id] = time.monotonic()
+                started.append(self._case(case_id))
+                continue
+            rec = CaseResult.from_json(data)
+            self.pending.remove(self._case(rec.id))
+            self.running.pop(rec.id, None)
+            out.append(rec)
+            self.idle_since = time.monotonic()
         if not self.pending:
             self.proc.join(timeout=30)
             if self.proc.is_alive():
                 self.proc.kill()
-            return out
+            return started, out
         if not self.proc.is_alive():
             self.proc.join()
             if not self.eof and self.conn.poll(0):  # a result raced with the exit
-                return out + self.poll()
+                more_started, more = self.poll()
+                return started + more_started, out + more
             out += self._fail_rest("crashed", *_describe_exit(self.proc.exitcode))
-        elif time.monotonic() > self.deadline():
+        elif late := self.overdue():
             self.proc.kill()
             self.proc.join()
-            t = self.current.timeout or self.default_timeout
-            out += self._fail_rest("timeout", f"no result after {t:g}s; worker killed", {"timeout_s": t})
-        return out
+            t = self._timeout(late[0])
+            out += self._fail_rest("timeout", f"no result after {t:g}s; worker killed", {"timeout_s": t}, late)
+        return started, out
 
-    def _fail_rest(self, status: str, message: str, evidence: dict) -> list[CaseResult]:
-        tail = _tail(self.log_path, self.log_offset)
-        first = self.pending[0]
-        rec = first.result(status, log_tail=tail, duration_s=round(time.monotonic() - self.case_started, 3))
-        rec.add("error", status, message, **evidence)
-        recs = [rec]
-        for c in self.pending[1:]:
-            r = c.result("error")
-            r.add("error", "not_run", f"not run: the shared worker {status} during {first.id}")
+    def _fail_rest(self, status: str, message: str, evidence: dict, culprits: list[Case] | None = None
+                   ) -> list[CaseResult]:
+        """Records for every owed case: ``culprits`` (default: the running cases, or the next one) get ``status``;
+        other cases the worker was running were cut short, and the rest never ran."""
+        now = time.monotonic()
+        running = [c for c in self.pending if c.id in self.running]
+        culprits = culprits or running or self.pending[:1]
+        tail = _tail(self.log_path, min(self.log_from.get(c.id, 0) for c in culprits))
+        recs = []
+        for c in self.pending:
+            if c in culprits:
+                since = self.running.get(c.id, self.idle_since)
+                r = c.result(status, log_tail=tail, duration_s=round(now - since, 3))
+                r.add("error", status, message + _also(culprits, c), **evidence)
+            else:
+                r = c.result("error")
+                what = "was cut short" if c in running else "not run"
+                r.add("error", "not_run", f"{what}: the shared worker {status} during {culprits[0].id}")
             recs.append(r)
-        self.pending = []
+        self.pending, self.running = [], {}
         return recs
+
+
+def _also(culprits: list[Case], case: Case) -> str:
+    others = [c.id for c in culprits if c is not case]
+    return f" (the worker was also running {', '.join(others)})" if others else ""
 
 
 def run_cases(
@@ -335,9 +415,12 @@ def run_cases(
     env: dict | None = None,
     on_result: Callable[[CaseResult], None] | None = None,
     preload: tuple[str, ...] = (),
+    threads: int = 1,
 ) -> list[CaseResult]:
     """Run cases in workers; return the records of all cases (recorded earlier ones too, on resume).
-    ``preload``: modules a fork server imports once for all workers (see ``_mp_context``)."""
+    ``preload``: modules a fork server imports once for all workers (see ``_mp_context``). ``threads``: cases of
+    one group that its worker runs at once, on threads (only for case functions that are safe to run so); a
+    crash or a timeout then ends the cases the worker was running, and the rest of its group."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     results_path = run_dir / "results.jsonl"
@@ -361,20 +444,20 @@ def run_cases(
     try:
         while groups or active:
             while groups and len(active) < max(1, jobs):
-                w = _Worker(groups.pop(0), run_dir, timeout, _share_cores(env, jobs, len(groups) + 1), preload)
-                progress.start(w.current)
-                active.append(w)
+                active.append(_Worker(groups.pop(0), run_dir, timeout, _share_cores(env, jobs, len(groups) + 1),
+                                      preload, threads))
             time.sleep(0.05)
             for w in list(active):
-                for rec in w.poll():
+                started, ended = w.poll()
+                for c in started:
+                    progress.start(c)
+                for rec in ended:
                     append_jsonl(results_path, rec)
                     done[rec.id] = rec
                     progress.finish(rec)
                     if on_result:
                         on_result(rec)
-                    if w.current is not None:
-                        progress.start(w.current)
-                if w.current is None:
+                if not w.pending:
                     active.remove(w)
     finally:
         for w in active:  # interrupted: leave no worker behind

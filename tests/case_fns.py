@@ -56,3 +56,15 @@ def threads(case, ctx):
     import torch
 
     return case.result("pass", metrics={"omp": os.environ.get("OMP_NUM_THREADS"), "torch": torch.get_num_threads()})
+
+
+def timed(case, ctx):
+    """Sleeps; reports when, where (pid, thread) and with how many torch threads it ran."""
+    import threading
+
+    import torch
+
+    start = time.time()
+    time.sleep(case.params.get("sleep", 0.0))
+    return case.result("pass", metrics={"pid": os.getpid(), "thread": threading.current_thread().name,
+                                        "torch": torch.get_num_threads(), "start": start, "end": time.time()})

@@ -224,7 +224,7 @@ def by_dtype(rows):
 
 @pytest.mark.slow
 def test_clean_builtin_engine_passes_every_dtype(tmp_path):
-    r = kvdiag("accuracy", "-t", "kv_recall", "--limit", "16", "--isolate", "run", "-f", "json",
+    r = kvdiag("accuracy", "-t", "kv_recall", "--limit", "16", "--isolate", "run", "-j", "2", "-f", "json",
                "-o", str(tmp_path / "run"))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     run = json.loads(r.stdout)
@@ -239,6 +239,10 @@ def test_clean_builtin_engine_passes_every_dtype(tmp_path):
     for dtype in ("fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"):
         assert 0 < rows[dtype][0]["mean_kl"], dtype  # quantized: some drift, within its family's limits
     assert all(r["verdict"] == "ok" for d, rs in rows.items() if d != "auto" for r in rs)
+    # one worker, the dtypes two at a time on its threads, the weights read from disk once for all
+    workers = [c["metrics"]["worker"] for c in run["cases"]]
+    assert len({w["pid"] for w in workers}) == 1 and len({w["thread"] for w in workers}) == 2
+    assert sorted({w["weight_loads"] for w in workers}) == [0, 1]
 
 
 @pytest.mark.slow
@@ -284,7 +288,7 @@ def test_unknown_dtype_or_task_exits_2_with_one_line():
 
 
 def test_default_jobs_share_the_cpu_cores_only_for_builtin_cases_on_cpu(monkeypatch):
-    from kvdiag.cli.accuracy_cmd import default_jobs, preload, worker_env
+    from kvdiag.cli.accuracy_cmd import case_threads, default_jobs, preload, worker_env
     from kvdiag.cli.options import Isolate
     from kvdiag.runner import Case
 
@@ -295,16 +299,21 @@ def test_default_jobs_share_the_cpu_cores_only_for_builtin_cases_on_cpu(monkeypa
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     passive = {"OMP_WAIT_POLICY": "PASSIVE", "KVDIAG_SHARE_CORES": "2"}
-    assert default_jobs(cases("builtin", "cpu", 7), Isolate.case) == 2
+    assert default_jobs(cases("builtin", "cpu", 7)) == 2
     assert worker_env(2) == {**passive, "OMP_NUM_THREADS": "1"}
-    assert default_jobs(cases("builtin", "cpu", 1), Isolate.case) == 1
-    assert default_jobs(cases("builtin", "cpu", 7), Isolate.run) == 1
+    assert default_jobs(cases("builtin", "cpu", 1)) == 1
     assert worker_env(1) == {**passive, "OMP_NUM_THREADS": "2"}
+    # --isolate run: the jobs are threads of the one worker, for the builtin engine on the CPU without faults
+    assert case_threads(cases("builtin", "cpu", 7), Isolate.run, 2) == 2
+    assert case_threads(cases("builtin", "cpu", 7), Isolate.case, 2) == 1
+    faulty = cases("builtin", "cpu", 7)
+    faulty[0].params["faults"] = ["gc_freeze_not_undone"]
+    assert case_threads(faulty, Isolate.run, 2) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert worker_env(2) == {}  # the user's choice stands
-    assert default_jobs(cases("builtin", "cuda", 7), Isolate.case) == 1
-    assert default_jobs(cases("vllm", "cpu", 7), Isolate.case) == 1
+    assert default_jobs(cases("builtin", "cuda", 7)) == 1
+    assert default_jobs(cases("vllm", "cpu", 7)) == 1
     assert "torch" in preload(cases("builtin", "cpu", 2)) and preload(cases("vllm", "cpu", 2)) == ()
 
 

@@ -106,6 +106,45 @@ def test_every_kv_dtype_runs_and_switching_reuses_the_weights(model):
     e.shutdown()
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="dtypes on threads: the CPU path of accuracy --isolate run")
+def test_engines_sharing_weights_on_two_threads_give_what_each_gives_alone(model):
+    # accuracy --isolate run on the CPU: two kv dtypes at once, one copy of the weights; the results must be
+    # those of each dtype run alone
+    import threading
+
+    dtypes = ("auto", "fp8", "int8_per_token_head", "fp8_per_token_head")
+    alone = {}
+    for d in dtypes:
+        e = _start(model, kv_cache_dtype=d)
+        alone[d] = _greedy(e)
+        e.shutdown()
+    first, second = _start(model), BuiltinEngine()
+    second.share_weights(first)
+    got, errors = {}, []
+
+    def work(engine, names):
+        try:
+            for d in names:
+                engine.start(EngineSpec(model=model, device=DEV, block_size=16, num_blocks=48, kv_cache_dtype=d,
+                                        engine_args={"ignore_eos": True}))
+                got[d] = _greedy(engine)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(first, dtypes[::2])),
+               threading.Thread(target=work, args=(second, dtypes[1::2]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and got == alone
+    assert (first.weight_loads, second.weight_loads) == (1, 0)
+    assert second.model is first.model and second.tokenizer is not first.tokenizer
+    second.shutdown()
+    assert first.model is not None and _greedy(first) == alone["int8_per_token_head"]  # the other keeps them
+    first.shutdown()
+
+
 def test_limits_give_clear_errors(model):
     e = _start(model, num_blocks=3, max_model_len=64)
     with pytest.raises(UserError, match="prompt of 81 tokens exceeds max_model_len 64"):

@@ -132,6 +132,22 @@ def test_run_tasks_skips_lm_evals_environment_probe_and_restores_it(engine, monk
     assert calls == ["collect_env"]
 
 
+def test_the_probe_stays_off_while_any_thread_evaluates_and_comes_back_after_the_last():
+    # cases on threads (--isolate run on the CPU) overlap: A in, B in, A out, B out
+    import lm_eval.evaluator as ev
+
+    from kvdiag.lm_eval_adapter import _without_env_probe
+
+    own = ev.add_env_info
+    a, b = _without_env_probe(), _without_env_probe()
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert ev.add_env_info is not own  # B still evaluates
+    b.__exit__(None, None, None)
+    assert ev.add_env_info is own
+
+
 def test_kvdiags_own_tasks_resolve_without_importing_lm_eval():
     import subprocess
     import sys

@@ -119,3 +119,42 @@ def test_fork_server_workers_are_isolated_and_not_taken_for_orphans(tmp_path):
     assert [r.status for r in recs] == ["pass", "crashed", "pass", "pass"]
     assert recs[1].findings[0].evidence["signal"] == "SIGSEGV"
     assert recs[0].metrics["pid"] != recs[3].metrics["pid"]
+
+
+def test_a_worker_runs_cases_of_its_group_at_once_on_threads(tmp_path):
+    # --isolate run with jobs for the builtin engine on the CPU: one process, 2 cases at a time, each thread with
+    # its share of the cores (the third alone: both)
+    cases = [case("timed", n, sleep=1.0) for n in range(3)]
+    for c in cases:
+        c.group = "g"
+    recs = run_cases(cases, tmp_path, quiet=True, timeout=60, threads=2, preload=("torch",),
+                     env={"OMP_NUM_THREADS": "2", "KVDIAG_SHARE_CORES": "2"})
+    assert [r.status for r in recs] == ["pass"] * 3 and [r.id for r in recs] == [c.id for c in cases]
+    m = [r.metrics for r in recs]
+    assert len({x["pid"] for x in m}) == 1 and len({x["thread"] for x in m}) == 2
+    assert m[1]["start"] < m[0]["end"] and m[0]["start"] < m[1]["end"]  # the first two overlapped
+    assert m[2]["start"] >= min(m[0]["end"], m[1]["end"]) - 0.05  # the third waited for a free thread
+    assert [x["torch"] for x in m] == [1, 1, 2]
+
+
+def test_a_crash_on_one_thread_ends_the_cases_running_beside_it_and_the_rest(tmp_path):
+    cases = [case("timed", 0, sleep=3.0), case("abort", 1), case("healthy", 2), case("healthy", 3)]
+    for c in cases[:3]:
+        c.group = "g"
+    recs = run_cases(cases, tmp_path, quiet=True, timeout=30, threads=2)
+    assert [r.status for r in recs] == ["crashed", "crashed", "error", "pass"]
+    assert recs[1].findings[0].evidence["signal"] == "SIGABRT" and "about to abort" in recs[1].log_tail
+    assert "also running t/0-timed" in recs[1].findings[0].message  # which thread crashed is not known
+    assert recs[2].findings[0].kind == "not_run"
+
+
+def test_a_hung_thread_times_out_alone_and_the_cases_before_it_keep_their_results(tmp_path):
+    # each case's timeout counts from its own start, not from the last result of the worker
+    cases = [case("hang", 0), case("timed", 1, sleep=1.5), case("timed", 2, sleep=1.5), case("timed", 3, sleep=60)]
+    for c in cases:
+        c.group = "g"
+    recs = run_cases(cases, tmp_path, quiet=True, timeout=6, threads=2, preload=("torch",))
+    assert [r.status for r in recs] == ["timeout", "pass", "pass", "error"]
+    assert recs[0].findings[0].kind == "timeout" and "about to hang" in recs[0].log_tail
+    assert 5.5 < recs[0].duration_s < 9
+    assert recs[3].findings[0].message.startswith("was cut short")  # running beside it when the worker was killed

@@ -9,6 +9,7 @@ measure drift, and give each dtype a verdict (``verdicts.py``).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from kvdiag.errors import EngineUnsupported
 
 SAMPLES = ".samples.json"
 DRIFT = ".drift.npz"
-_SHARED: dict = {}  # --isolate run: the engine object the cases of one worker share
+_SHARED: dict = {}  # --isolate run: (group, thread) -> the engine object that thread's cases share
+_SHARED_LOCK = threading.Lock()  # cases starting at once on threads: one loads the weights, the others share them
 _STARTED: list = []  # non-empty once this worker ran its first case
 
 
@@ -30,7 +32,7 @@ def run_case(case, ctx):
     from kvdiag.lm_eval_adapter import EngineLM, run_tasks
 
     p, times = case.params, {"startup": _startup_once()}
-    t, cpu = time.perf_counter(), time.process_time()
+    t, cpu = time.perf_counter(), _cpu_time()
     try:
         engine = acquire_engine(case)
     except EngineUnsupported as e:
@@ -49,28 +51,52 @@ def run_case(case, ctx):
                     num_fewshot=p.get("num_fewshot"), seed=p.get("seed", 0))
     ctx.artifact(case, SAMPLES).write_text(json.dumps(out["samples"]))
     times["lm_eval"], times["lm_eval_in_engine"] = _lap(t), round(lm.engine_seconds, 3)
-    times["cpu"] = round(time.process_time() - cpu, 3)  # CPU seconds of the case, all threads
+    times["cpu"] = round(_cpu_time() - cpu, 3)
     metrics = {"scores": out["scores"], "model_dtype": model_dtype(engine, case), "finite": drift.finite(probe),
-               "drift_over": probe["over"], "timings": times,
+               "drift_over": probe["over"], "timings": times, "worker": _worker_info(engine),
                "artifacts": {"samples": ctx.artifact(case, SAMPLES).name, "drift": ctx.artifact(case, DRIFT).name}}
     release_engine(case, engine)
     return case.result("pass", metrics=metrics)
 
 
 def acquire_engine(case):
-    """Start the case's engine; in a shared worker (--isolate run) re-use the one already loaded."""
+    """Start the case's engine; in a shared worker (--isolate run) re-use the one this thread already loaded,
+    or share the weights another thread's engine loaded (builtin engine: cases on threads, runner's ``threads``)."""
     from kvdiag.checks.common import engine_spec, start_engine
+    from kvdiag.engines.base import create_engine
 
-    held = _SHARED.get(case.group) if case.group else None
-    if held is not None and hasattr(held, "set_kv_dtype"):
-        held.start(engine_spec(case))  # same weights: only the KV cache is re-created
-        return held
-    if held is not None:
-        held.shutdown()
-    engine = start_engine(case)
-    if case.group:
-        _SHARED[case.group] = engine
-    return engine
+    if not case.group:
+        return start_engine(case)
+    with _SHARED_LOCK:
+        key = (case.group, threading.get_ident())
+        held = _SHARED.get(key)
+        if held is not None and hasattr(held, "set_kv_dtype"):
+            held.start(engine_spec(case))  # same weights: only the KV cache is re-created
+            return held
+        if held is not None:
+            held.shutdown()
+        donor = next((e for (g, _), e in _SHARED.items() if g == case.group and getattr(e, "model", None) is not None), None)
+        engine = create_engine(case.engine)
+        if donor is not None and type(engine) is type(donor) and hasattr(engine, "share_weights"):
+            engine.share_weights(donor)
+        engine.start(engine_spec(case))
+        _SHARED[key] = engine
+        return engine
+
+
+def _worker_info(engine) -> dict:
+    """Where the case ran: process, thread, and how often its engine object read weights from disk (0: it shares
+    another thread's, ``--isolate run`` on the CPU)."""
+    import os
+
+    return {"pid": os.getpid(), "thread": threading.current_thread().name,
+            "weight_loads": getattr(engine, "weight_loads", None)}
+
+
+def _cpu_time() -> float:
+    """CPU seconds of this case: the process's on the main thread (its torch threads included); of this thread
+    alone when cases run on threads (each then runs its torch ops on one or two threads of its own)."""
+    return time.process_time() if threading.current_thread() is threading.main_thread() else time.thread_time()
 
 
 def release_engine(case, engine) -> None:

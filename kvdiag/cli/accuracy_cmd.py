@@ -73,10 +73,10 @@ def accuracy(
                                     engine_arg, device, fault, isolate, max_drop=max_drop, alpha=alpha, max_kl=max_kl,
                                     min_top1=min_top1)
     run_dir = make_run_dir(output_dir, "accuracy", resume)
-    jobs = jobs or default_jobs(cases, isolate)
+    jobs = jobs or default_jobs(cases)
     code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
                    jobs=jobs, env=worker_env(jobs), preload=preload(cases, *LM_EVAL_MODULES), analyze=analyze,
-                   render=render)
+                   render=render, threads=case_threads(cases, isolate, jobs))
     raise typer.Exit(code)
 
 
@@ -146,20 +146,33 @@ def resolve_sweep(engine, model, kv_dtype, baseline, engine_arg, device, fault, 
     return Sweep(engine, model, [base] + [d for d in names if d != base], base, spec)
 
 
-def default_jobs(cases: list, isolate) -> int:
-    """Workers at once when --jobs is not given: with --isolate case, the builtin engine on the CPU shares the
-    cores among up to 4 single-case workers (small models use one core better than two; the runner gives the last
-    workers of a sweep the cores the finished ones freed: worker_env); else 1 (one GPU, or one worker for all)."""
-    import glob
+def default_jobs(cases: list) -> int:
+    """Cases at once when --jobs is not given: for the builtin engine on the CPU, up to 4 (small models use one
+    core better than two; the runner gives the last cases of a sweep the cores the finished ones freed:
+    worker_env) - single-case workers with --isolate case, threads of the one worker with --isolate run
+    (``case_threads``); else 1 (one GPU)."""
     import os
 
-    if not cases:
-        return 1
-    device = cases[0].params.get("device", "auto")
-    on_cpu = device == "cpu" or device == "auto" and not glob.glob("/dev/nvidia[0-9]*")
-    if Isolate(isolate) == Isolate.run or any(c.engine != "builtin" for c in cases) or not on_cpu:
+    if not cases or not _builtin_on_cpu(cases):
         return 1
     return max(1, min(4, os.cpu_count() or 1, len(cases)))
+
+
+def case_threads(cases: list, isolate, jobs: int) -> int:
+    """--isolate run: the dtypes its one worker runs at once, each on a thread with its own KV cache and the
+    weights loaded once (``BuiltinEngine.share_weights``) - the builtin engine on the CPU, without faults (some
+    act on process-wide state); else 1: one dtype after the other (vLLM: one engine per process)."""
+    if Isolate(isolate) != Isolate.run or not _builtin_on_cpu(cases) or any(c.params.get("faults") for c in cases):
+        return 1
+    return jobs
+
+
+def _builtin_on_cpu(cases: list) -> bool:
+    import glob
+
+    device = cases[0].params.get("device", "auto")
+    on_cpu = device == "cpu" or device == "auto" and not glob.glob("/dev/nvidia[0-9]*")
+    return on_cpu and all(c.engine == "builtin" for c in cases)
 
 
 def preload(cases: list, *modules: str) -> tuple[str, ...]:

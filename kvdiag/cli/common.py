@@ -174,8 +174,10 @@ def execute(
     render: Callable | None = None,
     finish: Callable | None = None,
     preload: tuple[str, ...] = (),
+    threads: int = 1,
 ) -> int:
-    """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed).
+    """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed). ``threads``: see
+    :func:`kvdiag.runner.run_cases`.
 
     ``finish(run)`` (optional) runs on the finished run before run.json is written: it may add to
     run.analysis, set run.exit_code (which is first derived from the case statuses) and write reports.
@@ -191,7 +193,7 @@ def execute(
     write_run_json(run_dir, run)  # a run directory always says what it is, even if killed
     quiet = quiet or fmt.value == "json" and not sys.stderr.isatty()
     run.cases = run_cases(cases, run_dir, timeout=timeout, resume=resume, quiet=quiet, jobs=jobs, env=env,
-                          preload=preload)
+                          preload=preload, threads=threads)
     if analyze is not None:
         analyze(run)  # may update case statuses/findings (re-appended) and fill run.analysis
     run.summary = summarize(run.cases)

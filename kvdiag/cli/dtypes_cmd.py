@@ -82,7 +82,7 @@ def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, i
 
     cases, analyze = check_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, max_kl=max_kl,
                                  min_top1=min_top1)
-    jobs = jobs or default_jobs(cases, isolate)
+    jobs = jobs or default_jobs(cases)
     run_dir = make_run_dir(output_dir, "dtypes", resume)
     return execute("dtypes --check", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
                    quiet=quiet, jobs=jobs, env=worker_env(jobs), render=_render, preload=preload(cases),

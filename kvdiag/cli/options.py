@@ -45,12 +45,14 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cud
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed for sampling and for lm_eval.")]
 JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Cases run at once (each in its own worker).")]
 SweepJobsOpt = Annotated[Optional[int], typer.Option(
-    "--jobs", "-j", min=1, help="Cases run at once (each in its own worker). Default: with --isolate case, the "
-    "builtin engine on a machine without a GPU runs up to 4, at most the CPU cores (split among them; the last "
-    "cases of a sweep get the cores the finished ones freed), else 1.")]
+    "--jobs", "-j", min=1, help="Cases run at once: with --isolate case each in its own worker; with --isolate "
+    "run (accuracy, builtin engine on the CPU) on threads of the one worker. Default: for the builtin engine on a "
+    "machine without a GPU up to 4, at most the CPU cores (split among them; the last cases of a sweep get the "
+    "cores the finished ones freed), else 1.")]
 IsolateOpt = Annotated[Isolate, typer.Option(
-    "--isolate", help="case: every dtype in its own worker process; run: one worker for all dtypes "
-    "(weights loaded once; a crash ends the dtypes after it).")]
+    "--isolate", help="case: every dtype in its own worker process; run: one worker process for all dtypes "
+    "(weights loaded once; accuracy with the builtin engine on the CPU runs --jobs dtypes at a time there, each "
+    "with its own KV cache; a crash ends the dtypes running and those after it).")]
 CyclesOpt = Annotated[int, typer.Option("--cycles", "-n", min=1, help="How many cycles to run.")]
 FaultOpt = Annotated[Optional[list[str]], typer.Option(
     "--fault", help="builtin engine only: re-introduce a known bug class (see `kvdiag selftest --list`).",

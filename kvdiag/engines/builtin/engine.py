@@ -93,6 +93,18 @@ class BuiltinEngine:
         self._allocate_kv()
         self.faults.on_start(self)  # memleak faults (faults.py); nothing when none is set
 
+    def share_weights(self, other: "BuiltinEngine") -> None:
+        """Use the weights ``other`` loaded (the same modules, no copy; the forward pass changes nothing in them):
+        this engine's next :meth:`start` with the same model, weights dtype, device and length keeps them. For
+        several kv dtypes at once in one process (``accuracy --isolate run`` on the CPU). The tokenizer is this
+        engine's own: a fast tokenizer is not safe to share between threads."""
+        other._check_ready()
+        self.shutdown()
+        self.cfg, self.path, self.device, self.dtype = other.cfg, other.path, other.device, other.dtype
+        self.model, self.kv_scales, self._weights_key = other.model, other.kv_scales, other._weights_key
+        self.max_model_len = other.max_model_len
+        self.tokenizer = loader.load_tokenizer(other.path)
+
     def set_kv_dtype(self, kv_cache_dtype: str) -> None:
         """Re-create the KV cache for another kv dtype, keeping the loaded weights."""
         self._check_ready()
