@@ -6,6 +6,7 @@ import os
 import shutil
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,6 +144,37 @@ def test_engines_sharing_weights_on_two_threads_give_what_each_gives_alone(model
     second.shutdown()
     assert first.model is not None and _greedy(first) == alone["int8_per_token_head"]  # the other keeps them
     first.shutdown()
+
+
+def test_the_plain_tokenizer_encodes_and_decodes_as_transformers_does(model, tmp_path):
+    # the builtin engine reads a PreTrainedTokenizerFast's tokenizer.json through `tokenizers` itself (no
+    # transformers import); transformers' class over the same files is the oracle
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.engines.builtin import loader, tokenizer
+
+    texts = ["", " ", "k1=v1 k2=v2 ; key=", "  two  spaces ", "<s>inside</s>", "Grüße, 東京 ✓\n\ttab", "x" * 300]
+    for path in (TINY_MODEL, Path(model)):
+        ours, theirs = tokenizer.plain(path), PreTrainedTokenizerFast.from_pretrained(str(path))
+        assert ours is not None, path
+        assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+        for text in texts:
+            for special in (True, False):
+                ids = ours.encode(text, add_special_tokens=special)
+                assert ids == theirs.encode(text, add_special_tokens=special), (text, special)
+                for skip in (True, False):
+                    assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    # a config whose add_bos_token disagrees with the file's template: left to transformers
+    bent = tmp_path / "bent"
+    shutil.copytree(model, bent)
+    cfg = json.loads((bent / "tokenizer_config.json").read_text())
+    (bent / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": False}))
+    assert tokenizer.plain(bent) is None
+    assert type(loader.load_tokenizer(bent)).__module__.startswith("transformers")
+    assert isinstance(loader.load_tokenizer(Path(model)), tokenizer.JsonTokenizer)
 
 
 def test_limits_give_clear_errors(model):

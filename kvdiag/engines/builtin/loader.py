@@ -119,18 +119,15 @@ def load_kv_scales(path: Path, num_layers: int) -> tuple[list[float], list[float
 
 def load_tokenizer(path: Path):
     """The checkpoint's tokenizer. A plain ``tokenizer.json`` one (``tokenizer_class`` PreTrainedTokenizerFast,
-    as the shipped model's) skips AutoTokenizer, whose import alone takes ~4 s on a small CPU."""
-    import json
+    as the shipped model's) goes through the ``tokenizers`` library itself (``tokenizer.plain``), else
+    transformers' AutoTokenizer, whose import alone takes seconds on a small CPU."""
+    from kvdiag.engines.builtin import tokenizer
 
     try:
-        config = json.loads((path / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    if (path / "tokenizer.json").is_file() and config.get("tokenizer_class") == "PreTrainedTokenizerFast":
-        from transformers import PreTrainedTokenizerFast as Tokenizer
-    else:
-        from transformers import AutoTokenizer as Tokenizer
-    try:
-        return Tokenizer.from_pretrained(str(path))
+        if (tok := tokenizer.plain(path)) is not None:
+            return tok
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001
         raise UserError(f"cannot load the tokenizer of '{path}': {type(e).__name__}: {e}") from None
