@@ -214,8 +214,8 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
 
 
 _PROBE_LOCK = threading.Lock()
-_PROBE_USERS: list = []  # one entry per simple_evaluate running now (cases on threads, runner's ``threads``)
-_PROBE_SAVED: dict = {}
+_PROBE_SAVED: dict = {}  # lm_eval's own functions while any simple_evaluate runs (cases on threads: runner)
+_probe_users = 0  # how many run now
 
 
 @contextlib.contextmanager
@@ -226,19 +226,20 @@ def _without_env_probe():
     several threads at once: the first one in replaces them, the last one out puts them back."""
     import lm_eval.evaluator as ev
 
+    global _probe_users
     stubs = {"add_env_info": lambda storage: None, "get_git_commit_hash": lambda: None}
     with _PROBE_LOCK:
-        if not _PROBE_USERS:
+        if _probe_users == 0:
             _PROBE_SAVED.update({n: getattr(ev, n) for n in stubs if hasattr(ev, n)})
             for n in _PROBE_SAVED:
                 setattr(ev, n, stubs[n])
-        _PROBE_USERS.append(True)
+        _probe_users += 1
     try:
         yield
     finally:
         with _PROBE_LOCK:
-            _PROBE_USERS.pop()
-            if not _PROBE_USERS:
+            _probe_users -= 1
+            if _probe_users == 0:
                 for n, f in _PROBE_SAVED.items():
                     setattr(ev, n, f)
                 _PROBE_SAVED.clear()

@@ -169,12 +169,11 @@ def _run_on_threads(cases: list[dict], ctx: WorkerContext, conn, threads: int, e
                 if not todo:
                     return
                 cd, left = todo.pop(0), len(todo) + 1
-            n = _share_cores(env, threads, left).get("OMP_NUM_THREADS")
-            if n and SHARE_CORES in env:
+            if SHARE_CORES in env:
                 import torch
 
                 torch.get_num_threads()  # torch's lazy per-thread init first: it would apply the process-wide count
-                torch.set_num_threads(int(n))  # then this thread's own (OpenMP's thread count is per thread)
+                torch.set_num_threads(int(_share_cores(env, threads, left)["OMP_NUM_THREADS"]))  # then its own
             send(_started(cd))
             send(("done", _run_one(Case(**cd), ctx)))
 

@@ -63,7 +63,6 @@ def acquire_engine(case):
     """Start the case's engine; in a shared worker (--isolate run) re-use the one this thread already loaded,
     or share the weights another thread's engine loaded (builtin engine: cases on threads, runner's ``threads``)."""
     from kvdiag.checks.common import engine_spec, start_engine
-    from kvdiag.engines.base import create_engine
 
     if not case.group:
         return start_engine(case)
@@ -75,13 +74,9 @@ def acquire_engine(case):
             return held
         if held is not None:
             held.shutdown()
-        donor = next((e for (g, _), e in _SHARED.items() if g == case.group and getattr(e, "model", None) is not None), None)
-        engine = create_engine(case.engine)
-        if donor is not None and type(engine) is type(donor) and hasattr(engine, "share_weights"):
-            engine.share_weights(donor)
-        engine.start(engine_spec(case))
-        _SHARED[key] = engine
-        return engine
+        donors = (e for (g, _), e in _SHARED.items() if g == case.group and hasattr(e, "share_weights"))
+        _SHARED[key] = start_engine(case, weights_from=next((e for e in donors if e.model is not None), None))
+        return _SHARED[key]
 
 
 def _worker_info(engine) -> dict:

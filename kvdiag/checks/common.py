@@ -21,8 +21,12 @@ def engine_spec(case, **overrides) -> EngineSpec:
                       engine_args=dict(p.get("engine_args") or {}), **kw)
 
 
-def start_engine(case, **overrides) -> Engine:
+def start_engine(case, weights_from: Engine | None = None, **overrides) -> Engine:
+    """Create and start the case's engine; ``weights_from``: a started engine of the same kind whose loaded
+    weights it uses instead of reading them again (``share_weights``, builtin engine)."""
     engine = create_engine(case.engine)
+    if weights_from is not None:
+        engine.share_weights(weights_from)
     engine.start(engine_spec(case, **overrides))
     return engine
 

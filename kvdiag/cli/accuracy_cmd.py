@@ -177,7 +177,8 @@ def _builtin_on_cpu(cases: list) -> bool:
 
 def preload(cases: list, *modules: str) -> tuple[str, ...]:
     """What the workers' fork server imports once (kvdiag.runner): torch, the builtin engine, the ``tokenizers``
-    library (not transformers: ``engines/builtin/tokenizer.py``) and ``modules``. Nothing for other engines (vLLM's import must stay in the worker)."""
+    library (not transformers: ``engines/builtin/tokenizer.py``) and ``modules``. Nothing for other engines
+    (vLLM's import must stay in the worker)."""
     if not cases or any(c.engine != "builtin" for c in cases):
         return ()
     return ("torch", "kvdiag.engines.builtin.engine", "tokenizers", "kvdiag.checks.accuracy", *modules)

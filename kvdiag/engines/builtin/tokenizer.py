@@ -20,7 +20,7 @@ class JsonTokenizer:
         self.eos_token_id = self._id(config.get("eos_token"))
 
     def _id(self, token) -> int | None:
-        content = token.get("content") if isinstance(token, dict) else token
+        content = _content(token)
         return None if content is None else self._tok.token_to_id(content)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -35,14 +35,15 @@ def plain(path: Path) -> JsonTokenizer | None:
     whose add_bos_token / add_eos_token (which transformers applies itself) agree with the file's template."""
     try:
         config = json.loads((path / "tokenizer_config.json").read_text())
-        spec = json.loads((path / "tokenizer.json").read_text())
+        text = (path / "tokenizer.json").read_text()
+        spec = json.loads(text)
     except (OSError, ValueError):
         return None
     if config.get("tokenizer_class") != "PreTrainedTokenizerFast" or not _template_agrees(spec, config):
         return None
     from tokenizers import Tokenizer
 
-    return JsonTokenizer(Tokenizer.from_str(json.dumps(spec)), config)
+    return JsonTokenizer(Tokenizer.from_str(text), config)
 
 
 def _template_agrees(spec: dict, config: dict) -> bool:
@@ -60,4 +61,5 @@ def _template_agrees(spec: dict, config: dict) -> bool:
 
 
 def _content(token):
+    """A special token's text: tokenizer_config writes it as a string or as {"content": ..., ...}."""
     return token.get("content") if isinstance(token, dict) else token
