@@ -194,6 +194,15 @@ def snapshot(stage: str, cycle: int, cuda: bool = False, census: Census | None =
     return snap
 
 
+def private_pool_bytes() -> int:
+    """CUDA memory the caching allocator keeps in private pools (CUDA graph pools, ``MemPool``s such as vLLM's
+    sleep-mode allocator) rather than in the default pool: segments whose pool id is not (0, 0)."""
+    import torch
+
+    return sum(int(seg.get("total_size", 0)) for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0))
+
+
 def nvml_process_bytes(device_index: int) -> int | None:
     """This process's GPU memory as NVML reports it; None where NVML cannot say.
 

@@ -68,3 +68,71 @@ class LeakyEngine:
 
     def shutdown(self):
         pass  # forgets self.kv
+
+
+PROCESS_CACHE: dict = {}
+
+
+class ProcessCacheEngine(LeakyEngine):
+    """An engine that fills a process-lifetime buffer cache once (as vLLM's ``_TRITON_BUFFER_CACHE``): the same
+    small tensor survives every shutdown; nothing grows."""
+
+    name = "process-cache"
+
+    def start(self, spec):
+        PROCESS_CACHE.setdefault("buffer", torch.zeros(16 * 1024))  # 64 KiB, created by the first start only
+
+    def shutdown(self):
+        pass
+
+
+class FakeDevice:
+    """CUDA memory as a fake device counts it (bytes), for engines whose memory no Python object shows."""
+
+    allocated = reserved = peak = 0
+    driver_base = 600 << 20
+
+    @classmethod
+    def reset(cls):
+        cls.allocated = cls.reserved = cls.peak = 0
+
+    @classmethod
+    def add(cls, n: int):
+        cls.allocated += n
+        cls.reserved += n
+        cls.peak = max(cls.peak, cls.allocated)
+
+
+class SleepPoolEngine(LeakyEngine):
+    """vLLM with sleep mode on CUDA, faked: the sleep-mode allocator is a process-wide singleton whose pool
+    (``pool`` bytes) is never given back at shutdown, and a second start in the same process raises vLLM's
+    assertion."""
+
+    name = "sleep-pool"
+    pool = 16 << 30
+    started = False
+
+    def start(self, spec):
+        if SleepPoolEngine.started:
+            raise AssertionError("CuMem allocator can only be used for one instance per process.")
+        SleepPoolEngine.started = True
+        FakeDevice.add(self.pool)
+
+    def shutdown(self):
+        pass  # the pool stays mapped
+
+    def held_after_shutdown(self):
+        return [{"holder": "vLLM's sleep-mode allocator pool (CuMemAllocator, a process-wide singleton)",
+                 "bytes": self.pool, "tags": {"weights": 8 << 20, "kv_cache": self.pool - (8 << 20)}}]
+
+
+def fake_cuda_snapshot(real):
+    """kvdiag.memory.snapshot with FakeDevice's counters as the CUDA measures."""
+
+    def snap(stage, cycle, cuda=False, census=None):
+        s = real(stage, cycle, False, census)
+        s.cuda_allocated, s.cuda_reserved, s.cuda_peak = FakeDevice.allocated, FakeDevice.reserved, FakeDevice.peak
+        s.driver_used = FakeDevice.driver_base + FakeDevice.reserved
+        return s
+
+    return snap

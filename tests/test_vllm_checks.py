@@ -48,7 +48,7 @@ def artifact(run: dict, case: dict, kind: str) -> Path:
 
 
 def test_dtypes_lists_vllms_cache_dtypes_instantly():
-    from kvdiag.engines.vllm_adapt import _cache_dtypes_from_source
+    from kvdiag.engines.vllm.adapt import _cache_dtypes_from_source
 
     p = subprocess.run([sys.executable, "-m", "kvdiag", "dtypes", "-e", "vllm", "--format", "json"],
                        capture_output=True, text=True, timeout=60)

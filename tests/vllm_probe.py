@@ -32,7 +32,7 @@ def written_block(engine, prompt: str) -> dict:
 
 def attention_isa(engine) -> str | None:
     """The kernel ISA vLLM's CPU attention picked for this engine's cache (None off CPU)."""
-    from kvdiag.engines import vllm_kv
+    from kvdiag.engines.vllm import kv as vllm_kv
 
     return getattr(vllm_kv.attention_layers(engine.llm)[0], "isa", None)
 
@@ -42,7 +42,7 @@ def engine_args(model: str) -> dict:
     from vllm.platforms import current_platform
 
     from kvdiag.engines.base import EngineSpec
-    from kvdiag.engines.vllm_adapt import llm_kwargs
+    from kvdiag.engines.vllm.adapt import llm_kwargs
 
     out = {"defaults": llm_kwargs(EngineSpec(model=model), current_platform)[0]}
     over = {"gpu_memory_utilization": 0.3, "enforce_eager": False, "max_model_len": 128, "ignore_eos": True}
@@ -61,8 +61,8 @@ def main(model: str, out_path: str) -> None:
     import torch
 
     from kvdiag.engines.base import EngineSpec
-    from kvdiag.engines.vllm import VllmEngine
-    from kvdiag.engines.vllm_adapt import _cache_dtypes_from_source
+    from kvdiag.engines.vllm.engine import VllmEngine
+    from kvdiag.engines.vllm.adapt import _cache_dtypes_from_source
     from kvdiag.errors import EngineUnsupported
 
     res: dict = {"from_source": _cache_dtypes_from_source(), "model": model}

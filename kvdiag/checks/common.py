@@ -9,7 +9,7 @@ from kvdiag.engines.base import Engine, EngineSpec, create_engine
 TEST_DISABLE_ENV = "KVDIAG_TEST_DISABLE"
 
 SPEC_FIELDS = ("max_model_len", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "device", "dtype",
-               "seed", "enable_sleep")
+               "seed", "enable_sleep", "prefix_caching")
 
 
 def engine_spec(case, **overrides) -> EngineSpec:

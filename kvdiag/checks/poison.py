@@ -6,6 +6,13 @@ blocks: new requests, decodes that grow across block boundaries, and a cache siz
 that blocks freed by one wave are reused by the next. The same waves run first with the
 free blocks zeroed (the reference). Any NaN/Inf logprob, NaN written into the cache, or
 token that differs from the reference fails, naming the request and position.
+
+Sizing: the cache holds the largest wave plus one block (vLLM keeps block 0 as its null
+block), ``max_model_len`` is what those blocks hold (vLLM refuses to start when one request
+of ``max_model_len`` tokens would not fit), and prefix caching is off: with it, the poisoned
+run would find the reference run's prompts cached and write no fresh block, and blocks that
+keep a prefix hash are not free to poison. ``fresh_blocks`` counts the poisoned blocks the
+workload was handed out and wrote; none is a warning (nothing was tested).
 """
 
 from __future__ import annotations
@@ -16,7 +23,6 @@ from kvdiag.checks import greedy, kv_tensors
 from kvdiag.checks.common import device_info, engine_spec
 from kvdiag.engines.base import create_engine
 from kvdiag.errors import EngineUnsupported
-
 
 
 @dataclass
@@ -56,7 +62,12 @@ def run(case, ctx):
     prompts = greedy.prompt_texts(case.model, case.params.get("num_prompts"))
     waves = workload(prompts, spec.block_size)
     if case.params.get("num_blocks") is None and case.params.get("kv_cache_memory") is None:
-        spec.num_blocks = blocks_needed(waves, spec.block_size)
+        needed = blocks_needed(waves, spec.block_size)
+        spec.num_blocks = needed + 1  # + the null block an engine may keep (vLLM's block 0)
+        if case.params.get("max_model_len") is None:
+            spec.max_model_len = min(spec.max_model_len, needed * spec.block_size)
+    if spec.prefix_caching is None:
+        spec.prefix_caching = False
     engine = create_engine(case.engine)
     try:
         engine.start(spec)
@@ -118,6 +129,7 @@ def _verdict(case, p: PoisonParams, prompts, ref, out, stats: dict, engine):
         rec.add("error", "nan_kv", f"poison {p.value}: {stats['kv_nonfinite']} written KV slots hold NaN/Inf, "
                                    f"{stats['kv_bad_scales']} bad scales; first at {stats['kv_first_bad']}")
     if stats["fresh_blocks"] == 0:
-        rec.add("warning", "no_fresh_blocks", "the workload wrote no poisoned block: nothing was tested")
+        rec.add("warning", "no_fresh_blocks", f"the workload was handed out none of the {stats['poisoned_blocks']} "
+                "poisoned blocks: nothing was tested")
     rec.status = "fail" if any(f.severity == "error" for f in rec.findings) else "pass"
     return rec

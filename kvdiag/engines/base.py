@@ -17,7 +17,7 @@ from kvdiag.errors import UserError
 ENTRY_POINT_GROUP = "kvdiag.engines"
 BUILTIN_ENGINES = {
     "builtin": "kvdiag.engines.builtin.engine:BuiltinEngine",
-    "vllm": "kvdiag.engines.vllm:VllmEngine",
+    "vllm": "kvdiag.engines.vllm.engine:VllmEngine",
 }
 
 
@@ -36,6 +36,7 @@ class EngineSpec:
     dtype: str = "auto"  # model weights dtype: auto (checkpoint) | bfloat16 | float16 | float32
     seed: int = 0
     enable_sleep: bool = False
+    prefix_caching: bool | None = None  # None: the engine's default (vLLM: on); engines without it ignore it
     faults: tuple[str, ...] = ()  # builtin only: bug classes to re-introduce (self-test)
     engine_args: dict[str, Any] = field(default_factory=dict)  # --engine-arg key=value
 

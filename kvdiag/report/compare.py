@@ -7,7 +7,7 @@
   stderrs. A drop larger than ``max_drop`` that is significant at ``alpha`` (or a collapse) regresses,
   judged by the same rule as `kvdiag accuracy` (``verdicts.metric_verdict``).
 - Memory (memleak): the largest growth per cycle of each measure, and the tensor MiB that survived
-  shutdown. Growth beyond ``mem_tolerance_mib`` (default: the case's own threshold) regresses;
+  shutdown. Growth beyond ``mem_tolerance_mib`` (default: the case's own growth tolerance) regresses;
   surviving tensors regress beyond min(tolerance, 1 MiB) (a census has no noise).
 """
 
@@ -99,8 +99,7 @@ def _stderr_test(a: float, se_a, b: float, se_b) -> tuple[float, float, float, f
 
 def _memory(o, n, tol) -> list[dict]:
     rows = []
-    tol = tol if tol is not None else max(_num(n.metrics.get("threshold_mib")), _num(o.metrics.get("threshold_mib")),
-                                          1.0)
+    tol = tol if tol is not None else max(_growth_tol(n), _growth_tol(o), 1.0)
     og, ng = o.metrics.get("growth_mib") or {}, n.metrics.get("growth_mib") or {}
     for measure in ng:
         if measure not in og:
@@ -113,6 +112,12 @@ def _memory(o, n, tol) -> list[dict]:
         lim = min(tol, RETAINED_TOL_MIB)
         rows.append(_row(n, "retained tensor MiB", a, b, "regression" if b - a > lim else "ok", tolerance=lim))
     return rows
+
+
+def _growth_tol(rec) -> float:
+    """The case's own tolerance for growth per cycle (memleak: the noisy measures'; older runs: threshold_mib)."""
+    tols = rec.metrics.get("growth_tol_mib") or {}
+    return _num(tols.get("noisy", rec.metrics.get("threshold_mib")))
 
 
 def _max(values) -> float:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import re
 
 from kvdiag.engines.base import KVBlockView, KVLayer
-from kvdiag.engines.vllm_cpu_layout import KVAccessError, learn
+from kvdiag.engines.vllm.cpu_layout import KVAccessError, learn
 
 # content = [K(hs) | V(hs)] per (block, head, slot): split at head_size on the last axis
 SPLIT_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION", "ROCM_AITER_FA",
                   "ROCM_AITER_UNIFIED_ATTN")
-# CPU_ATTN: an ISA-specific layout inside each block, learned by vllm_cpu_layout
+# CPU_ATTN: an ISA-specific layout inside each block, learned by cpu_layout.py
 LEARNED_BACKENDS = ("CPU_ATTN",)
 _LEARNED: dict = {}  # (isa, kv dtype, page shape, dtypes) -> (K, V) Affine layouts
 

