@@ -66,6 +66,24 @@ def test_memory_judgement(before, asleep, awake, problems):
     assert mem_probe.judge(torch.device("cuda:0"), snap(100), snap(0), snap(100), 64 * MiB, 0.9, 0.1).freed == 0
 
 
+def cuda_snap(stage, allocated, driver):
+    from kvdiag.memory import Snapshot
+
+    return Snapshot(stage, 1, rss=0, frozen=0, tensors=3, tensor_bytes=0, by_device={},
+                    cuda_allocated=allocated * MiB, cuda_reserved=allocated * MiB, driver_used=driver * MiB)
+
+
+@pytest.mark.parametrize("allocated,driver,measure,problems", [
+    ((16200, 16200, 16200), (16400, 200, 16400), "driver_used", []),  # vLLM: unmapped under live tensors
+    ((16200, 200, 16200), (16400, 16400, 16400), "cuda_allocated", []),  # tensors freed, the cache kept
+    ((16200, 16200, 16200), (16400, 16390, 16400), "driver_used", ["not_freed"]),  # nothing went anywhere
+    ((16200, 16200, 16200), (16400, 200, 600), "driver_used", ["not_restored"])])
+def test_a_sleep_is_judged_on_the_cuda_measure_that_shows_it(allocated, driver, measure, problems):
+    stages = [cuda_snap(s, a, d) for s, a, d in zip(("before", "asleep", "awake"), allocated, driver)]
+    v = mem_probe.judge(torch.device("cuda:0"), *stages, 16000 * MiB, 0.9, 0.1)
+    assert v.measure == measure and [k for k, _ in v.problems] == problems
+
+
 def run_case(model, dtype, **params):
     params = {"device": TEST_DEVICE, "cycles": 1, "max_tokens": 6, "kv_cache_memory": 4 * MiB, **params}
     case = Case("wake-cycle", "builtin", model, dtype, "kvdiag.checks.wake_cycle:run", params=params)

@@ -3,7 +3,8 @@
 what this prints.  ``python3 tests/vllm_gpu_probe.py sleep|eager MODEL``  -> one JSON line on stdout.
 
 - ``sleep``: an engine with sleep mode; greedy outputs; level-2 sleep and vLLM's documented wake (weights,
-  ``reload_weights``, kv_cache): outputs again; then what waking an awake tag does; shutdown as vLLM's tests do:
+  ``reload_weights``, kv_cache): outputs again; then kvdiag's old level-2 wake (weights, reload, every tag);
+  shutdown as vLLM's tests do:
   GPU memory still used beyond the start; then a second engine with sleep mode in the same process.
 - ``eager``: three start / generate / shutdown cycles without sleep mode: CUDA allocated and the driver's used
   memory after each shutdown.
@@ -36,11 +37,10 @@ def greedy(llm) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def shutdown(llm) -> None:
+def cleanup() -> None:
+    """After ``llm.llm_engine.engine_core.shutdown()`` and ``del llm`` in the caller's frame (no reference left)."""
     import torch
 
-    llm.llm_engine.engine_core.shutdown()
-    del llm
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -65,12 +65,17 @@ def sleep_probe(model: str) -> dict:
     llm.wake_up(tags=["kv_cache"])
     out = {"identical_after_level2": greedy(llm) == ref, "awake_mib": (awake - base) / MiB,
            "asleep_mib": (asleep - base) / MiB}
+    llm.sleep(level=2)  # kvdiag's old sequence: the weights, the reload, then every tag (the weights again)
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights")
     try:
-        llm.wake_up(tags=["weights"])  # already awake
-        out["rewake"] = "no error"
+        llm.wake_up()
+        out["old_wake_all_after_weights"] = "no error"
     except Exception as e:  # noqa: BLE001 - what vLLM says is the probe's result
-        out["rewake"] = first_line(e)
-    shutdown(llm)
+        out["old_wake_all_after_weights"] = first_line(e)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    cleanup()
     out["held_after_shutdown_mib"] = (used() - base) / MiB
     try:
         LLM(model=model, enable_sleep_mode=True, **ARGS)
@@ -90,7 +95,9 @@ def eager_probe(model: str) -> dict:
     for _ in range(3):
         llm = LLM(model=model, **ARGS)
         greedy(llm)
-        shutdown(llm)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        cleanup()
         alloc.append((torch.cuda.memory_allocated() - base_alloc) / MiB)
         drv.append((used() - base_used) / MiB)
     return {"allocated_after_shutdown_mib": alloc, "driver_used_after_shutdown_mib": drv}

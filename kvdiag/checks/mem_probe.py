@@ -2,8 +2,10 @@
 
 Snapshots come from :mod:`kvdiag.memory` (RSS, tensor census by device, and on CUDA
 ``memory_allocated``/``reserved``, the driver's and NVML's views). ``judge`` decides on
-CUDA by ``memory_allocated``, elsewhere by the census of tensors on the cache's device;
-RSS is reported, never judged (too noisy).
+CUDA by whichever of ``memory_allocated`` and the driver's used memory shows the sleep: an
+engine that frees its tensors shows it in ``memory_allocated``; vLLM's sleep-mode allocator
+unmaps the memory under live tensors, so only the driver sees it (``memory_allocated`` does not
+move). Elsewhere by the census of tensors on the cache's device; RSS is reported, never judged.
 """
 
 from __future__ import annotations
@@ -27,11 +29,21 @@ def measure(device, stage: str, cycle: int):
     return snapshot(stage, cycle, cuda=device.type == "cuda")
 
 
-def judged(snap, device) -> int:
-    """The bytes a verdict is taken on: CUDA's allocated bytes, else the census on ``device``."""
-    if snap.cuda_allocated is not None:
-        return snap.cuda_allocated
+def judged(snap, device, measure: str = "cuda_allocated") -> int:
+    """The bytes a verdict is taken on: a CUDA measure (``cuda_allocated`` or ``driver_used``), else the census on
+    ``device``."""
+    if getattr(snap, measure, None) is not None:
+        return getattr(snap, measure)
     return snap.by_device.get(str(device), {}).get("bytes", 0)
+
+
+def sleep_measure(before, asleep) -> str:
+    """The CUDA measure that shows what a sleep freed: ``driver_used`` when the driver saw more go than the caching
+    allocator did (memory unmapped under live tensors), else ``cuda_allocated``."""
+    if before.driver_used is None or before.cuda_allocated is None:
+        return "cuda_allocated"
+    by_driver = before.driver_used - asleep.driver_used
+    return "driver_used" if by_driver > before.cuda_allocated - asleep.cuda_allocated else "cuda_allocated"
 
 
 def weight_bytes(engine, device) -> int | None:
@@ -57,20 +69,22 @@ class Verdict:
     restored: bool
     snapshots: dict
     problems: list = field(default_factory=list)  # (kind, message)
+    measure: str = "cuda_allocated"  # what freed/restored were judged on (CUDA; else the census)
 
     def row(self) -> dict:
         return {"freed_bytes": self.freed, "freed_ok": self.freed_ok, "restored": self.restored,
-                "restored_delta_bytes": self.restored_delta, "memory": self.snapshots}
+                "restored_delta_bytes": self.restored_delta, "judged_on": self.measure, "memory": self.snapshots}
 
 
 def judge(device, before, asleep, awake, expected: int | None, freed_min: float, tol: float) -> Verdict:
     """Was ``expected`` freed (at least ``freed_min`` of it) asleep, and did memory come back to
     within ``tol`` of what was freed (or expected) when awake?"""
-    freed = judged(before, device) - judged(asleep, device)
-    delta = judged(awake, device) - judged(before, device)
+    m = sleep_measure(before, asleep)
+    freed = judged(before, device, m) - judged(asleep, device, m)
+    delta = judged(awake, device, m) - judged(before, device, m)
     scale = max(expected or 0, freed, MiB)
     v = Verdict(freed, delta, None if not expected else freed >= freed_min * expected, abs(delta) <= tol * scale,
-                {s.stage: s.row() for s in (before, asleep, awake)})
+                {s.stage: s.row() for s in (before, asleep, awake)}, measure=m)
     if v.freed_ok is False:
         v.problems.append(("not_freed", f"asleep, {freed / MiB:.1f} MiB freed of {expected / MiB:.1f} MiB expected "
                                         f"(< {freed_min:.0%})"))

@@ -6,9 +6,13 @@ Path (vLLM V1, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker):
 ``model_executor.driver_worker.worker.model_runner`` whose attention layers hold their
 cache tensors (``layer.kv_cache``, indexed by the scheduler's block ids).
 
-Each attention backend packs K and V its own way in a page of logical shape
-``[num_blocks, num_kv_heads, block_size, content]``; the views below give kvdiag's layout
-``[num_blocks, block_size, num_kv_heads, head_size]`` without copying. A backend or
+Each attention backend packs K and V its own way: vLLM's CUDA backends (FLASH_ATTN, TRITON_ATTN,
+FLASHINFER, FLEX_ATTENTION; vLLM 0.24) in a tensor of logical shape ``[num_blocks, 2, block_size,
+num_kv_heads, content]`` (any physical stride order; ``content`` is head_size, plus the inline
+float32 scale's padding for the per-token-head dtypes), older layouts in ``[num_blocks,
+num_kv_heads, block_size, content]`` pages, vLLM's CPU kernels in an ISA-specific one; the
+views below give kvdiag's layout ``[num_blocks, block_size, num_kv_heads, head_size]`` without
+copying. A backend or
 vLLM version this module does not know raises :class:`KVAccessError` with the reason.
 """
 
@@ -88,30 +92,38 @@ def layer_view(layer, num_blocks: int, model_dtype) -> KVLayer:
     """One attention layer's cache as K/V views (and per-token-head scales where the backend has them)."""
     backend = layer.attn_backend.get_name()
     raw = _cache_tensor(layer)
-    if raw.dim() != 4 or raw.shape[0] != num_blocks:
-        raise KVAccessError(f"{backend}: cache shape {tuple(raw.shape)} is not [num_blocks={num_blocks}, heads, "
-                            "block_size, content] (kernel blocks differ from the scheduler's blocks)")
-    nb, heads, bs, content = raw.shape
+    if raw.dim() not in (4, 5) or raw.shape[0] != num_blocks:
+        raise KVAccessError(f"{backend}: cache shape {tuple(raw.shape)} is neither [num_blocks={num_blocks}, 2, "
+                            "block_size, heads, content] nor [num_blocks, heads, block_size, content] (kernel blocks "
+                            "differ from the scheduler's blocks)")
     hs = layer.head_size
     kv_dtype = getattr(layer, "kv_cache_dtype", "auto")
     storage = _storage_dtype(kv_dtype, raw)
     if backend in LEARNED_BACKENDS:
+        nb, heads, bs, content = raw.shape
         key = (getattr(layer, "isa", None), kv_dtype, tuple(raw.shape[1:]), raw.dtype, model_dtype, hs)
         if key not in _LEARNED:  # the same for every layer and every call: learn it once
             _LEARNED[key] = learn(layer, raw, model_dtype, storage, hs)
         k, v = _LEARNED[key]
         return KVLayer(k.view(raw, storage, nb, bs, heads, hs), v.view(raw, storage, nb, bs, heads, hs))
-    raw = raw.view(storage)
     if backend not in SPLIT_BACKENDS:
         raise KVAccessError(f"kvdiag does not know how attention backend {backend} lays out its KV cache")
-    half = content // 2  # head_size, or head_size + the inline scale's padding (per-token-head)
-    k, v = raw.transpose(1, 2)[..., :hs], raw.transpose(1, 2)[..., half:half + hs]
+    raw = raw.view(storage)
+    if raw.dim() == 5:  # vLLM's CUDA backends: [num_blocks, 2 (K, V), block_size, heads, content], any stride order
+        if raw.shape[1] != 2:
+            raise KVAccessError(f"{backend}: cache shape {tuple(raw.shape)}: axis 1 is not (K, V)")
+        k, v, content = raw[:, 0, ..., :hs], raw[:, 1, ..., :hs], raw.shape[-1]
+    else:  # content = [K(hs) | V(hs)] per (block, head, slot): split at head_size on the last axis
+        content = raw.shape[-1]
+        half = content // 2  # head_size, or head_size + the inline scale's padding (per-token-head)
+        k, v = raw.transpose(1, 2)[..., :hs], raw.transpose(1, 2)[..., half:half + hs]
+        content = half
     impl = layer.impl
-    if half != hs and hasattr(impl, "_ensure_scale_caches"):
+    if content != hs and hasattr(impl, "_ensure_scale_caches"):  # per-token-head scales inline after each head
         impl._ensure_scale_caches(_cache_tensor(layer))
         return KVLayer(k, v, impl._k_scale_cache, impl._v_scale_cache)
-    if half != hs:
-        raise KVAccessError(f"{backend}: content {content} != 2 x head_size {hs} and no scale caches known")
+    if content != hs:
+        raise KVAccessError(f"{backend}: content {content} per head != head_size {hs} and no scale caches known")
     return KVLayer(k, v)
 
 
