@@ -3,8 +3,8 @@
 Same name, signature and results as :func:`kvdiag.kernels.reference.store_kv` (codes and
 scales bit-identical: divisions are IEEE round-to-nearest, int8 rounds half away from
 zero, fp8 rounds to nearest even). One program stores ``BLOCK_T`` whole tokens, every
-kv head of K and V at once (a (token, head) grid stays near 1 TB/s on an H100; this layout
-measured 2.2-2.6 TB/s there, BENCHMARKS.md). A slot of -1 skips the token. Under
+kv head of K and V at once (a (token, head) grid stays near 1.2 TB/s on an H100; this layout
+measures 2.7-2.95 TB/s there, BENCHMARKS.md). A slot of -1 skips the token. Under
 TRITON_INTERPRET, whose float->bf16/fp8 casts truncate, values are first rounded on the
 target grid in software, so CI checks the same bits the GPU writes.
 """
