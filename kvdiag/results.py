@@ -15,7 +15,6 @@ from pathlib import Path
 
 STATUSES = ("pass", "fail", "error", "crashed", "timeout", "skipped")
 BAD_STATUSES = ("fail", "error", "crashed", "timeout")
-SEVERITIES = ("error", "warning", "info")
 
 
 @dataclass
