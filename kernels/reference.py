@@ -5,7 +5,7 @@ kv dtype of :mod:`kvdiag.dtypes` (vLLM's semantics). The Triton kernels in
 ``store.py``/``attention.py``/``zero.py`` must match them; ``dispatch.py`` picks
 one or the other. All quantization arithmetic is float32.
 
-Layouts (DESIGN.md):
+Layouts (docs/DESIGN.md, "Cache layout"):
     k_cache, v_cache              [num_blocks, block_size, num_kv_heads, head_size]
     k_scale_cache, v_scale_cache  [num_blocks, block_size, num_kv_heads] float32
                                   (per-token-head dtypes only, else None)

@@ -3,8 +3,8 @@
 Same name, signature and results as :func:`kvdiag.kernels.reference.store_kv` (codes and
 scales bit-identical: divisions are IEEE round-to-nearest, int8 rounds half away from
 zero, fp8 rounds to nearest even). One program stores ``BLOCK_T`` whole tokens, every
-kv head of K and V at once (a (token, head) grid stays near 1 TB/s on an H100; this layout
-measured 2.2-2.6 TB/s there, BENCHMARKS.md). A slot of -1 skips the token. Under
+kv head of K and V at once (a (token, head) grid stays near 1.2 TB/s on an H100; this layout
+measures 2.7-2.95 TB/s there, BENCHMARKS.md). A slot of -1 skips the token. Under
 TRITON_INTERPRET, whose float->bf16/fp8 casts truncate, values are first rounded on the
 target grid in software, so CI checks the same bits the GPU writes.
 """
@@ -76,7 +76,7 @@ def quantize_rows(x, scale, QUANT: tl.constexpr, QMAX: tl.constexpr, OUT_TY: tl.
             y = div_exact(x, scale, tl.math.div_rn(1.0, scale), FAST_DIV)
     if OUT_TY == tl.int8:
         # round half away from zero, exactly: truncate y + copysign(0.5 - 2**-25, y) (C's roundf; checked
-        # against the reference's formula for every float32 of magnitude < 130, scripts/check_round.py)
+        # against the reference's formula: tests/test_store_rounding.py)
         half = ((y.to(tl.uint32, bitcast=True) & 0x80000000) | 0x3EFFFFFF).to(tl.float32, bitcast=True)
         codes = tl.minimum(tl.maximum((y + half).to(tl.int32), -128), 127).to(tl.int8)
     elif QUANT == 0:

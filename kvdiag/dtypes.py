@@ -1,4 +1,4 @@
-"""The kv-cache dtype registry, with vLLM's semantics (DESIGN.md, "kv-cache dtypes").
+"""The kv-cache dtype registry, with vLLM's semantics (docs/DESIGN.md, "kv-cache dtypes").
 
 No torch import at module level: ``kvdiag --help`` must stay instant.
 """

@@ -1,4 +1,5 @@
-"""Memory snapshots, a census of live tensors, and the holders of tensors that survive (DESIGN.md, "Measuring memory").
+"""Memory snapshots, a census of live tensors, and the holders of tensors that survive (docs/DESIGN.md,
+"Measuring memory").
 
 A :class:`Snapshot` takes, where present: process RSS, ``gc.get_freeze_count()``, the
 tensor census (live tensors by device; bytes counted once per storage), and on CUDA

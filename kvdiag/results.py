@@ -1,4 +1,4 @@
-"""The result schema: one record per case, one run record per command (DESIGN.md, "Results").
+"""The result schema: one record per case, one run record per command (docs/DESIGN.md, "Results and exit codes").
 
 ``results.jsonl`` is append-only: a case may be recorded again later in the same run
 (after the cross-case analysis gives its verdict); the last record of an id wins.
@@ -15,7 +15,6 @@ from pathlib import Path
 
 STATUSES = ("pass", "fail", "error", "crashed", "timeout", "skipped")
 BAD_STATUSES = ("fail", "error", "crashed", "timeout")
-SEVERITIES = ("error", "warning", "info")
 
 
 @dataclass

@@ -62,9 +62,6 @@ class WorkerContext:
         self.artifacts_dir.mkdir(parents=True, exist_ok=True)
         return self.artifacts_dir / f"{safe_name(case.id)}{suffix}"
 
-    def log(self, msg: str) -> None:
-        print(msg, flush=True)  # goes to the case's log file
-
 
 def safe_name(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_")
@@ -412,7 +409,6 @@ def run_cases(
     jobs: int = 1,
     quiet: bool = False,
     env: dict | None = None,
-    on_result: Callable[[CaseResult], None] | None = None,
     preload: tuple[str, ...] = (),
     threads: int = 1,
 ) -> list[CaseResult]:
@@ -454,8 +450,6 @@ def run_cases(
                     append_jsonl(results_path, rec)
                     done[rec.id] = rec
                     progress.finish(rec)
-                    if on_result:
-                        on_result(rec)
                 if not w.pending:
                     active.remove(w)
     finally:

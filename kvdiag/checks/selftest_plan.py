@@ -80,7 +80,7 @@ NO_POISON = "never puts non-finite data in free KV blocks (wake-cycle zeroes the
 @dataclass(frozen=True)
 class Fault:
     name: str  # what --fault takes (a Faults switch, or an alias of several)
-    bug_class: str  # S0-S4 (DESIGN.md) or accuracy
+    bug_class: str  # S0-S4 (docs/DESIGN.md, "Bug classes") or accuracy
     intended: str  # the check that must catch it
     runs: dict  # check -> items; the intended check first
     na: dict  # check -> why it cannot observe the fault

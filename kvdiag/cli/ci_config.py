@@ -14,8 +14,6 @@ from pathlib import Path
 
 from kvdiag.errors import UserError
 
-CONFIG_NAMES = ("kvdiag.toml", "pyproject.toml")
-
 
 class ConfigError(UserError):
     pass

@@ -74,7 +74,7 @@ class Scored:
 
 @dataclass
 class KVLayer:
-    """One layer's cache tensors in DESIGN.md's layout."""
+    """One layer's cache tensors in the layout of docs/DESIGN.md, "Cache layout"."""
 
     k: Any  # [num_blocks, block_size, num_kv_heads, head_size]
     v: Any

@@ -1,7 +1,7 @@
 """The paged KV cache: per-layer tensors, fp8 scales, and the derived tables attention reads through.
 
-Per layer (DESIGN.md): K and V ``[num_blocks, block_size, num_kv_heads, head_size]`` in
-the registry's storage dtype, plus float32 ``[num_blocks, block_size, num_kv_heads]``
+Per layer (docs/DESIGN.md, "Cache layout"): K and V ``[num_blocks, block_size, num_kv_heads, head_size]``
+in the registry's storage dtype, plus float32 ``[num_blocks, block_size, num_kv_heads]``
 scale caches for the per-token-head dtypes. Per-tensor fp8 scales are float32
 ``[num_layers]`` tensors (``k_scales``/``v_scales``).
 
