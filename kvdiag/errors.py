@@ -1,4 +1,4 @@
-"""Exceptions that map to kvdiag's exit codes (see DESIGN.md, "Results and exit codes")."""
+"""Exceptions that map to kvdiag's exit codes (see docs/DESIGN.md, "Results and exit codes")."""
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2

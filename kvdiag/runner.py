@@ -1,4 +1,4 @@
-"""Cases -> isolated worker processes -> results (DESIGN.md, "Running cases").
+"""Cases -> isolated worker processes -> results (docs/DESIGN.md, "Running cases").
 
 Each group of cases runs in its own *spawned* worker process (CUDA-safe; or forked from a
 fork server that pre-imported the heavy modules, when the caller names them). The engine
