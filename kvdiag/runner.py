@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from kvdiag.results import CaseResult, append_jsonl, read_jsonl
+from kvdiag.scheduling import VISIBLE as GPU_ENV
 
 LOG_TAIL_CHARS = 4000
 
@@ -322,6 +323,7 @@ class _Worker:
         self.log_from: dict[str, int] = {}  # case id -> the log's size then (its tail starts there)
         self.idle_since = time.monotonic()  # no case running: since the spawn or the last result
         self.eof = False
+        self.gpu: str | None = None  # the GPU this worker was given (run_cases(gpus=...))
 
     def _case(self, case_id: str) -> Case:
         return next(c for c in self.pending if c.id == case_id)
@@ -415,11 +417,14 @@ def run_cases(
     on_result: Callable[[CaseResult], None] | None = None,
     preload: tuple[str, ...] = (),
     threads: int = 1,
+    gpus: Iterable[str] = (),
 ) -> list[CaseResult]:
     """Run cases in workers; return the records of all cases (recorded earlier ones too, on resume).
     ``preload``: modules a fork server imports once for all workers (see ``_mp_context``). ``threads``: cases of
     one group that its worker runs at once, on threads (only for case functions that are safe to run so); a
-    crash or a timeout then ends the cases the worker was running, and the rest of its group."""
+    crash or a timeout then ends the cases the worker was running, and the rest of its group. ``gpus``: GPUs
+    (CUDA_VISIBLE_DEVICES entries) to give the workers one each, no two workers at once the same
+    (``kvdiag.scheduling``); a worker waits for a free one."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     results_path = run_dir / "results.jsonl"
@@ -440,11 +445,16 @@ def run_cases(
     env = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}
     progress = make_progress(len(todo), quiet)
     active: list[_Worker] = []
+    free_gpus = list(gpus)
+    pinned = bool(free_gpus)
     try:
         while groups or active:
-            while groups and len(active) < max(1, jobs):
-                active.append(_Worker(groups.pop(0), run_dir, timeout, _share_cores(env, jobs, len(groups) + 1),
-                                      preload, threads))
+            while groups and len(active) < max(1, jobs) and (free_gpus or not pinned):
+                group, gpu = groups.pop(0), free_gpus.pop(0) if pinned else None
+                wenv = _share_cores(env, jobs, len(groups) + 1)
+                w = _Worker(group, run_dir, timeout, wenv if gpu is None else {**wenv, GPU_ENV: gpu}, preload, threads)
+                w.gpu = gpu
+                active.append(w)
             time.sleep(0.05)
             for w in list(active):
                 started, ended = w.poll()
@@ -458,6 +468,8 @@ def run_cases(
                         on_result(rec)
                 if not w.pending:
                     active.remove(w)
+                    if w.gpu is not None:
+                        free_gpus.append(w.gpu)
     finally:
         for w in active:  # interrupted: leave no worker behind
             w.proc.kill()

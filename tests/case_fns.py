@@ -68,3 +68,11 @@ def timed(case, ctx):
     time.sleep(case.params.get("sleep", 0.0))
     return case.result("pass", metrics={"pid": os.getpid(), "thread": threading.current_thread().name,
                                         "torch": torch.get_num_threads(), "start": start, "end": time.time()})
+
+
+def gpu_slot(case, ctx):
+    """Sleeps; reports when it ran and the GPU it was given (CUDA_VISIBLE_DEVICES), without importing torch."""
+    start = time.time()
+    time.sleep(case.params.get("sleep", 0.0))
+    return case.result("pass", metrics={"start": start, "end": time.time(),
+                                        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")})
