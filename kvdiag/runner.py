@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from kvdiag.errors import resource_failure
 from kvdiag.results import CaseResult, append_jsonl, read_jsonl
 from kvdiag.scheduling import VISIBLE as GPU_ENV
 
@@ -137,7 +138,8 @@ def _started(cd: dict) -> tuple:
 
 
 def _run_one(case: Case, ctx: WorkerContext) -> str:
-    """One case in this worker: its record as JSON (an exception becomes an ``error`` record)."""
+    """One case in this worker: its record as JSON (an exception becomes an ``error`` record, its finding
+    ``resource`` when the device ran out of memory, else ``exception``)."""
     print(f"=== case {case.id} ===", flush=True)
     t0 = time.perf_counter()
     try:
@@ -148,7 +150,9 @@ def _run_one(case: Case, ctx: WorkerContext) -> str:
         tb = traceback.format_exc()
         print(tb, flush=True)
         rec = case.result("error", log_tail=tb[-LOG_TAIL_CHARS:])
-        rec.add("error", "exception", f"{type(e).__name__}: {e}".splitlines()[0][:500])
+        resource = resource_failure(e)  # out of memory: the run's error, never an engine's refusal
+        rec.add("error", "resource" if resource else "exception",
+                resource or f"{type(e).__name__}: {e}".splitlines()[0][:500])
     rec.duration_s = rec.duration_s or round(time.perf_counter() - t0, 3)
     return rec.to_json()
 
