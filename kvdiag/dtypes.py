@@ -110,3 +110,18 @@ def sweep_names(valid) -> list[str]:
 
 def get(name: str) -> KVDType | None:
     return BUILTIN_DTYPES.get(name)
+
+
+QUANTIZED_WORDS = ("fp8", "fp4", "int8", "int4", "int2", "mxfp", "nf4", "e4m3", "e5m2", "turboquant")
+
+
+def named_quantized(name: str) -> bool:
+    """Whether a kv dtype's name says it stores quantized values: the registry's word where it knows the name,
+    else the name itself (an engine's own dtypes: fp8_inc, nvfp4, turboquant_k8v4, ...)."""
+    d = get(name)
+    return d.quantized if d is not None else any(w in name.lower() for w in QUANTIZED_WORDS)
+
+
+def element_bytes(torch_dtype: str | None) -> int | None:
+    """Bytes per element of a torch dtype named without ``torch.`` (``bfloat16``: 2); None when unknown."""
+    return _BYTES.get(str(torch_dtype).removeprefix("torch."))

@@ -13,5 +13,32 @@ class EngineUnsupported(Exception):
     """The engine refuses something it cannot do here (a dtype, sleep mode, KV access).
 
     The message is the engine's own words; checks turn it into a ``skipped`` or
-    ``unsupported`` result rather than a failure.
+    ``unsupported`` result rather than a failure (unless it comes from a resource failure:
+    :func:`resource_failure`).
     """
+
+
+# What engines say when the device ran out of memory for them (torch, CUDA, vLLM's memory profiling and KV cache
+# sizing), lower case. On a GPU these mostly mean "something else holds the memory" (another engine on the same
+# GPU), so they are errors of the run, never an engine refusing a dtype.
+RESOURCE_MESSAGES = (
+    "out of memory",  # torch.OutOfMemoryError ("CUDA out of memory"), "CUDA error: out of memory"
+    "no available memory for the cache blocks",  # vLLM: nothing left for the KV cache after profiling
+    "error in memory profiling",  # vLLM: the free memory changed under its profiling (another process)
+    "larger than the available kv cache memory",  # vLLM: max_model_len's KV cache does not fit
+)
+
+
+def resource_failure(exc: BaseException | None) -> str | None:
+    """``Type: message`` (the line that says so) when ``exc``, or an exception it was raised from or while
+    handling, says the device ran out of memory (``RESOURCE_MESSAGES``, torch's OutOfMemoryError, MemoryError);
+    else None. A resource failure is an ``error`` with a ``resource`` finding, never ``unsupported``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+        said = [x for x in lines if any(m in x.lower() for m in RESOURCE_MESSAGES)]
+        if said or isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+            return f"{type(exc).__name__}: {(said or lines or ['out of memory'])[0]}"[:500]
+        exc = exc.__cause__ or exc.__context__
+    return None

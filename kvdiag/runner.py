@@ -23,7 +23,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from kvdiag.errors import resource_failure
 from kvdiag.results import CaseResult, append_jsonl, read_jsonl
+from kvdiag.scheduling import VISIBLE as GPU_ENV
 
 LOG_TAIL_CHARS = 4000
 
@@ -133,7 +135,8 @@ def _started(cd: dict) -> tuple:
 
 
 def _run_one(case: Case, ctx: WorkerContext) -> str:
-    """One case in this worker: its record as JSON (an exception becomes an ``error`` record)."""
+    """One case in this worker: its record as JSON (an exception becomes an ``error`` record, its finding
+    ``resource`` when the device ran out of memory, else ``exception``)."""
     print(f"=== case {case.id} ===", flush=True)
     t0 = time.perf_counter()
     try:
@@ -144,7 +147,9 @@ def _run_one(case: Case, ctx: WorkerContext) -> str:
         tb = traceback.format_exc()
         print(tb, flush=True)
         rec = case.result("error", log_tail=tb[-LOG_TAIL_CHARS:])
-        rec.add("error", "exception", f"{type(e).__name__}: {e}".splitlines()[0][:500])
+        resource = resource_failure(e)  # out of memory: the run's error, never an engine's refusal
+        rec.add("error", "resource" if resource else "exception",
+                resource or f"{type(e).__name__}: {e}".splitlines()[0][:500])
     rec.duration_s = rec.duration_s or round(time.perf_counter() - t0, 3)
     return rec.to_json()
 
@@ -319,6 +324,7 @@ class _Worker:
         self.log_from: dict[str, int] = {}  # case id -> the log's size then (its tail starts there)
         self.idle_since = time.monotonic()  # no case running: since the spawn or the last result
         self.eof = False
+        self.gpu: str | None = None  # the GPU this worker was given (run_cases(gpus=...))
 
     def _case(self, case_id: str) -> Case:
         return next(c for c in self.pending if c.id == case_id)
@@ -411,11 +417,14 @@ def run_cases(
     env: dict | None = None,
     preload: tuple[str, ...] = (),
     threads: int = 1,
+    gpus: Iterable[str] = (),
 ) -> list[CaseResult]:
     """Run cases in workers; return the records of all cases (recorded earlier ones too, on resume).
     ``preload``: modules a fork server imports once for all workers (see ``_mp_context``). ``threads``: cases of
     one group that its worker runs at once, on threads (only for case functions that are safe to run so); a
-    crash or a timeout then ends the cases the worker was running, and the rest of its group."""
+    crash or a timeout then ends the cases the worker was running, and the rest of its group. ``gpus``: GPUs
+    (CUDA_VISIBLE_DEVICES entries) to give the workers one each, no two workers at once the same
+    (``kvdiag.scheduling``); a worker waits for a free one."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     results_path = run_dir / "results.jsonl"
@@ -436,11 +445,16 @@ def run_cases(
     env = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}
     progress = make_progress(len(todo), quiet)
     active: list[_Worker] = []
+    free_gpus = list(gpus)
+    pinned = bool(free_gpus)
     try:
         while groups or active:
-            while groups and len(active) < max(1, jobs):
-                active.append(_Worker(groups.pop(0), run_dir, timeout, _share_cores(env, jobs, len(groups) + 1),
-                                      preload, threads))
+            while groups and len(active) < max(1, jobs) and (free_gpus or not pinned):
+                group, gpu = groups.pop(0), free_gpus.pop(0) if pinned else None
+                wenv = _share_cores(env, jobs, len(groups) + 1)
+                w = _Worker(group, run_dir, timeout, wenv if gpu is None else {**wenv, GPU_ENV: gpu}, preload, threads)
+                w.gpu = gpu
+                active.append(w)
             time.sleep(0.05)
             for w in list(active):
                 started, ended = w.poll()
@@ -452,6 +466,8 @@ def run_cases(
                     progress.finish(rec)
                 if not w.pending:
                     active.remove(w)
+                    if w.gpu is not None:
+                        free_gpus.append(w.gpu)
     finally:
         for w in active:  # interrupted: leave no worker behind
             w.proc.kill()

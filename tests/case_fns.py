@@ -68,3 +68,17 @@ def timed(case, ctx):
     time.sleep(case.params.get("sleep", 0.0))
     return case.result("pass", metrics={"pid": os.getpid(), "thread": threading.current_thread().name,
                                         "torch": torch.get_num_threads(), "start": start, "end": time.time()})
+
+
+def no_cache_memory(case, ctx):
+    """What vLLM raises when another engine on the GPU took the memory its profiling counted on."""
+    raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+                     "initializing the engine.")
+
+
+def gpu_slot(case, ctx):
+    """Sleeps; reports when it ran and the GPU it was given (CUDA_VISIBLE_DEVICES), without importing torch."""
+    start = time.time()
+    time.sleep(case.params.get("sleep", 0.0))
+    return case.result("pass", metrics={"start": start, "end": time.time(),
+                                        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")})

@@ -99,3 +99,62 @@ def test_refusing_the_models_own_dtype_is_wrong_not_unsupported(tmp_path):
         assert "refused it: no bfloat16 here" in rows["bfloat16"]["detail"]
         assert [c.status for c in run.cases] == ["pass", "fail", "skipped", "skipped"]
         assert [f.kind for f in run.cases[1].findings] == ["unsupported", "wrong"]
+
+
+@pytest.mark.slow
+def test_out_of_device_memory_is_a_resource_row_never_unsupported(bf16_model, tmp_path):
+    """vLLM on one GPU shared by engines starting together: 'No available memory for the cache blocks' (a
+    ValueError at start) and its memory-profiling AssertionError are errors of the run, exit 1. The same engine's
+    'fp8' cache is bf16 in one of the model's 2 layers: a warning, and the row still passes."""
+    r = kvdiag("dtypes", "--check", "--engine", "tests.cache_engines:factory", "-m", bf16_model, "-d", "auto",
+               "-d", "fp16", "-d", "e5m2", "-d", "fp8", "-f", "json", "-j", "2",
+               "-o", str(tmp_path / "run"))
+    assert r.returncode == 1, r.stderr[-3000:]
+    rows = rows_of(r)
+    assert {k: v["result"] for k, v in rows.items()} == {
+        "auto": "pass", "float16": "resource", "fp8_e5m2": "resource", "fp8": "pass"}
+    assert rows["float16"]["detail"].startswith("ValueError: No available memory for the cache blocks")
+    assert rows["fp8_e5m2"]["detail"].startswith("AssertionError: Error in memory profiling")
+    cases = {c["kv_dtype"]: c for c in json.loads(r.stdout)["cases"]}
+    for d in ("float16", "fp8_e5m2"):
+        assert cases[d]["status"] == "error" and [f["kind"] for f in cases[d]["findings"]] == ["resource"]
+    assert cases["fp8"]["status"] == "pass"
+    assert [(f["severity"], f["kind"]) for f in cases["fp8"]["findings"]] == [("warning", "not_quantized")]
+    assert "stores 1 of 2 layers at the model's precision (bfloat16)" in cases["fp8"]["findings"][0]["message"]
+    assert rows["fp8"]["stores"] == "fp8_e4m3 (1/2 layers), bf16 (1/2 layers)"
+    assert rows["fp8"]["not_quantized"] in rows["fp8"]["detail"]
+    assert not cases["auto"]["findings"] and rows["auto"]["not_quantized"] is None
+
+
+def test_the_matrix_shows_what_the_cache_stores(tmp_path):
+    """Shipped tiny model, builtin engine: int8 stores 1-byte codes and per-token scales, auto the model's bf16;
+    bytes per token from the model's config."""
+    from kvdiag.assets import TINY_MODEL
+
+    cfg = json.loads((Path(TINY_MODEL) / "config.json").read_text())
+    layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    per_byte = layers * heads * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    r = kvdiag("dtypes", "--check", "-d", "auto", "-d", "int8_per_token_head", "-d", "fp8", "-f", "json", "-j", "2",
+               "-o", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = rows_of(r)
+    st = {k: v["storage"] for k, v in rows.items()}
+    assert st["int8_per_token_head"]["layer_dtypes"] == ["int8"] * layers
+    assert st["int8_per_token_head"]["element_bytes"] == {"int8": 1} and st["int8_per_token_head"]["scales"]
+    assert st["int8_per_token_head"]["k_bytes_per_token"] == st["int8_per_token_head"]["v_bytes_per_token"] == per_byte
+    assert st["int8_per_token_head"]["scale_bytes_per_token"] == 2 * layers * heads * 4  # float32 per token and head
+    assert rows["int8_per_token_head"]["stores"] == "int8 +scales"
+    assert st["fp8"]["k_bytes_per_token"] == per_byte and not st["fp8"]["scales"]
+    assert rows["fp8"]["stores"] == "fp8_e4m3"
+    assert st["auto"]["k_bytes_per_token"] == 2 * per_byte and st["auto"]["layers"] == layers
+    assert rows["auto"]["stores"] == "bf16" and rows["auto"]["kv_bytes_per_token"] == 4 * per_byte
+    assert {v["not_quantized"] for v in rows.values()} == {None}
+    from rich.console import Console
+
+    from kvdiag.cli.dtypes_cmd import _render
+    from kvdiag.results import load_run
+
+    con = Console(record=True, width=250)
+    _render(load_run(tmp_path / "run"), con)
+    table = con.export_text()
+    assert "stores" in table and "int8 +scales" in table and f"{2 * per_byte} +{2 * layers * heads * 4}" in table

@@ -69,6 +69,32 @@ def test_shared_worker_crash_ends_the_rest_of_its_group(tmp_path):
     assert recs[0].metrics["pid"] != recs[3].metrics["pid"]
 
 
+def test_running_out_of_device_memory_is_a_resource_error_not_an_exception(tmp_path):
+    recs = run_cases([case("no_cache_memory", 0), case("raises", 1)], tmp_path, quiet=True, timeout=30)
+    assert [r.status for r in recs] == ["error", "error"]
+    assert [f.kind for f in recs[0].findings] == ["resource"]
+    assert recs[0].findings[0].message.startswith("ValueError: No available memory for the cache blocks")
+    assert [f.kind for f in recs[1].findings] == ["exception"]  # any other exception stays one
+
+
+def test_resource_failure_reads_the_exception_chain():
+    from kvdiag.errors import resource_failure
+
+    def chained():
+        try:
+            raise AssertionError("Error in memory profiling. Initial free memory 70.1 GiB, current free memory "
+                                 "60.3 GiB. This happens when other processes sharing the same container release GPU "
+                                 "memory while vLLM is profiling during initialization.")
+        except AssertionError as e:
+            raise RuntimeError("Engine core initialization failed. See root cause above.") from e
+
+    with pytest.raises(RuntimeError) as info:
+        chained()
+    assert resource_failure(info.value).startswith("AssertionError: Error in memory profiling")
+    assert resource_failure(RuntimeError("CUDA error: out of memory")) == "RuntimeError: CUDA error: out of memory"
+    assert resource_failure(ValueError("fp8_e5m2 KV cache needs compute capability >= 8.9")) is None
+
+
 def test_corrupt_line_is_reported_and_skipped(tmp_path, capsys):
     run_cases([case("healthy", 0), case("healthy", 1)], tmp_path, quiet=True)
     path = tmp_path / "results.jsonl"

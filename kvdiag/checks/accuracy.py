@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from kvdiag.checks import drift
-from kvdiag.errors import EngineUnsupported
+from kvdiag.errors import EngineUnsupported, resource_failure
 
 SAMPLES = ".samples.json"
 DRIFT = ".drift.npz"
@@ -36,6 +36,8 @@ def run_case(case, ctx):
     try:
         engine = acquire_engine(case)
     except EngineUnsupported as e:
+        if resource_failure(e):  # out of device memory is no refusal: the runner records error, "resource"
+            raise
         rec = case.result("skipped")
         rec.add("info", "unsupported", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return rec

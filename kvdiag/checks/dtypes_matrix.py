@@ -4,9 +4,16 @@ For every dtype string the engine knows: does the engine start with it, does a s
 greedy generation come back finite, is an explicit unquantized dtype equal to the
 model's dtype bit-identical to ``auto``, is the drift against ``auto`` within the
 dtype family's limits. Rows: ``pass``, ``unsupported`` (the engine's own words),
-``crashed``, ``wrong``. An explicit unquantized dtype equal to the model's dtype is what
-``auto`` stores: refusing it while ``auto`` works is ``wrong`` (bug S1), not ``unsupported``.
-Each dtype runs in its own worker, so one bad dtype never stops the matrix.
+``resource`` (the device ran out of memory: another engine on the GPU, most often; an
+error of the run, never ``unsupported``), ``crashed``, ``wrong``. An explicit unquantized
+dtype equal to the model's dtype is what ``auto`` stores: refusing it while ``auto`` works
+is ``wrong`` (bug S1), not ``unsupported``. Each dtype runs in its own worker, so one bad
+dtype never stops the matrix.
+
+Each row also says what the cache really stores, read from the engine's cache tensors
+(``kv_blocks()``; nothing for engines without KV access): the element dtype per layer,
+bytes per token of K+V and of the scales. A dtype named as quantized that stores layers
+at the model's precision gets a ``not_quantized`` warning (the row still passes).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from pathlib import Path
 
 from kvdiag.checks import drift
 from kvdiag.checks.accuracy import DRIFT, acquire_engine, model_dtype, release_engine
-from kvdiag.errors import EngineUnsupported
+from kvdiag.errors import EngineUnsupported, resource_failure
 
 UNSUPPORTED = (EngineUnsupported, NotImplementedError, ValueError)
 
@@ -27,6 +34,8 @@ def run_case(case, ctx):
     try:
         engine = acquire_engine(case)
     except UNSUPPORTED as e:
+        if resource_failure(e):  # e.g. vLLM's "No available memory for the cache blocks" (a ValueError)
+            raise  # the runner records it: error, finding "resource"
         msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
         rec = case.result("skipped", metrics={"row": "unsupported", "reason": msg})
         rec.add("info", "unsupported", msg, exception=type(e).__name__)
@@ -37,15 +46,28 @@ def run_case(case, ctx):
         import traceback
 
         rec = case.result("error", metrics={"started": True}, log_tail=traceback.format_exc()[-4000:])
-        rec.add("error", "crashed", f"{type(e).__name__}: {e}".splitlines()[0][:500])
+        resource = resource_failure(e)
+        rec.add("error", "resource" if resource else "crashed",
+                resource or f"{type(e).__name__}: {e}".splitlines()[0][:500])
         return rec
     path = ctx.artifact(case, DRIFT)
     drift.save(probe, path)
     rec = case.result("pass", metrics={"started": True, "model_dtype": model_dtype(engine, case),
                                        "finite": drift.finite(probe), "drift_over": probe["over"],
-                                       "artifacts": {"drift": path.name}})
+                                       "storage": cache_storage(engine), "artifacts": {"drift": path.name}})
     release_engine(case, engine)
     return rec
+
+
+def cache_storage(engine) -> dict | None:
+    """What the engine's cache tensors store (``kv_tensors.storage_summary``); None without KV access."""
+    from kvdiag.checks.kv_tensors import storage_summary
+
+    try:
+        view = engine.kv_blocks()
+    except (EngineUnsupported, NotImplementedError):
+        return None
+    return None if view is None else storage_summary(view)
 
 
 def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) -> None:
@@ -63,12 +85,15 @@ def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) 
     base_probe = _probe(folder, base) if usable else None
     rows = []
     for rec in run.cases:
-        row = _row(rec, base, base_probe, folder, max_kl, min_top1)
+        row = {**_row(rec, base, base_probe, folder, max_kl, min_top1), **storage_row(rec)}
         rows.append(row)
         rec.metrics["row"] = row["result"]
         if row["result"] == "wrong":
             rec.status = "fail"
             rec.add("error", "wrong", row["detail"])
+        if row["not_quantized"]:
+            rec.add("warning", "not_quantized", row["not_quantized"])
+            row["detail"] = "; ".join(x for x in (row["detail"], row["not_quantized"]) if x)
         if rec.status in ("pass", "fail"):
             append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
     run.analysis["dtypes"] = {"baseline": base.kv_dtype if base else None, "rows": rows}
@@ -87,6 +112,9 @@ def _row(rec, base, base_probe, folder: Path, max_kl, min_top1) -> dict:
                     f"'{base.kv_dtype}' stores, and that started) but the engine refused it: {reason}"}
         return {**row, "result": "unsupported", "detail": reason}
     if rec.status != "pass":
+        resource = next((f.message for f in rec.findings if f.kind == "resource"), None)
+        if resource:  # out of memory: an error of the run, not the engine refusing the dtype
+            return {**row, "result": "resource", "detail": resource}
         return {**row, "result": "crashed", "detail": first or rec.status}
     if not rec.metrics.get("finite"):
         return {**row, "result": "wrong", "detail": "non-finite logprobs from a short greedy generation"}
@@ -107,3 +135,42 @@ def _row(rec, base, base_probe, folder: Path, max_kl, min_top1) -> dict:
 
 def _probe(folder: Path, rec) -> dict:
     return drift.load(folder / rec.metrics["artifacts"]["drift"])
+
+
+SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8_e4m3",
+         "float8_e5m2": "fp8_e5m2"}
+
+
+def storage_row(rec) -> dict:
+    """The row's storage columns: ``stores`` (e.g. ``int8 +scales``, ``bf16 (2/2 layers)``), ``kv_bytes_per_token``
+    (K+V over all layers), ``scale_bytes_per_token``, ``storage`` (the case's summary) and ``not_quantized``
+    (the warning when a dtype named as quantized stores layers at the model's precision, else None)."""
+    from collections import Counter
+
+    st = rec.metrics.get("storage")
+    if not st:
+        return {"stores": None, "kv_bytes_per_token": None, "scale_bytes_per_token": None, "storage": None,
+                "not_quantized": None}
+    full = _full_precision(rec.kv_dtype, st, rec.metrics.get("model_dtype"))
+    counts = Counter(st["layer_dtypes"])
+    names = {d: "/".join(SHORT.get(x, x) for x in d.split("/")) for d in counts}
+    stores = ", ".join(names[d] if len(counts) == 1 and not full else f"{names[d]} ({c}/{st['layers']} layers)"
+                       for d, c in counts.items()) + (" +scales" if st["scales"] else "")
+    warn = None
+    if full:
+        warn = (f"'{rec.kv_dtype}' is named as quantized but stores {len(full)} of {st['layers']} layers at the "
+                f"model's precision ({', '.join(sorted(set(full)))})")
+    return {"stores": stores, "kv_bytes_per_token": st["k_bytes_per_token"] + st["v_bytes_per_token"],
+            "scale_bytes_per_token": st["scale_bytes_per_token"], "storage": st, "not_quantized": warn}
+
+
+def _full_precision(kv_dtype: str, st: dict, model: str | None) -> list[str]:
+    """The layers' dtypes that are the model's precision (its dtype, or as many bytes or more), when ``kv_dtype``
+    is named as quantized; else []."""
+    from kvdiag import dtypes
+
+    if not dtypes.named_quantized(kv_dtype):
+        return []
+    model_bytes = dtypes.element_bytes(model) or 2
+    sizes = st["element_bytes"]
+    return [d for d in st["layer_dtypes"] if any(x == model or sizes.get(x, 0) >= model_bytes for x in d.split("/"))]

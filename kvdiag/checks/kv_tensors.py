@@ -1,6 +1,6 @@
 """What the KV checks do to an engine's cache tensors through its :class:`KVBlockView`:
-size them, fingerprint every slot, fill blocks with poison, and scan slots for values no
-correct write produces (NaN/Inf codes, scales that are not finite and > 0).
+size them, say what they store, fingerprint every slot, fill blocks with poison, and scan
+slots for values no correct write produces (NaN/Inf codes, scales that are not finite and > 0).
 
 A *slot* is one token position of one block (``block * block_size + offset``); every cache
 tensor is viewed as ``[num_blocks * block_size, bytes per slot]``.
@@ -29,6 +29,30 @@ def kv_bytes(view) -> int:
     """Bytes the cache holds: the layers' k, v and scale tensors (a tensor seen twice counts once)."""
     seen = {(t.data_ptr(), t.nbytes) for _, t in cache_tensors(view)}
     return sum(n for _, n in seen)
+
+
+def storage_summary(view) -> dict:
+    """What the cache really stores, from its tensors: each layer's element dtype (``"int8"``, ``"K/V"`` when K and
+    V differ), bytes one token takes in K and in V summed over the layers (kv heads x head size x element bytes),
+    and in the scale caches, whether there are scale tensors, and the size of each element dtype seen."""
+    layer_dtypes, sizes, k, v, scale, scales = [], {}, 0, 0, 0, False
+    for layer in view.layers:
+        names = [str(t.dtype).removeprefix("torch.") for t in (layer.k, layer.v)]
+        sizes.update({n: t.element_size() for n, t in zip(names, (layer.k, layer.v))})
+        layer_dtypes.append(names[0] if names[0] == names[1] else "/".join(names))
+        k, v = k + _token_bytes(layer.k, view), v + _token_bytes(layer.v, view)
+        for t in (layer.k_scale, layer.v_scale):
+            if t is not None:
+                scales, scale = True, scale + _token_bytes(t, view)
+    return {"layers": len(view.layers), "layer_dtypes": layer_dtypes, "element_bytes": sizes,
+            "k_bytes_per_token": k, "v_bytes_per_token": v, "scale_bytes_per_token": scale, "scales": scales}
+
+
+def _token_bytes(t, view) -> int:
+    """Bytes one token (slot) takes in ``t``, shaped [num_blocks, block_size, ...]; 0 for a per-tensor scale."""
+    if t.dim() < 2 or tuple(t.shape[:2]) != (view.num_blocks, view.block_size):
+        return 0
+    return t[0, 0].numel() * t.element_size()
 
 
 def slot_rows(t, num_slots: int):

@@ -72,7 +72,7 @@ def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift
     return rows
 
 
-ANALYSIS_KINDS = ("regression", "collapse", "drift", "no_baseline", "wrong")
+ANALYSIS_KINDS = ("regression", "collapse", "drift", "no_baseline", "wrong", "not_quantized")
 
 
 def reset(rec) -> bool:

@@ -150,7 +150,7 @@ def default_jobs(cases: list) -> int:
     """Cases at once when --jobs is not given: for the builtin engine on the CPU, up to 4 (small models use one
     core better than two; the runner gives the last cases of a sweep the cores the finished ones freed:
     worker_env) - single-case workers with --isolate case, threads of the one worker with --isolate run
-    (``case_threads``); else 1 (one GPU)."""
+    (``case_threads``); else 1 (GPU cases: --jobs up to one per visible GPU, ``kvdiag.scheduling``)."""
     import os
 
     if not cases or not _builtin_on_cpu(cases):
@@ -168,11 +168,9 @@ def case_threads(cases: list, isolate, jobs: int) -> int:
 
 
 def _builtin_on_cpu(cases: list) -> bool:
-    import glob
+    from kvdiag.scheduling import place
 
-    device = cases[0].params.get("device", "auto")
-    on_cpu = device == "cpu" or device == "auto" and not glob.glob("/dev/nvidia[0-9]*")
-    return on_cpu and all(c.engine == "builtin" for c in cases)
+    return all(c.engine == "builtin" for c in cases) and not place(cases).gpu
 
 
 def preload(cases: list, *modules: str) -> tuple[str, ...]:

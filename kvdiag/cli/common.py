@@ -177,14 +177,17 @@ def execute(
     threads: int = 1,
 ) -> int:
     """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed). ``threads``: see
-    :func:`kvdiag.runner.run_cases`.
+    :func:`kvdiag.runner.run_cases`. ``jobs`` is capped at one case per GPU when cases run on GPUs, each worker
+    given its own (:mod:`kvdiag.scheduling`).
 
     ``finish(run)`` (optional) runs on the finished run before run.json is written: it may add to
     run.analysis, set run.exit_code (which is first derived from the case statuses) and write reports.
     """
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
     from kvdiag.runner import run_cases
+    from kvdiag.scheduling import cap_jobs
 
+    jobs, gpus = cap_jobs(cases, jobs, quiet=quiet)
     started = now()
     previous = _previous_run(run_dir) if resume else None
     run = RunRecord(command=previous.command if previous else command_line(),
@@ -193,7 +196,7 @@ def execute(
     write_run_json(run_dir, run)  # a run directory always says what it is, even if killed
     quiet = quiet or fmt.value == "json" and not sys.stderr.isatty()
     run.cases = run_cases(cases, run_dir, timeout=timeout, resume=resume, quiet=quiet, jobs=jobs, env=env,
-                          preload=preload, threads=threads)
+                          preload=preload, threads=threads, gpus=gpus)
     if analyze is not None:
         analyze(run)  # may update case statuses/findings (re-appended) and fill run.analysis
     run.summary = summarize(run.cases)

@@ -13,8 +13,10 @@ from kvdiag.cli.options import (DeviceOpt, EngineArgOpt, EngineOpt, FaultOpt, Fo
 
 CheckOpt = Annotated[bool, typer.Option(
     "--check", help="Run the support matrix: for each dtype, does the engine start, is a short greedy generation "
-    "finite, is an explicit unquantized dtype bit-identical to auto, is drift within bounds. "
-    "Rows: pass, unsupported, crashed, wrong; exit code 1 on crashed or wrong.")]
+    "finite, is an explicit unquantized dtype bit-identical to auto, is drift within bounds, and what its cache "
+    "tensors store (element dtype per layer, bytes per token; a warning when a quantized dtype stores layers at "
+    "the model's precision). Rows: pass, unsupported, resource (out of device memory, e.g. another engine on the "
+    "GPU), crashed, wrong; exit code 1 on resource, crashed or wrong.")]
 
 
 def dtypes(
@@ -99,7 +101,7 @@ def check_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, *, 
     return cases, lambda run: analyze(run, max_kl=max_kl, min_top1=min_top1)
 
 
-STYLE = {"pass": "green", "unsupported": "yellow", "crashed": "bold red", "wrong": "bold red"}
+STYLE = {"pass": "green", "unsupported": "yellow", "resource": "red", "crashed": "bold red", "wrong": "bold red"}
 
 
 def _render(run, con) -> None:
@@ -111,13 +113,27 @@ def _render(run, con) -> None:
     a = run.analysis.get("dtypes", {})
     t = Table(title=f"kv dtype support matrix of engine '{run.cases[0].engine if run.cases else '?'}' "
               f"(drift vs '{a.get('baseline')}')", title_justify="left")
-    for col in ("kv dtype", "result", "starts", "finite", "== auto", "KL mean", "top-1", "detail"):
+    for col in ("kv dtype", "result", "starts", "finite", "== auto", "KL mean", "top-1", "stores",
+                "K+V (+scales) B/token", "detail"):
         t.add_column(col, overflow="fold", max_width=70 if col == "detail" else None)
     for r in a.get("rows", []):
         t.add_row(r["kv_dtype"], f"[{STYLE.get(r['result'], '')}]{r['result']}[/]", _yn(r["started"]),
                   _yn(r["finite"]), _yn(r["identical_to_auto"]), fmt_value(r["mean_kl"]),
-                  fmt_value(r["top1_agreement"]), escape(r["detail"] or ""))
+                  fmt_value(r["top1_agreement"]), _stores(r), _token_bytes(r), escape(r["detail"] or ""))
     con.print(t)
+
+
+def _stores(r: dict) -> str:
+    from rich.markup import escape
+
+    stores = r.get("stores")
+    return "-" if stores is None else escape(stores) if not r.get("not_quantized") else f"[yellow]{escape(stores)}[/]"
+
+
+def _token_bytes(r: dict) -> str:
+    """K+V bytes per token over all layers, and the scales' (``+N``) where there are per-token scales."""
+    kv, scales = r.get("kv_bytes_per_token"), r.get("scale_bytes_per_token")
+    return "-" if kv is None else f"{kv}" + (f" +{scales}" if scales else "")
 
 
 def _yn(v) -> str:

