@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 def kvdiag(name: str, *args: str, timeout: float = 1500) -> tuple[int, dict, str]:
     """``kvdiag ARGS --format json -o $KVDIAG_GPU_OUT/NAME``: (exit code, run record, stderr); logged."""
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "kvdiag", *args, "--format", "json", "--quiet", "-o", str(OUT / name)],
+    p = subprocess.run([sys.executable, "-m", "kvdiag", *args, "--format", "json", "-o", str(OUT / name)],
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode in (0, 1), p.stderr[-3000:]
     run = json.loads(p.stdout)
@@ -135,14 +135,24 @@ def test_memleak_with_sleep_mode_fails_naming_the_pool_and_the_restart():
     assert "one instance per process" in kinds["restart_impossible"]["message"]
 
 
-def test_dtypes_check_runs_one_engine_at_a_time_and_reports_no_resource_failure_as_unsupported():
+def test_dtypes_check_runs_one_engine_at_a_time_and_shows_what_the_cache_stores():
     code, run, err = kvdiag("dtypes", "dtypes", "--check", "-e", "vllm", "-j", "3", "-d", "auto", "-d", "bfloat16",
                             "-d", "fp8", "-d", "int8_per_token_head", *FAST)
     assert "capped at 1" in err, err
     rows = {r["kv_dtype"]: r for r in run["analysis"]["dtypes"]["rows"]}
     assert rows["auto"]["result"] == rows["bfloat16"]["result"] == "pass", rows
     for r in rows.values():
-        assert r["result"] != "unsupported" or "memory" not in r["detail"].lower(), r
+        assert r["result"] not in ("unsupported", "resource") or "memory" not in r["detail"].lower(), r
+    from kvdiag.assets import TINY_MODEL
+
+    cfg = json.loads((TINY_MODEL / "config.json").read_text())
+    per_byte = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]  # K+V, 1-byte elements
+    assert rows["auto"]["stores"] == "bf16" and rows["auto"]["kv_bytes_per_token"] == 2 * per_byte, rows["auto"]
+    if rows["fp8"]["result"] == "pass":
+        assert rows["fp8"]["kv_bytes_per_token"] == per_byte and not rows["fp8"]["not_quantized"], rows["fp8"]
+    if rows["int8_per_token_head"]["result"] == "pass":
+        r = rows["int8_per_token_head"]
+        assert r["stores"] == "int8 +scales" and r["kv_bytes_per_token"] == per_byte, r
     assert code == (0 if all(r["result"] in ("pass", "unsupported") for r in rows.values()) else 1)
 
 
