@@ -73,6 +73,7 @@ def sleep_probe(model: str) -> dict:
         out["old_wake_all_after_weights"] = "no error"
     except Exception as e:  # noqa: BLE001 - what vLLM says is the probe's result
         out["old_wake_all_after_weights"] = first_line(e)
+        llm.wake_up(tags=["kv_cache"])  # the failed call stopped at the weights: map the cache back before shutdown
     llm.llm_engine.engine_core.shutdown()
     del llm
     cleanup()

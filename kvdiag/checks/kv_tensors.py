@@ -123,6 +123,15 @@ def poison_scalar(dtype, value: str) -> float | None:
 
 
 def fill_blocks(view, blocks, value: str, seed: int = 0) -> int:
+    """Under ``torch.inference_mode()``: an engine's cache tensors may be inference tensors (vLLM's per-token-head
+    scale caches are made inside it), which refuse in-place writes outside it."""
+    import torch
+
+    with torch.inference_mode():
+        return _fill_blocks(view, blocks, value, seed)
+
+
+def _fill_blocks(view, blocks, value: str, seed: int = 0) -> int:
     """Fill ``blocks`` of every k, v and scale cache with poison (or ``zero``); returns bytes written."""
     import torch
 

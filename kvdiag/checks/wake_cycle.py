@@ -96,6 +96,10 @@ def _expected_bytes(engine, level: int) -> dict:
 def _cycle(engine, n: int, p: WakeParams, prompts, base, expected: int | None) -> tuple[dict, list]:
     """One sleep/wake cycle: its table row and its problems [(kind, message)]."""
     device = _scrub(engine)
+    if device.type == "cuda":  # kvdiag's own temporaries (scrub, the last scan) out of the caching allocator's
+        import torch  # cache: the sleep's empty_cache would free them and the wake never bring them back
+
+        torch.cuda.empty_cache()
     before = mem_probe.measure(device, "before", n)
     engine.sleep(p.level)
     asleep = mem_probe.measure(device, "asleep", n)
