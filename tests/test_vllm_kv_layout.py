@@ -43,3 +43,17 @@ def test_per_token_head_scales_come_from_the_backends_scale_views():
     view = layer_view(layer(raw, "TRITON_ATTN", "int8_per_token_head", scales), NB, torch.bfloat16)
     assert view.k.shape == (NB, BS, H, HS) and view.k.dtype == torch.int8
     assert view.k_scale is scales._k_scale_cache and float(view.v_scale[0, 0, 0]) == 2.0
+
+
+def test_poison_writes_reach_inference_tensors():
+    """vLLM makes its per-token-head scale caches inside torch.inference_mode(): writes from outside it must not
+    raise (they did on the H100: 'Inplace update to inference tensor outside InferenceMode is not allowed')."""
+    from kvdiag.checks.kv_tensors import fill_blocks
+    from kvdiag.engines.base import KVBlockView, KVLayer
+
+    with torch.inference_mode():
+        k, v = torch.zeros(NB, BS, H, HS, dtype=torch.int8), torch.zeros(NB, BS, H, HS, dtype=torch.int8)
+        ks, vs = torch.ones(NB, BS, H), torch.ones(NB, BS, H)
+    view = KVBlockView(BS, NB, [KVLayer(k, v, ks, vs)], lambda: [1, 3], lambda: [])
+    fill_blocks(view, [1, 3], "nan")
+    assert torch.isnan(ks[1]).all() and torch.isnan(vs[3]).all() and not torch.isnan(ks[0]).any()

@@ -22,10 +22,10 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
     ``isolate="run"``: one worker per check for the clean engine and the faults that stay inside an
     engine object, one per fault for faults that leak into the process; ``"case"``: one per case.
     """
-    from kvdiag.cli.common import default_model
+    from kvdiag.assets import TINY_MODEL
     from kvdiag.runner import Case
 
-    model = default_model()
+    model = str(TINY_MODEL)
     jobs: list[tuple[str, str, list]] = []
     for check in checks:
         wanted = {it.key: it for f in faults for it in f.runs.get(check, ())}
