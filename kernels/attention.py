@@ -26,8 +26,15 @@ import triton
 import triton.language as tl
 
 from kvdiag.kernels.launch import Launcher, cdiv, next_pow2, sm_count
-from kvdiag.kernels.store import (QUANT_TENSOR, QUANT_TOKEN_HEAD, fast_paths, interpreted, load_scale,
-                                  quant_params, scale_arg)
+from kvdiag.kernels.store import (
+    QUANT_TENSOR,
+    QUANT_TOKEN_HEAD,
+    fast_paths,
+    interpreted,
+    load_scale,
+    quant_params,
+    scale_arg,
+)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked tiles give 0 weights, not NaN

@@ -65,8 +65,8 @@ def _transformers(path, device, prompts, new_tokens, repeats):
 
     def generate(n):
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=model.config.pad_token_id)
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,  # noqa: F821
+                           pad_token_id=model.config.pad_token_id)  # noqa: F821
 
     try:
         return decode_tps(generate, len(prompts), new_tokens, repeats)

@@ -74,7 +74,7 @@ def bench_attention(kind, kv_dtype, seqs, q_len, ctx, heads, kv_heads, head_size
     want = sdpa_over_gather(b, q_len, ctx, torch.float32, gather_dequant(b, ctx, torch.float32))
     err = float((ours.float() - want.float()).norm() / want.float().norm())
     dense = gather_dequant(b, ctx, MODEL_DTYPE)
-    sdpa_only = time_ms(lambda: sdpa_over_gather(b, q_len, ctx, MODEL_DTYPE, dense))
+    sdpa_only = time_ms(lambda: sdpa_over_gather(b, q_len, ctx, MODEL_DTYPE, dense))  # noqa: F821
     del dense, want
     fns = {"triton": lambda: attention.paged_attention(*b.args()),
            "reference": lambda: reference.paged_attention(*b.args()),

@@ -65,7 +65,8 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
                     k_scale=1.0, v_scale=1.0, k_scale_cache=None, v_scale_cache=None, whole_page_reads=False,
                     split_tokens=None):
     """See :func:`kvdiag.kernels.reference.paged_attention`. ``split_tokens`` (the Triton kernel's; the
-    reference and the CPU path have no splits): decode splits of a fixed length, so results do not depend on the batch."""
+    reference and the CPU path have no splits): decode splits of a fixed length, so results do not depend on
+    the batch."""
     fn = _pick("paged_attention", query.device)
     extra = {"split_tokens": split_tokens} if split_tokens and backend("paged_attention", query.device) == "triton" \
         else {}

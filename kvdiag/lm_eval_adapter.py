@@ -202,7 +202,8 @@ def _match(name: str, tm) -> list[str]:
 def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), include_defaults: bool = False,
               limit: float | None = None, num_fewshot: int | None = None, seed: int = 0,
               bootstrap_iters: int = 1000) -> dict:
-    """``lm_eval.simple_evaluate`` with per-sample logging; returns ``{"scores": .., "samples": ..}`` (``summarize``)."""
+    """``lm_eval.simple_evaluate`` with per-sample logging; returns ``{"scores": .., "samples": ..}``
+    (``summarize``)."""
     from lm_eval import simple_evaluate
 
     with _without_env_probe():

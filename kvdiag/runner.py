@@ -1,4 +1,5 @@
-"""Cases -> isolated worker processes -> results (docs/DESIGN.md, "Running cases").
+"""Cases -> isolated worker processes -> results (docs/DESIGN.md, "Running cases"); what runs inside a worker
+is kvdiag/worker.py, the progress lines kvdiag/progress.py.
 
 Each group of cases runs in its own *spawned* worker process (CUDA-safe; or forked from a
 fork server that pre-imported the heavy modules, when the caller names them). The engine
@@ -16,14 +17,12 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from kvdiag.errors import resource_failure
+from kvdiag.progress import make_progress
 from kvdiag.results import CaseResult, append_jsonl, read_jsonl
 from kvdiag.scheduling import VISIBLE as GPU_ENV
 
@@ -74,171 +73,7 @@ def call_target(target: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-# --------------------------------------------------------------------------- worker side
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """End the worker if kvdiag itself dies (kill -9), so no orphan keeps the GPU. (A forkserver worker's
-    parent is the fork server, which ends with kvdiag: the worker is then re-parented.)"""
-    import threading
-
-    first = os.getppid()
-
-    def watch():
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != first or not _alive(parent_pid):
-                os._exit(70)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _worker_main(cases: list[dict], run_dir: str, log_path: str, conn, parent_pid: int, env: dict,
-                 threads: int = 1) -> None:
-    # Everything the worker and its native libraries print goes to the case log.
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-    import faulthandler
-
-    faulthandler.enable()  # a segfault writes the Python stack into the log
-    os.environ.update(env)
-    if "torch" in sys.modules and env.get("OMP_NUM_THREADS"):  # preloaded by a fork server: set what it read
-        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
-    _watch_parent(parent_pid)
-    ctx = WorkerContext(Path(run_dir), Path(run_dir) / "artifacts")
-    if threads > 1 and len(cases) > 1:
-        _run_on_threads(cases, ctx, conn, threads, env)
-    else:
-        for cd in cases:
-            conn.send(_started(cd))
-            conn.send(("done", _run_one(Case(**cd), ctx)))
-    conn.close()
-
-
-def _started(cd: dict) -> tuple:
-    """The "start" message: the case and the size of the log before its first line (its tail starts there)."""
-    sys.stdout.flush()
-    return "start", (cd["id"], os.fstat(1).st_size)
-
-
-def _run_one(case: Case, ctx: WorkerContext) -> str:
-    """One case in this worker: its record as JSON (an exception becomes an ``error`` record, its finding
-    ``resource`` when the device ran out of memory, else ``exception``)."""
-    print(f"=== case {case.id} ===", flush=True)
-    t0 = time.perf_counter()
-    try:
-        rec = call_target(case.target)(case, ctx)
-        if not isinstance(rec, CaseResult):
-            raise TypeError(f"{case.target} returned {type(rec).__name__}, not CaseResult")
-    except BaseException as e:  # noqa: BLE001 - a case's failure is its record
-        tb = traceback.format_exc()
-        print(tb, flush=True)
-        rec = case.result("error", log_tail=tb[-LOG_TAIL_CHARS:])
-        resource = resource_failure(e)  # out of memory: the run's error, never an engine's refusal
-        rec.add("error", "resource" if resource else "exception",
-                resource or f"{type(e).__name__}: {e}".splitlines()[0][:500])
-    rec.duration_s = rec.duration_s or round(time.perf_counter() - t0, 3)
-    return rec.to_json()
-
-
-def _run_on_threads(cases: list[dict], ctx: WorkerContext, conn, threads: int, env: dict) -> None:
-    """Up to ``threads`` cases of the group at once, each on its own thread (``run_cases(threads=...)``). With
-    KVDIAG_SHARE_CORES each thread sets its own torch threads (per-thread in OpenMP) as workers would."""
-    import threading
-
-    todo, lock = list(cases), threading.Lock()
-
-    def send(msg):
-        with lock:
-            conn.send(msg)
-
-    def loop():
-        while True:
-            with lock:
-                if not todo:
-                    return
-                cd, left = todo.pop(0), len(todo) + 1
-            if SHARE_CORES in env:
-                import torch
-
-                torch.get_num_threads()  # torch's lazy per-thread init first: it would apply the process-wide count
-                torch.set_num_threads(int(_share_cores(env, threads, left)["OMP_NUM_THREADS"]))  # then its own
-            send(_started(cd))
-            send(("done", _run_one(Case(**cd), ctx)))
-
-    pool = [threading.Thread(target=loop, name=f"case-thread-{i}") for i in range(min(threads, len(cases)))]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-
-
 # --------------------------------------------------------------------------- parent side
-
-
-class Progress:
-    """Plain progress lines on stderr (CI logs); RichProgress draws a bar on a terminal."""
-
-    def __init__(self, total: int, quiet: bool = False):
-        self.total, self.done, self.started, self.quiet = total, 0, 0, quiet
-
-    def start(self, case: Case) -> None:
-        self.started += 1
-        if not self.quiet:
-            print(f"[{self.started}/{self.total}] {case.id} ...", file=sys.stderr, flush=True)
-
-    def finish(self, rec: CaseResult) -> None:
-        self.done += 1
-        if not self.quiet:
-            print(f"[{self.done}/{self.total}] {rec.id}: {rec.status} ({rec.duration_s:.1f}s)",
-                  file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-class RichProgress(Progress):
-    def __init__(self, total: int, quiet: bool = False):
-        super().__init__(total, quiet)
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RP, TextColumn, TimeElapsedColumn
-
-        self.console = Console(stderr=True)
-        self.rp = RP(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                     console=self.console, transient=False)
-        self.task = self.rp.add_task("starting", total=total)
-        self.rp.start()
-
-    def start(self, case: Case) -> None:
-        self.rp.update(self.task, description=case.id)
-
-    def finish(self, rec: CaseResult) -> None:
-        self.done += 1
-        style = {"pass": "green", "skipped": "yellow"}.get(rec.status, "red")
-        self.rp.console.print(f"[{style}]{rec.status:>8}[/] {rec.id} ({rec.duration_s:.1f}s)")
-        self.rp.update(self.task, advance=1)
-
-    def close(self) -> None:
-        self.rp.stop()
-
-
-def make_progress(total: int, quiet: bool = False) -> Progress:
-    if not quiet and sys.stderr.isatty() and not os.environ.get("CI"):
-        return RichProgress(total)
-    return Progress(total, quiet)
 
 
 def _tail(path: Path, start: int = 0) -> str:
@@ -310,10 +145,12 @@ class _Worker:
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{safe_name(cases[0].id if len(cases) == 1 else cases[0].group or cases[0].id)}.log"
+        from kvdiag.worker import worker_main
+
         ctx = _mp_context(preload)
         self.conn, child = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
-            target=_worker_main,
+            target=worker_main,  # kvdiag.worker
             args=([asdict(c) for c in cases], str(run_dir), str(self.log_path), child, os.getpid(), env, threads),
             daemon=False,
         )

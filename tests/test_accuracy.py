@@ -20,7 +20,8 @@ from kvdiag.results import CaseResult, RunRecord, read_jsonl
 
 def probe(dists, greedy, chosen=None):
     return {"over": "full", "dists": [d.clone() for d in dists], "greedy": greedy,
-            "chosen": chosen or [[-0.5] * d.shape[0] for d in dists], "greedy_logprobs": [[-0.1] * len(g) for g in greedy]}
+            "chosen": chosen or [[-0.5] * d.shape[0] for d in dists],
+            "greedy_logprobs": [[-0.1] * len(g) for g in greedy]}
 
 
 def random_dists(seed=0, n=3, t=5, v=11):

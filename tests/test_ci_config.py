@@ -17,7 +17,8 @@ def run_cli(capsys, *args) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("text, line, words", [
-    ('kv_dtypes = ["auto"]\n[memleak]\ncycles = 2\nbogus = 1\n', 4, ["unknown key 'bogus' in [memleak]", "threshold_mib"]),
+    ('kv_dtypes = ["auto"]\n[memleak]\ncycles = 2\nbogus = 1\n', 4,
+     ["unknown key 'bogus' in [memleak]", "threshold_mib"]),
     ('kv_dtypes = ["auto"]\n\n[memleak]\ncycles = "two"\n', 4, ["'cycles'", "expected an integer >= 1"]),
     ('kv_dtypes = ["auto"]\n[wake-cycle]\nlevels = [1, 3]\n', 3, ["'levels'", "one of 1, 2"]),
     ('kv_dtypes = ["auto"\n[memleak]\n', 2, ["bad TOML"]),

@@ -54,7 +54,8 @@ def runs(tmp_path_factory):
     (root / "kvdiag.toml").write_text(CONFIG)
     summary = root / "summary.md"
     summary.write_text("## earlier step\n")
-    a = kvdiag("ci", "--config", root / "kvdiag.toml", "-o", root / "A", "-q", env={"GITHUB_STEP_SUMMARY": str(summary)})
+    a = kvdiag("ci", "--config", root / "kvdiag.toml", "-o", root / "A", "-q",
+               env={"GITHUB_STEP_SUMMARY": str(summary)})
     b = kvdiag("ci", "--config", root / "kvdiag.toml", "-o", root / "B", "-q", "--baseline", root / "A")
     return {"root": root, "A": root / "A", "B": root / "B", "a": a, "b": b, "summary": summary}
 

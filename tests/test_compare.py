@@ -88,7 +88,8 @@ def test_table_and_json_render_every_verdict():
     from kvdiag.results import _clean
 
     old = [rec("memleak", "auto"), rec("memleak", "fp8", "crashed"), rec("accuracy", "fp8", scores=scores(0.9, 0.02))]
-    new = [rec("memleak", "auto", "crashed"), rec("memleak", "bfloat16"), rec("accuracy", "fp8", scores=scores(0.9, 0.02))]
+    new = [rec("memleak", "auto", "crashed"), rec("memleak", "bfloat16"),
+           rec("accuracy", "fp8", scores=scores(0.9, 0.02))]
     result = compare(side(old), side(new))
     con = Console(file=io.StringIO(), width=200)
     render_table(result, con)

@@ -9,9 +9,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from hf_engine import HFEngine  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from hf_engine import HFEngine  # noqa: E402
 from kvdiag.errors import UserError  # noqa: E402
 from kvdiag.lm_eval_adapter import EngineLM, resolve_tasks, run_tasks  # noqa: E402
 

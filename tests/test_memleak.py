@@ -4,9 +4,9 @@ import json
 import subprocess
 import sys
 
+import memleak_fakes
 import pytest
 
-import memleak_fakes
 from kvdiag.checks import memleak
 from kvdiag.checks.memleak import Cycle, judge
 from kvdiag.memory import MiB, Snapshot, Survivors

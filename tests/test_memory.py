@@ -2,10 +2,10 @@
 
 import gc
 
+import memleak_fakes as fakes
 import pytest
 import torch
 
-import memleak_fakes as fakes
 from kvdiag.memory import MiB, snapshot, survivors, take_census
 from kvdiag.memory_holders import FROZEN, holders
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.results import CaseResult, RunRecord, exit_code_for, summarize, write_run_json
+from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
 from kvdiag.runner import Case
 
 DATA = Path(__file__).parent / "data"
@@ -42,7 +42,8 @@ def test_junit_validates_and_carries_findings_and_logs(tmp_path):
     doc = etree.fromstring(xml.encode())
     schema.assertValid(doc)
     suite = doc.find("testsuite")
-    assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("4", "1", "1", "1")
+    counts = (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped"))
+    assert counts == ("4", "1", "1", "1")
     cases = {tc.get("name"): tc for tc in suite.iter("testcase")}
     fail = cases["memleak/builtin/tiny/fp8"].find("failure")
     assert fail.get("type") == "tensor_survived" and "module global x.CACHE" in fail.text

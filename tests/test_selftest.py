@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.checks import selftest, selftest_plan as plan
+from kvdiag.checks import selftest
+from kvdiag.checks import selftest_plan as plan
 from kvdiag.dtypes import BUILTIN_DTYPES
 from kvdiag.engines.builtin.faults import Faults
 from kvdiag.results import CaseResult

@@ -55,7 +55,8 @@ def test_dtypes_lists_vllms_cache_dtypes_instantly():
     assert p.returncode == 0, p.stderr
     rows = json.loads(p.stdout)["kv_dtypes"]
     assert [r["name"] for r in rows] == _cache_dtypes_from_source()
-    assert {"auto", "bfloat16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"} <= {r["name"] for r in rows}
+    names = {r["name"] for r in rows}
+    assert {"auto", "bfloat16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"} <= names
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ process-wide state, so it stays out of pytest's process. The CLI tests run whole
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -30,7 +29,8 @@ VLLM_MODEL = dict(dtype="bfloat16", hidden_size=128, num_layers=2, num_heads=2, 
 
 
 def vllm_env() -> dict:
-    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import limited_engines
 import pytest
 import torch
-import limited_engines
 from conftest import TEST_DEVICE
 
 from kvdiag.checks import greedy, mem_probe, wake_cycle

@@ -61,8 +61,8 @@ def main(model: str, out_path: str) -> None:
     import torch
 
     from kvdiag.engines.base import EngineSpec
-    from kvdiag.engines.vllm.engine import VllmEngine
     from kvdiag.engines.vllm.adapt import _cache_dtypes_from_source
+    from kvdiag.engines.vllm.engine import VllmEngine
     from kvdiag.errors import EngineUnsupported
 
     res: dict = {"from_source": _cache_dtypes_from_source(), "model": model}

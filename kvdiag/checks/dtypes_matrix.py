@@ -71,9 +71,8 @@ def cache_storage(engine) -> dict | None:
 
 
 def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) -> None:
-    from kvdiag.results import append_jsonl
-
     from kvdiag.checks.verdicts import reset
+    from kvdiag.results import append_jsonl
 
     folder = Path(run.run_dir) / "artifacts"
     for rec in run.cases:
@@ -100,7 +99,8 @@ def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) 
 
 
 def _row(rec, base, base_probe, folder: Path, max_kl, min_top1) -> dict:
-    row = {"kv_dtype": rec.kv_dtype, "result": "pass", "started": bool(rec.metrics.get("started", rec.status == "pass")),
+    started = bool(rec.metrics.get("started", rec.status == "pass"))
+    row = {"kv_dtype": rec.kv_dtype, "result": "pass", "started": started,
            "finite": rec.metrics.get("finite"), "identical_to_auto": None, "mean_kl": None, "top1_agreement": None,
            "detail": ""}
     first = rec.findings[0].message if rec.findings else ""

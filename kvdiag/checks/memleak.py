@@ -30,8 +30,17 @@ from kvdiag.checks import greedy
 from kvdiag.checks.common import detector_disabled, engine_spec
 from kvdiag.engines.base import create_engine
 from kvdiag.errors import EngineUnsupported
-from kvdiag.memory import MiB, Census, Snapshot, Survivors, cleanup, private_pool_bytes, snapshot, survivors, \
-    take_census
+from kvdiag.memory import (
+    Census,
+    MiB,
+    Snapshot,
+    Survivors,
+    cleanup,
+    private_pool_bytes,
+    snapshot,
+    survivors,
+    take_census,
+)
 
 RETAIN_MIN = 64 * MiB
 RETAIN_FRACTION = 0.05  # the retention limit: max(64 MiB, 5% of the engine's peak)

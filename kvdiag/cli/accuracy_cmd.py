@@ -8,9 +8,24 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvdiag.cli.options import (DeviceOpt, EngineArgOpt, EngineOpt, FaultOpt, Format, FormatOpt, Isolate,
-                                IsolateOpt, KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt,
-                                SeedOpt, SweepJobsOpt, TimeoutOpt)
+from kvdiag.cli.options import (
+    DeviceOpt,
+    EngineArgOpt,
+    EngineOpt,
+    FaultOpt,
+    Format,
+    FormatOpt,
+    Isolate,
+    IsolateOpt,
+    KVDtypeOpt,
+    ModelOpt,
+    OutputDirOpt,
+    QuietOpt,
+    ResumeOpt,
+    SeedOpt,
+    SweepJobsOpt,
+    TimeoutOpt,
+)
 
 TasksOpt = Annotated[Optional[list[str]], typer.Option(
     "--tasks", "-t", help="lm_eval task names or globs (comma-separated or repeated). Default: kvdiag's shipped "

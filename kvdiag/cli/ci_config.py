@@ -182,7 +182,7 @@ def _validate(cfg: CIConfig, table: str | None, data, schema: dict, sections: bo
             continue
         if key not in schema:
             valid = sorted(set(schema) | (set(CHECKS) if sections else set()))
-            raise cfg.error(f"unknown key '{raw}'" + (f" in [{table}]" if table else "") + f"; valid: "
+            raise cfg.error(f"unknown key '{raw}'" + (f" in [{table}]" if table else "") + "; valid: "
                             + ", ".join(valid), table, raw)
         try:
             out[key] = schema[key](value)

@@ -20,7 +20,8 @@ def _memleak(s, engine, model, args):
     from kvdiag.cli.memleak_cmd import build_cases
 
     return build_cases(engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None,
-                       cycles=s.get("cycles", 3), threshold=s.get("threshold_mib"), max_tokens=s.get("max_tokens", 16)), None
+                       cycles=s.get("cycles", 3), threshold=s.get("threshold_mib"),
+                       max_tokens=s.get("max_tokens", 16)), None
 
 
 def _wake_cycle(s, engine, model, args):

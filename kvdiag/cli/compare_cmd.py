@@ -34,7 +34,8 @@ def compare(
     Cases only in one run are listed as new/missing and do not fail the comparison.
     """
     from kvdiag.report.baseline import load_side
-    from kvdiag.report.compare import compare as compare_sides, render_table
+    from kvdiag.report.compare import compare as compare_sides
+    from kvdiag.report.compare import render_table
     from kvdiag.report.table import console
 
     result = compare_sides(load_side(old), load_side(new), max_drop=max_drop, alpha=alpha,

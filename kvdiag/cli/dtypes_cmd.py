@@ -8,8 +8,23 @@ from typing import Annotated
 import typer
 
 from kvdiag.cli.accuracy_cmd import MaxKLOpt, MinTop1Opt
-from kvdiag.cli.options import (DeviceOpt, EngineArgOpt, EngineOpt, FaultOpt, Format, FormatOpt, Isolate, IsolateOpt,
-                                KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt, SweepJobsOpt, TimeoutOpt)
+from kvdiag.cli.options import (
+    DeviceOpt,
+    EngineArgOpt,
+    EngineOpt,
+    FaultOpt,
+    Format,
+    FormatOpt,
+    Isolate,
+    IsolateOpt,
+    KVDtypeOpt,
+    ModelOpt,
+    OutputDirOpt,
+    QuietOpt,
+    ResumeOpt,
+    SweepJobsOpt,
+    TimeoutOpt,
+)
 
 CheckOpt = Annotated[bool, typer.Option(
     "--check", help="Run the support matrix: for each dtype, does the engine start, is a short greedy generation "

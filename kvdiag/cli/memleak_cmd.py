@@ -6,8 +6,22 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvdiag.cli.options import (CyclesOpt, DeviceOpt, EngineArgOpt, EngineOpt, FaultOpt, Format, FormatOpt,
-                                JobsOpt, KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt, TimeoutOpt)
+from kvdiag.cli.options import (
+    CyclesOpt,
+    DeviceOpt,
+    EngineArgOpt,
+    EngineOpt,
+    FaultOpt,
+    Format,
+    FormatOpt,
+    JobsOpt,
+    KVDtypeOpt,
+    ModelOpt,
+    OutputDirOpt,
+    QuietOpt,
+    ResumeOpt,
+    TimeoutOpt,
+)
 
 ThresholdOpt = Annotated[Optional[float], typer.Option(
     "--threshold", help="Retention limit: MiB that may stay held beyond the baseline after any shutdown (CUDA "

@@ -7,8 +7,24 @@ from typing import Annotated
 
 import typer
 
-from kvdiag.cli.options import (DeviceOpt, EngineArgOpt, EngineOpt, FaultOpt, Format, FormatOpt, Isolate, IsolateOpt,
-                                JobsOpt, KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt, SeedOpt, TimeoutOpt)
+from kvdiag.cli.options import (
+    DeviceOpt,
+    EngineArgOpt,
+    EngineOpt,
+    FaultOpt,
+    Format,
+    FormatOpt,
+    Isolate,
+    IsolateOpt,
+    JobsOpt,
+    KVDtypeOpt,
+    ModelOpt,
+    OutputDirOpt,
+    QuietOpt,
+    ResumeOpt,
+    SeedOpt,
+    TimeoutOpt,
+)
 from kvdiag.cli.wake_cycle_cmd import LogprobTolOpt
 
 

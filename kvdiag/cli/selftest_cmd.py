@@ -7,8 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvdiag.cli.options import (DeviceOpt, Format, FormatOpt, Isolate, JobsOpt, OutputDirOpt, QuietOpt,
-                                TimeoutOpt)
+from kvdiag.cli.options import DeviceOpt, Format, FormatOpt, Isolate, JobsOpt, OutputDirOpt, QuietOpt, TimeoutOpt
 
 SelftestFaultOpt = Annotated[Optional[list[str]], typer.Option(
     "--fault", help="Run only these faults (repeat or comma-separate; see --list). Default: all.")]

@@ -9,9 +9,25 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvdiag.cli.options import (CyclesOpt, DeviceOpt, EngineArgOpt, EngineOpt, FaultOpt, Format, FormatOpt, Isolate,
-                                IsolateOpt, JobsOpt, KVDtypeOpt, ModelOpt, OutputDirOpt, QuietOpt, ResumeOpt, SeedOpt,
-                                TimeoutOpt)
+from kvdiag.cli.options import (
+    CyclesOpt,
+    DeviceOpt,
+    EngineArgOpt,
+    EngineOpt,
+    FaultOpt,
+    Format,
+    FormatOpt,
+    Isolate,
+    IsolateOpt,
+    JobsOpt,
+    KVDtypeOpt,
+    ModelOpt,
+    OutputDirOpt,
+    QuietOpt,
+    ResumeOpt,
+    SeedOpt,
+    TimeoutOpt,
+)
 
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens generated greedily per prompt.")]
 LogprobTolOpt = Annotated[float, typer.Option(

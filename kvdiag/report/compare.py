@@ -64,7 +64,8 @@ def _scores(o, n, old_samples, new_samples, max_drop, alpha) -> list[dict]:
     for task, per in (n.metrics.get("scores") or {}).items():
         for metric, sc in per.items():
             osc = (o.metrics.get("scores") or {}).get(task, {}).get(metric)
-            if not osc or not isinstance(sc.get("score"), (int, float)) or not isinstance(osc.get("score"), (int, float)):
+            numbers = isinstance(sc.get("score"), (int, float)) and isinstance((osc or {}).get("score"), (int, float))
+            if not osc or not numbers:
                 continue
             paired = None
             try:

@@ -47,7 +47,6 @@ from dataclasses import dataclass, fields
 
 from kvdiag.errors import UserError
 
-
 ALIASES = {"unzeroed_page_reads": ("whole_page_reads", "no_zero_fresh_blocks")}
 
 

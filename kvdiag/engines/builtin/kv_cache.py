@@ -21,7 +21,6 @@ from kvdiag.dtypes import BUILTIN_DTYPES
 from kvdiag.engines.base import KVLayer
 from kvdiag.kernels import dispatch
 
-
 # decode splits of 512 context tokens (vLLM's partition size): each token's attention then depends on its own
 # context only, so eager steps and the decode CUDA graphs (cuda_graph.py) give the same bits
 SPLIT_TOKENS = 512

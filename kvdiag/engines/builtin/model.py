@@ -18,7 +18,6 @@ from torch import nn
 
 from kvdiag.engines.builtin.config import ModelConfig
 
-
 _HALF = (torch.bfloat16, torch.float16)
 
 

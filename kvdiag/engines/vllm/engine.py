@@ -21,9 +21,9 @@ import importlib.util
 import os
 from typing import Sequence
 
+from kvdiag.engines.base import Capabilities, Completion, EngineSpec, KVBlockView, Scored
 from kvdiag.engines.vllm import adapt
 from kvdiag.engines.vllm.sleep import RELOAD, SleepState
-from kvdiag.engines.base import Capabilities, Completion, EngineSpec, KVBlockView, Scored
 from kvdiag.errors import EngineUnsupported
 
 if importlib.util.find_spec("vllm") is None:  # kvdiag.engines.base turns this into "install kvdiag[vllm]"

@@ -1,0 +1,66 @@
+"""Progress of a sweep on stderr: a plain line per case start and end (CI logs, pipes), or a bar with a line per
+finished case on a terminal (``rich``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from kvdiag.results import CaseResult
+
+if TYPE_CHECKING:
+    from kvdiag.runner import Case
+
+
+class Progress:
+    """Plain progress lines on stderr (CI logs); RichProgress draws a bar on a terminal."""
+
+    def __init__(self, total: int, quiet: bool = False):
+        self.total, self.done, self.started, self.quiet = total, 0, 0, quiet
+
+    def start(self, case: Case) -> None:
+        self.started += 1
+        if not self.quiet:
+            print(f"[{self.started}/{self.total}] {case.id} ...", file=sys.stderr, flush=True)
+
+    def finish(self, rec: CaseResult) -> None:
+        self.done += 1
+        if not self.quiet:
+            print(f"[{self.done}/{self.total}] {rec.id}: {rec.status} ({rec.duration_s:.1f}s)",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class RichProgress(Progress):
+    def __init__(self, total: int, quiet: bool = False):
+        super().__init__(total, quiet)
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RP
+
+        self.console = Console(stderr=True)
+        self.rp = RP(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                     console=self.console, transient=False)
+        self.task = self.rp.add_task("starting", total=total)
+        self.rp.start()
+
+    def start(self, case: Case) -> None:
+        self.rp.update(self.task, description=case.id)
+
+    def finish(self, rec: CaseResult) -> None:
+        self.done += 1
+        style = {"pass": "green", "skipped": "yellow"}.get(rec.status, "red")
+        self.rp.console.print(f"[{style}]{rec.status:>8}[/] {rec.id} ({rec.duration_s:.1f}s)")
+        self.rp.update(self.task, advance=1)
+
+    def close(self) -> None:
+        self.rp.stop()
+
+
+def make_progress(total: int, quiet: bool = False) -> Progress:
+    if not quiet and sys.stderr.isatty() and not os.environ.get("CI"):
+        return RichProgress(total)
+    return Progress(total, quiet)
