@@ -211,8 +211,8 @@ def judge(rec, snaps: list[Snapshot], cycles: list[Cycle], threshold_mib: float 
     kept = _retention_finding(rec, held, cycles, lim)
     if restart is not None:
         _restart_finding(rec, restart, held)
+    _survivor_findings(rec, cycles, lim)  # the holders first: they name what a growth finding measures
     grew = _growth_findings(rec, growth, lim)
-    _survivor_findings(rec, cycles, lim)
     small = {m: _mib(v[0]) for m, v in held.items() if v and v[0] > lim.growth_tol(m) and m not in grew | kept}
     if small:
         rec.add("info", "one_time_cost", "the first cycle kept " + ", ".join(f"{m} {x:.1f} MiB" for m, x in
