@@ -56,7 +56,7 @@ def one_line_error(r, *needles):
 
 
 def test_hub_ids_resolve_to_their_cached_snapshot_offline(hub):
-    cache, snaps = hub
+    _, snaps = hub
     assert resolve_model("org/name") == str(snaps["org/name"])
     assert resolve_model("gpt2") == str(snaps["gpt2"])  # a single-name hub id
 
