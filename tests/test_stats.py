@@ -86,3 +86,80 @@ def test_pair_by_doc_uses_only_common_documents_in_id_order():
 def test_unequal_lengths_are_refused():
     with pytest.raises(ValueError):
         stats.paired_test([1, 0], [1])
+
+
+def _exact_log_two_sided(k, n):
+    """log(2 * sum_{i<=k} C(n, i) / 2^n) in Python integers: an oracle that neither overflows nor underflows."""
+    term = total = 1
+    for i in range(k):
+        term = term * (n - i) // (i + 1)
+        total += term
+    return math.log(2 * total) - n * math.log(2)
+
+
+def _discordant(b, c):
+    return [1] * b + [0] * c + [1, 0] * 3, [0] * b + [1] * c + [1, 0] * 3
+
+
+@pytest.mark.parametrize("b,c", [(3, 7), (10, 0), (430, 570), (480, 520), (500, 500), (0, 1024), (700, 1400),
+                                 (49_000, 51_000), (49_800, 50_200), (50_000, 50_000)])
+def test_mcnemar_is_exact_for_any_number_of_discordant_documents(b, c):
+    r = stats.mcnemar_exact(*_discordant(b, c))  # 2.0 ** n raised OverflowError from 1,024 discordant documents
+    assert r.discordant == (b, c) and r.n == b + c + 6
+    assert r.p_value == pytest.approx(sps.binomtest(b, b + c, 0.5).pvalue, rel=1e-11, abs=1e-300)
+
+
+@pytest.mark.parametrize("b,c", [(60_000, 40_000), (30, 99_970), (0, 1_100), (1_300, 2_000)])
+def test_mcnemar_deep_tails_agree_in_log_space(b, c):
+    from kvdiag.checks import binomial
+
+    k, n = min(b, c), b + c
+    log_p = binomial.log_two_sided_half(k, n)
+    assert log_p == pytest.approx(_exact_log_two_sided(k, n), rel=1e-12)
+    r = stats.mcnemar_exact(*_discordant(b, c))
+    assert r.p_value == pytest.approx(math.exp(log_p), rel=1e-12, abs=0)  # 0.0 below the smallest float
+    scipy_p = sps.binomtest(b, n, 0.5).pvalue
+    assert r.p_value == pytest.approx(scipy_p, rel=1e-11, abs=1e-300)
+    if scipy_p > 1e-300:
+        assert math.log(scipy_p) == pytest.approx(log_p, rel=1e-11)
+
+
+def test_binomial_log_cdf_matches_scipy_on_both_halves():
+    from kvdiag.checks import binomial
+
+    for n in (1, 2, 7, 40, 1001, 100_000):
+        for k in sorted({0, 1, n // 4, n // 2 - 1, n // 2, n // 2 + 1, 3 * n // 4, n - 1, n}):
+            want = sps.binom.logcdf(k, n, 0.5)
+            if 0 <= k <= n and math.isfinite(want):
+                assert binomial.log_cdf_half(k, n) == pytest.approx(want, rel=1e-11, abs=1e-13), (k, n)
+
+
+def test_a_dtype_that_collapses_on_a_large_task_gets_a_verdict_not_a_crash():
+    from kvdiag.checks import verdicts
+
+    base = {i: 1 if i % 10 else 0 for i in range(5000)}
+    paired = verdicts.compare_metric(base, {i: 0 for i in range(5000)})
+    assert paired.test == "mcnemar" and paired.discordant == (4500, 0) and paired.p_value == 0.0
+    assert verdicts.metric_verdict(0.9, 0.0, paired.delta, paired.p_value, True, max_drop=0.02,
+                                   alpha=0.05) == "collapse"
+
+
+def test_bootstrap_resamples_in_chunks_with_bounded_memory(monkeypatch):
+    import tracemalloc
+
+    rng = np.random.default_rng(2)
+    n = 20_000  # one (2000, n) index array would be 320 MB, its gathered values as much again
+    base = rng.random(n)
+    test = base + rng.normal(0.0, 0.1, n)
+    tracemalloc.start()
+    try:
+        r = stats.paired_bootstrap(base, test)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100e6, peak
+    assert r.ci_low < r.delta < r.ci_high and 0 <= r.p_value <= 1
+    base, test = base[:300], test[:300] + 0.01
+    whole = stats.paired_bootstrap(base, test)
+    monkeypatch.setattr(stats, "BOOTSTRAP_CHUNK", 7 * 300 + 5)  # 7 resamples at a time: same draws, same result
+    assert stats.paired_bootstrap(base, test) == whole

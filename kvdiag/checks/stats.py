@@ -12,9 +12,9 @@ the *same* documents (paired by doc id):
 - ``paired_bootstrap``: for any other metric. Resamples documents (with a fixed
   seed, so a run is reproducible); the interval is the percentile interval of the
   mean difference, the p-value the share of null-centred resampled means at least
-  as far from 0 as the observed one.
+  as far from 0 as the observed one, ``BOOTSTRAP_CHUNK`` indices at a time.
 
-numpy only; scipy is the independent oracle in tests/test_stats.py.
+numpy and math only; scipy is the independent oracle in tests/test_stats.py.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 Z95 = 1.959963984540054
 BOOTSTRAP_ITERS = 2000
 BOOTSTRAP_SEED = 1234
+BOOTSTRAP_CHUNK = 1 << 22  # resampled indices held at once (32 MiB of int64)
 
 
 @dataclass
@@ -59,12 +60,11 @@ def mean_stderr(values) -> float:
 
 
 def binom_two_sided_half(k: int, n: int) -> float:
-    """Exact two-sided p-value of k successes in n trials at p = 1/2."""
-    if n == 0:
-        return 1.0
-    k = min(k, n - k)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
-    return min(1.0, 2.0 * tail)
+    """Exact two-sided p-value of k successes in n trials at p = 1/2, for any n (kvdiag.checks.binomial: in log
+    space; 0.0 where it is below the smallest float, e.g. 60,000 vs 40,000 discordant documents)."""
+    from kvdiag.checks.binomial import log_two_sided_half
+
+    return math.exp(log_two_sided_half(k, n))
 
 
 def mcnemar_exact(baseline, test) -> Paired:
@@ -101,7 +101,9 @@ def paired_bootstrap(baseline, test, *, iters: int = BOOTSTRAP_ITERS, seed: int 
         return Paired("bootstrap", n, float(base.mean()), float(base.mean() + observed), observed, observed,
                       observed, p)
     rng = np.random.default_rng(seed)
-    means = diff[rng.integers(0, n, size=(iters, n))].mean(axis=1)
+    rows = max(1, BOOTSTRAP_CHUNK // n)  # resamples at a time: bounded memory for any n and iters
+    means = np.concatenate([diff[rng.integers(0, n, size=(min(rows, iters - i), n))].mean(axis=1)
+                            for i in range(0, iters, rows)])
     low, high = np.quantile(means, [0.025, 0.975])
     extreme = np.abs(means - observed) >= abs(observed)
     p = (1 + int(extreme.sum())) / (iters + 1)

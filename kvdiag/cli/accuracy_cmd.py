@@ -214,10 +214,12 @@ def worker_env(jobs: int) -> dict:
 
 
 def build_cases(check: str, target: str, sweep: Sweep, params: dict, isolate) -> list:
+    from kvdiag.models import label
     from kvdiag.runner import Case
 
     group = check if isolate == Isolate.run else None
-    return [Case(check, sweep.engine, sweep.model, d, target, group=group,
+    name = label(sweep.model)  # a hub snapshot's repo name, not its commit hash
+    return [Case(check, sweep.engine, sweep.model, d, target, group=group, id=f"{check}/{sweep.engine}/{name}/{d}",
                  params={**sweep.spec, **params, "role": "baseline" if d == sweep.baseline else "test"})
             for d in sweep.kv_dtypes]
 

@@ -74,6 +74,8 @@ def _model(cfg, name: str) -> str | None:
 
 def build_suite(cfg) -> tuple[list, list]:
     """(cases, analyzers) of every check the config turns on; a bad value is a ConfigError at its line."""
+    from kvdiag.models import label as model_label
+
     cases, analyzers, seen = [], [], set()
     for chk in cfg.checks:
         s = dict(chk.settings)
@@ -93,10 +95,10 @@ def build_suite(cfg) -> tuple[list, list]:
             for c in got:
                 c.timeout = s.get("timeout")
                 if c.group:  # one shared worker per check, engine and model (labels are unique: ids are)
-                    c.group = f"{c.group}/{c.engine}/{Path(c.model.rstrip('/')).name or c.model}"
+                    c.group = f"{c.group}/{c.engine}/{model_label(c.model)}"
             cases += got
             if analyze is not None:
-                key = chk.name if len(groups) == 1 else f"{chk.name}/{got[0].engine}/{Path(got[0].model).name}"
+                key = chk.name if len(groups) == 1 else f"{chk.name}/{got[0].engine}/{model_label(got[0].model)}"
                 analyzers.append(_scoped(analyze, key, ids))
     return cases, analyzers
 

@@ -25,20 +25,13 @@ def default_model() -> str:
 
 
 def resolve_model(model: str | None) -> str:
-    """A local folder with config.json, or a hub id (only when online)."""
+    """The shipped model when None, else a checked local folder: the folder given, or a hub id's snapshot in the
+    Hugging Face cache (kvdiag.models). Resolved here, once, so that the workers only see a folder."""
     if model is None:
         return default_model()
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise UserError(f"model folder '{model}' has no config.json")
-        return str(path.resolve())
-    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
-    if not looks_like_hub_id:
-        raise UserError(f"model not found: '{model}' (give a folder with config.json, or a hub id org/name)")
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
-        raise UserError(f"model '{model}' is not a local folder and HF_HUB_OFFLINE is set")
-    return model
+    from kvdiag.models import resolve
+
+    return resolve(model)
 
 
 def parse_engine_args(items: Iterable[str] | None) -> dict:
@@ -231,6 +224,7 @@ def dtype_cases(check, target, engine, model, kv_dtype, device, engine_arg, faul
     ``isolate="run"`` puts all cases in one worker; ``seed`` (when given) goes into every case's params.
     """
     from kvdiag.engines.base import resolve_engine
+    from kvdiag.models import label as model_label
     from kvdiag.runner import Case
 
     engine = resolve_engine(engine)
@@ -239,7 +233,7 @@ def dtype_cases(check, target, engine, model, kv_dtype, device, engine_arg, faul
     base = {"device": device, "engine_args": parse_engine_args(engine_arg), "faults": faults, **params}
     if seed is not None:
         base["seed"] = seed
-    label = Path(model.rstrip("/")).name or model
+    label = model_label(model)
     group = check if isolate == "run" else None
     cases = []
     for d in resolve_kv_dtypes(engine, kv_dtype):

@@ -23,7 +23,8 @@ EngineOpt = Annotated[str, typer.Option(
     "--engine", "-e", help="Engine: builtin (embedded, torch only), vllm, a name registered under the "
     "'kvdiag.engines' entry point, or package.module:factory.")]
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", help="Model folder or hub id (hub ids need network). Default: kvdiag's shipped tiny model.")]
+    "--model", "-m", help="Model folder, or hub id (gpt2, org/name) taken from the Hugging Face cache or "
+    "downloaded once, before any worker starts. Default: kvdiag's shipped tiny model.")]
 KVDtypeOpt = Annotated[Optional[list[str]], typer.Option(
     "--kv-dtype", "-d", help="kv-cache dtype; repeat for several. Short aliases work (bf16, fp16, int8, fp8pth). "
     "Default: every dtype the engine supports.")]

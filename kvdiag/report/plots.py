@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 from kvdiag.report.svg import bar_chart, line_chart
 
@@ -29,9 +28,11 @@ def plots_for(run) -> list[str]:
 
 def _groups(cases) -> list[tuple[str, list]]:
     """Cases per (engine, model); the title suffix names the group when there is more than one."""
+    from kvdiag.models import label as model_label
+
     by = defaultdict(list)
     for c in cases:
-        by[(c.engine, Path(c.model.rstrip("/")).name or c.model)].append(c)
+        by[(c.engine, model_label(c.model))].append(c)
     if len(by) == 1:
         return [("", next(iter(by.values())))]
     return [(f" ({e}, {m})", cs) for (e, m), cs in by.items()]
