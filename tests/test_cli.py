@@ -70,3 +70,17 @@ def test_unknown_engine_exits_2_naming_valid_choices():
 def test_bad_option_value_and_unknown_command_exit_2():
     one_line_error(kvdiag("dtypes", "--format", "xml"), "xml")
     one_line_error(kvdiag("frobnicate"), "frobnicate")
+
+
+def test_bad_limit_exits_2_before_any_worker(tmp_path):
+    for bad in ("-5", "0", "2.5"):
+        r = kvdiag("accuracy", "--limit", bad, "-d", "auto", "-o", str(tmp_path / bad))
+        one_line_error(r, "--limit", "fraction")
+        assert not (tmp_path / bad / "results.jsonl").exists()
+
+
+def test_engine_args_split_like_lm_evals_model_args():
+    from kvdiag.cli.common import parse_engine_args
+
+    assert parse_engine_args(["a=1,b=2", "sizes=[1,2]", "name=x, y"]) == {"a": 1, "b": 2, "sizes": [1, 2],
+                                                                          "name": "x, y"}

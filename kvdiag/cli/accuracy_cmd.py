@@ -126,7 +126,15 @@ def _tasks(tasks, include_path) -> tuple[list[str], bool]:
 
 
 def _limit(limit: float | None):
-    return None if limit is None else (int(limit) if limit >= 1 else limit)
+    """lm_eval's limit: a number of documents per task (>= 1, whole), or a fraction of each task (0 < limit < 1)."""
+    from kvdiag.errors import UserError
+
+    if limit is None:
+        return None
+    if not 0 < limit < 1 and not (limit >= 1 and float(limit).is_integer()):
+        raise UserError(f"--limit {limit:g}: give a number of documents per task (1, 2, ...) or a fraction of "
+                        "each task between 0 and 1")
+    return int(limit) if limit >= 1 else limit
 
 
 # ------------------------------------------------------------------ shared with `kvdiag dtypes --check`

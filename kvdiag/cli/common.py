@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 import tempfile
@@ -35,9 +36,11 @@ def resolve_model(model: str | None) -> str:
 
 
 def parse_engine_args(items: Iterable[str] | None) -> dict:
-    """key=value pairs, values typed as JSON where they parse (2, 0.5, true, null, [..]) else strings."""
+    """key=value pairs, values typed as JSON where they parse (2, 0.5, true, null, [..]) else strings. One item may
+    hold several, comma-separated as lm_eval's --model_args (``a=1,b=2``), when every part is key=value (a value
+    with commas of its own, ``sizes=[1,2]``, stays whole)."""
     out = {}
-    for item in items or ():
+    for item in (part for given in items or () for part in _split_pairs(given)):
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--engine-arg '{item}' is not key=value")
@@ -48,6 +51,12 @@ def parse_engine_args(items: Iterable[str] | None) -> dict:
             value = raw
         out[key.strip().replace("-", "_")] = value
     return out
+
+
+def _split_pairs(item: str) -> list[str]:
+    parts = item.split(",")
+    keyed = all(re.fullmatch(r"\s*[A-Za-z_][\w-]*\s*=.*", x, re.S) for x in parts)
+    return parts if len(parts) > 1 and keyed else [item]
 
 
 def resolve_kv_dtypes(engine: str, user: list[str] | None, *, default_all: bool = True) -> list[str]:
