@@ -18,6 +18,11 @@ class EngineUnsupported(Exception):
     """
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message as one line: its first non-empty line, else the exception's type name."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 # What engines say when the device ran out of memory for them (torch, CUDA, vLLM's memory profiling and KV cache
 # sizing), lower case. On a GPU these mostly mean "something else holds the memory" (another engine on the same
 # GPU), so they are errors of the run, never an engine refusing a dtype.

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvdiag.checks import drift
 from kvdiag.checks.accuracy import DRIFT, acquire_engine, model_dtype, release_engine
-from kvdiag.errors import EngineUnsupported, resource_failure
+from kvdiag.errors import EngineUnsupported, first_line, resource_failure
 
 UNSUPPORTED = (EngineUnsupported, NotImplementedError, ValueError)
 
@@ -36,7 +36,7 @@ def run_case(case, ctx):
     except UNSUPPORTED as e:
         if resource_failure(e):  # e.g. vLLM's "No available memory for the cache blocks" (a ValueError)
             raise  # the runner records it: error, finding "resource"
-        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        msg = first_line(e)
         rec = case.result("skipped", metrics={"row": "unsupported", "reason": msg})
         rec.add("info", "unsupported", msg, exception=type(e).__name__)
         return rec

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from kvdiag.checks import greedy
 from kvdiag.checks.common import detector_disabled, engine_spec
 from kvdiag.engines.base import create_engine
-from kvdiag.errors import EngineUnsupported
+from kvdiag.errors import EngineUnsupported, first_line
 from kvdiag.memory import (
     Census,
     MiB,
@@ -146,7 +146,7 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
     except Exception as e:  # noqa: BLE001 - a first start that fails is the case's record; a later one, a finding
         if n == 1:
             raise
-        raise RestartImpossible(f"{type(e).__name__}: {_first_line(e)}") from e
+        raise RestartImpossible(f"{type(e).__name__}: {first_line(e)[:400]}") from e
     engine.generate(prompts, p.max_tokens)
     snaps.append(snapshot("after-workload", n, cuda))
     engine.shutdown()
@@ -159,10 +159,6 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
         if s.keys and not detector_disabled("memleak.holders") else []
     pools = getattr(engine, "held_after_shutdown", None)
     return Cycle(s, held, list(pools()) if callable(pools) else [], private_pool_bytes() if cuda else None)
-
-
-def _first_line(e) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:400]
 
 
 # --------------------------------------------------------------------------- verdict
@@ -189,8 +185,7 @@ def judge(rec, snaps: list[Snapshot], cycles: list[Cycle], threshold_mib: float 
     base = snaps[0]
     after = [s for s in snaps if s.stage == "after-shutdown"]
     lim = Limits.of(_peak(base, [s for s in snaps if s.stage == "after-workload"]), threshold_mib)
-    series = {m: [getattr(s, m) for s in after] for m in dict.fromkeys(EXACT + NOISY + RETAINED)
-              if getattr(base, m) is not None}
+    series = {m: [getattr(s, m) for s in after] for m in EXACT + NOISY if getattr(base, m) is not None}
     growth = {m: [b - a for a, b in zip(v, v[1:])] for m, v in series.items()}
     held = {m: [x - getattr(base, m) for x in v] for m, v in series.items()}
     rec.metrics.update({

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvdiag.engines.base import Completion, EngineSpec, Scored
-from kvdiag.errors import EngineUnsupported
+from kvdiag.errors import EngineUnsupported, first_line
 
 DEFAULT_MAX_LOGPROBS = 64
 CPU_BLOCK_GRANULE = 32
@@ -131,7 +131,7 @@ def vllm_message(e: BaseException) -> str:
             return "; ".join(str(x.get("msg", "")).removeprefix("Value error, ") for x in errors())
         except Exception:  # noqa: BLE001 - not pydantic after all
             pass
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return first_line(e)
 
 
 def create_llm(kwargs: dict):
