@@ -71,6 +71,7 @@ def probe(mode: str) -> dict:
     line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
     assert line, p.stderr[-3000:]
     result = json.loads(line[6:])
+    OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"probe-{mode}.json").write_text(json.dumps(result, indent=1))
     return result
 

@@ -77,10 +77,14 @@ def cuda_snap(stage, allocated, driver):
     ((16200, 16200, 16200), (16400, 200, 16400), "driver_used", []),  # vLLM: unmapped under live tensors
     ((16200, 200, 16200), (16400, 16400, 16400), "cuda_allocated", []),  # tensors freed, the cache kept
     ((16200, 16200, 16200), (16400, 16390, 16400), "driver_used", ["not_freed"]),  # nothing went anywhere
-    ((16200, 16200, 16200), (16400, 200, 600), "driver_used", ["not_restored"])])
+    ((16200, 16200, 16200), (16400, 200, 600), "driver_used", ["not_restored"]),
+    # the builtin engine on the H100 (selftest --device cuda): 4.5 MiB expected, its tensors freed and back; the
+    # driver also saw the caching allocator's cache go (empty_cache at sleep) and come back in 2 MiB pages
+    ((69.51, 64.0, 69.51), (832.81, 820.81, 828.81), "cuda_allocated", [])])
 def test_a_sleep_is_judged_on_the_cuda_measure_that_shows_it(allocated, driver, measure, problems):
     stages = [cuda_snap(s, a, d) for s, a, d in zip(("before", "asleep", "awake"), allocated, driver)]
-    v = mem_probe.judge(torch.device("cuda:0"), *stages, 16000 * MiB, 0.9, 0.1)
+    expected = 16000 * MiB if allocated[0] > 1000 else 4726272
+    v = mem_probe.judge(torch.device("cuda:0"), *stages, expected, 0.9, 0.1)
     assert v.measure == measure and [k for k, _ in v.problems] == problems
 
 

@@ -90,7 +90,9 @@ def eager_probe(model: str) -> dict:
     import torch
     from vllm import LLM
 
-    torch.zeros(1, device="cuda")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # as kvdiag's baseline: cuBLAS's handle and
+        x = torch.ones(64, 64, device="cuda", dtype=dtype)  # workspaces belong to the process, not the engine
+        (x @ x).sum().item()
     base_alloc, base_used = torch.cuda.memory_allocated(), used()
     alloc, drv = [], []
     for _ in range(3):

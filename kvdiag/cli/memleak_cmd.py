@@ -25,7 +25,8 @@ from kvdiag.cli.options import (
 
 ThresholdOpt = Annotated[Optional[float], typer.Option(
     "--threshold", help="Retention limit: MiB that may stay held beyond the baseline after any shutdown (CUDA "
-    "allocated/reserved, driver used, live tensor bytes). Default: max(64 MiB, 5% of the engine's peak).", min=0)]
+    "allocated/reserved, live tensor bytes; the driver's used memory and NVML get 128 MiB more for the CUDA "
+    "runtime's own memory). Default: max(64 MiB, 5% of the engine's peak).", min=0)]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", help="Tokens decoded per prompt in each cycle.", min=1)]
 
 COLUMNS = (("cycle", "cycle"), ("stage", "stage"), ("tensors", "tensors"), ("tensor_mib", "tensor MiB"),
