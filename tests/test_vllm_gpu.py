@@ -157,6 +157,18 @@ def test_dtypes_check_runs_one_engine_at_a_time_and_shows_what_the_cache_stores(
     assert code == (0 if all(r["result"] in ("pass", "unsupported") for r in rows.values()) else 1)
 
 
+def test_vllm_defaults_torch_compile_and_cuda_graphs_pass_memleak_and_level2_wake():
+    """vLLM's defaults (torch.compile, CUDA graphs, their private pools), 20% of the GPU: no false alarm."""
+    util = ("-a", "gpu_memory_utilization=0.2")
+    code, run, _ = kvdiag("memleak-defaults", "memleak", "-e", "vllm", "-d", "auto", *util)
+    (c,) = run["cases"]
+    assert c["status"] == "pass" and code == 0, c["findings"]
+    code, run, _ = kvdiag("wake-defaults", "wake-cycle", "-e", "vllm", "-l", "2", "-d", "auto", "-n", "2", *util)
+    (c,) = run["cases"]
+    assert c["status"] == "pass" and code == 0, c["findings"]
+    assert [r["identical"] for r in c["metrics"]["cycles"]] == [True, True]
+
+
 def test_selftest_catches_every_fault_on_cuda():
     code, run, _ = kvdiag("selftest", "selftest", "--device", "cuda", timeout=1500)
     assert run["analysis"]["selftest"]["ok"], run["analysis"]["selftest"]
