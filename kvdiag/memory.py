@@ -195,6 +195,23 @@ def snapshot(stage: str, cycle: int, cuda: bool = False, census: Census | None =
     return snap
 
 
+def release_cublas_workspaces() -> int | None:
+    """Free torch's cuBLAS workspaces and return the CUDA allocated bytes that gave back; None where torch cannot.
+
+    torch keeps one workspace per cuBLAS handle and CUDA stream for the life of the process (32 MiB each on
+    Hopper) and frees them only here; an engine that creates a new stream at every start (vLLM captures its
+    CUDA graphs on one) adds one at every start."""
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    clear()
+    return before - torch.cuda.memory_allocated()
+
+
 def private_pool_bytes() -> int:
     """CUDA memory the caching allocator keeps in private pools (CUDA graph pools, ``MemPool``s such as vLLM's
     sleep-mode allocator) rather than in the default pool: segments whose pool id is not (0, 0)."""

@@ -100,6 +100,22 @@ def test_the_driver_views_allow_the_cuda_runtimes_own_memory():
     assert "192 MiB on the driver's views" in f.message and "5% of the 114 MiB peak" in f.message
 
 
+def test_growth_held_by_cublas_workspaces_names_them():
+    """vLLM 0.24 with its defaults on the H100: CUDA graphs captured on a new stream at every start, torch keeps a
+    32 MiB cuBLAS workspace per stream: +32 MiB allocated after every shutdown, 96 MiB freed by clearing them."""
+    snaps = series([550, 550, 550], workload_tensors=16468, cuda_allocated=[96, 128, 160],
+                   cuda_reserved=[124, 158, 192])
+    empty = Survivors(frozenset(), 0, frozenset(), 0, {})
+    case = Case("memleak", "vllm", "m", "auto", "kvdiag.checks.memleak:run")
+    rec = judge(case.result("pass"), snaps, [Cycle(empty)] * 3, None, None, 96 * MiB)
+    growth = {f.evidence["metric"]: f for f in rec.findings if f.kind == "growth"}
+    assert rec.status == "fail" and set(growth) == {"cuda_allocated", "cuda_reserved"}
+    assert growth["cuda_allocated"].evidence["holder"].startswith("torch's cuBLAS workspaces")
+    assert "96 MiB at the end" in growth["cuda_allocated"].message and rec.metrics["cublas_workspaces_mib"] == 96
+    rec = judge(case.result("pass"), snaps, [Cycle(empty)] * 3, None, None, 0)  # not the workspaces: no holder
+    assert all(f.evidence["holder"] is None for f in rec.findings if f.kind == "growth")
+
+
 def test_objects_still_frozen_after_shutdown_fail():
     rec = verdict(series([550, 550], frozen=[1000, 2000]))
     assert rec.status == "fail" and ("error", "gc_frozen") in kinds(rec)

@@ -157,12 +157,27 @@ def test_dtypes_check_runs_one_engine_at_a_time_and_shows_what_the_cache_stores(
     assert code == (0 if all(r["result"] in ("pass", "unsupported") for r in rows.values()) else 1)
 
 
-def test_vllm_defaults_torch_compile_and_cuda_graphs_pass_memleak_and_level2_wake():
-    """vLLM's defaults (torch.compile, CUDA graphs, their private pools), 20% of the GPU: no false alarm."""
+def test_vllm_defaults_memleak_matches_vllm_and_level2_wake_passes():
+    """vLLM's defaults (torch.compile, CUDA graphs captured on a new stream at every start), 20% of the GPU.
+    memleak says what the probe measures: CUDA allocated after shutdown grows by what torch's cuBLAS workspaces
+    (one per handle and stream) hold, named as the holder; without growth in the probe, it passes."""
+    truth = probe("defaults")
+    alloc = truth["allocated_after_shutdown_mib"]
+    steps = [b - a for a, b in zip(alloc, alloc[1:])]
     util = ("-a", "gpu_memory_utilization=0.2")
     code, run, _ = kvdiag("memleak-defaults", "memleak", "-e", "vllm", "-d", "auto", *util)
     (c,) = run["cases"]
-    assert c["status"] == "pass" and code == 0, c["findings"]
+    mine = c["metrics"]["held_mib"]["cuda_allocated"]
+    assert [b - a for a, b in zip(mine, mine[1:])] == pytest.approx(steps, abs=2), (mine, truth)
+    if all(x > 4 for x in steps):
+        assert code == 1 and c["status"] == "fail", c["findings"]
+        (g,) = [f for f in c["findings"] if f["kind"] == "growth" and f["evidence"]["metric"] == "cuda_allocated"]
+        cleared = alloc[-1] - truth["allocated_after_clearing_cublas_workspaces_mib"] \
+            - truth["baseline_cublas_workspace_mib"]  # what clearing freed beyond the baseline's workspace
+        assert g["evidence"]["holder"].startswith("torch's cuBLAS workspaces"), g
+        assert c["metrics"]["cublas_workspaces_mib"] == pytest.approx(cleared, abs=4), (c["metrics"], truth)
+    else:
+        assert c["status"] == "pass" and code == 0, c["findings"]
     code, run, _ = kvdiag("wake-defaults", "wake-cycle", "-e", "vllm", "-l", "2", "-d", "auto", "-n", "2", *util)
     (c,) = run["cases"]
     assert c["status"] == "pass" and code == 0, c["findings"]

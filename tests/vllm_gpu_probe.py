@@ -8,6 +8,8 @@ what this prints.  ``python3 tests/vllm_gpu_probe.py sleep|eager MODEL``  -> one
   GPU memory still used beyond the start; then a second engine with sleep mode in the same process.
 - ``eager``: three start / generate / shutdown cycles without sleep mode: CUDA allocated and the driver's used
   memory after each shutdown.
+- ``defaults``: the same with vLLM's defaults (torch.compile, CUDA graphs captured on a new stream each start),
+  then torch's cuBLAS workspaces (one per cuBLAS handle and stream) cleared: what that gives back.
 """
 
 from __future__ import annotations
@@ -86,28 +88,36 @@ def sleep_probe(model: str) -> dict:
     return out
 
 
-def eager_probe(model: str) -> dict:
+def eager_probe(model: str, eager: bool = True) -> dict:
     import torch
     from vllm import LLM
 
+    start = torch.cuda.memory_allocated()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):  # as kvdiag's baseline: cuBLAS's handle and
         x = torch.ones(64, 64, device="cuda", dtype=dtype)  # workspaces belong to the process, not the engine
         (x @ x).sum().item()
+    del x
     base_alloc, base_used = torch.cuda.memory_allocated(), used()
     alloc, drv = [], []
     for _ in range(3):
-        llm = LLM(model=model, **ARGS)
+        llm = LLM(model=model, **{**ARGS, "enforce_eager": eager})
         greedy(llm)
         llm.llm_engine.engine_core.shutdown()
         del llm
         cleanup()
         alloc.append((torch.cuda.memory_allocated() - base_alloc) / MiB)
         drv.append((used() - base_used) / MiB)
-    return {"allocated_after_shutdown_mib": alloc, "driver_used_after_shutdown_mib": drv}
+    out = {"allocated_after_shutdown_mib": alloc, "driver_used_after_shutdown_mib": drv,
+           "baseline_cublas_workspace_mib": (base_alloc - start) / MiB}
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    out["allocated_after_clearing_cublas_workspaces_mib"] = (torch.cuda.memory_allocated() - base_alloc) / MiB
+    return out
 
 
 if __name__ == "__main__":
     mode, model = sys.argv[1], sys.argv[2]
-    result = {"sleep": sleep_probe, "eager": eager_probe}[mode](model)
+    probes = {"sleep": sleep_probe, "eager": eager_probe, "defaults": lambda m: eager_probe(m, eager=False)}
+    result = probes[mode](model)
     print("PROBE " + json.dumps(result), flush=True)
     os._exit(0)  # vLLM's sleep-mode allocator may not let the interpreter exit cleanly

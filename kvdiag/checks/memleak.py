@@ -40,6 +40,7 @@ from kvdiag.memory import (
     Survivors,
     cleanup,
     private_pool_bytes,
+    release_cublas_workspaces,
     snapshot,
     survivors,
     take_census,
@@ -57,6 +58,9 @@ EXACT = ("tensor_bytes", "cuda_allocated", "cuda_reserved")
 NOISY = ("rss", "driver_used", "nvml_process")
 MAX_SMALL_ATTRIBUTED = 200
 OUTSIDE = "held outside Python objects (allocator/driver)"
+CUBLAS = ("torch's cuBLAS workspaces (one per cuBLAS handle and CUDA stream, kept for the process's life: an "
+          "engine that creates a new stream at every start adds one every start)")
+CUDA_MEASURES = ("cuda_allocated", "cuda_reserved", "driver_used", "nvml_process")
 
 
 @dataclass
@@ -91,7 +95,7 @@ def run(case, ctx):
     device = case.params.get("device") or "auto"
     cuda = uses_cuda(device)
     prompts = greedy.prompt_texts(case.model)[: p.num_prompts]
-    prepare(case.engine, cuda, device)
+    base_workspaces = prepare(case.engine, cuda, device)
     base = take_census()
     snaps = [snapshot("baseline", 0, cuda, base)]
     cycles: list[Cycle] = []
@@ -104,6 +108,8 @@ def run(case, ctx):
         except RestartImpossible as e:
             restart = {"cycle": n, "message": str(e)}
             break
+    freed = release_cublas_workspaces() if cuda else None  # after the last snapshot: who holds what grew
+    cublas = None if freed is None else freed - base_workspaces
     counts = [c.survivors.small_count for c in cycles]
     if len(counts) > 1 and all(b > a for a, b in zip(counts, counts[1:])) and \
             not detector_disabled("memleak.holders"):  # tiny survivors that keep coming
@@ -113,7 +119,7 @@ def run(case, ctx):
         cycles[-1].holders = holders(last.keys | set(list(last.small_keys)[:MAX_SMALL_ATTRIBUTED]))
     rec = case.result("pass", metrics={"cuda": cuda, "cycles": p.cycles, "max_tokens": p.max_tokens,
                                        "prompts": len(prompts)})
-    return judge(rec, snaps, cycles, p.threshold_mib, restart)
+    return judge(rec, snaps, cycles, p.threshold_mib, restart, cublas)
 
 
 def uses_cuda(device: str) -> bool:
@@ -122,20 +128,26 @@ def uses_cuda(device: str) -> bool:
     return device != "cpu" and torch.cuda.is_available()
 
 
-def prepare(engine: str, cuda: bool, device: str) -> None:
+def prepare(engine: str, cuda: bool, device: str) -> int:
     """Before the baseline: what belongs to the process, not the engine - the CUDA context (on the engine's
     device: snapshots read the current one), cuBLAS's handle and workspaces (kept per stream for the process's
-    life), and the engine's imports (what its modules create at import)."""
+    life), and the engine's imports (what its modules create at import). Returns the bytes of cuBLAS workspace
+    the baseline holds (the current stream's)."""
+    workspaces = 0
     if cuda:
         import torch
 
         if device.startswith("cuda:"):
             torch.cuda.set_device(torch.device(device))
+        start = torch.cuda.memory_allocated()
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x = torch.ones(64, 64, device="cuda", dtype=dtype)
             (x @ x).sum().item()
+        del x
+        workspaces = torch.cuda.memory_allocated() - start
     create_engine(engine)
     cleanup(cuda)
+    return workspaces
 
 
 def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps: list) -> Cycle:
@@ -193,8 +205,9 @@ class Limits:
 
 
 def judge(rec, snaps: list[Snapshot], cycles: list[Cycle], threshold_mib: float | None = None,
-          restart: dict | None = None):
-    """Fill ``rec`` (status, metrics, findings) from the snapshots and survivors of every cycle."""
+          restart: dict | None = None, cublas: int | None = None):
+    """Fill ``rec`` (status, metrics, findings) from the snapshots and survivors of every cycle; ``cublas``: the
+    bytes of torch's cuBLAS workspaces held beyond the baseline's after the last cycle (CUDA)."""
     base = snaps[0]
     after = [s for s in snaps if s.stage == "after-shutdown"]
     lim = Limits.of(_peak(base, [s for s in snaps if s.stage == "after-workload"]), threshold_mib)
@@ -215,12 +228,13 @@ def judge(rec, snaps: list[Snapshot], cycles: list[Cycle], threshold_mib: float 
         "pools_after_shutdown": cycles[-1].pools if cycles else [],
         "private_pool_mib": [_mib(c.private_pool_bytes) for c in cycles],
         "frozen": [s.frozen for s in after], "baseline_frozen": base.frozen,
+        "cublas_workspaces_mib": _mib(cublas),
     })
-    kept = _retention_finding(rec, held, cycles, lim)
+    kept = _retention_finding(rec, held, cycles, lim, cublas)
     if restart is not None:
         _restart_finding(rec, restart, held)
     _survivor_findings(rec, cycles, lim)  # the holders first: they name what a growth finding measures
-    grew = _growth_findings(rec, growth, lim)
+    grew = _growth_findings(rec, growth, lim, cublas)
     small = {m: _mib(v[0]) for m, v in held.items() if v and v[0] > lim.growth_tol(m) and m not in grew | kept}
     if small:
         rec.add("info", "one_time_cost", "the first cycle kept " + ", ".join(f"{m} {x:.1f} MiB" for m, x in
@@ -248,14 +262,16 @@ def _peak(base: Snapshot, workload: list[Snapshot]) -> int:
     return max(peaks)
 
 
-def _retention_finding(rec, held: dict[str, list[int]], cycles: list[Cycle], lim: Limits) -> set[str]:
+def _retention_finding(rec, held: dict[str, list[int]], cycles: list[Cycle], lim: Limits,
+                       cublas: int | None = None) -> set[str]:
     """One ``retained`` error when any shutdown left more than the limit on a retention measure; its holders."""
     over = {m: max(v) for m, v in held.items() if m in RETAINED and v and max(v) > lim.retain_for(m)}
     if not over:
         return set()
     worst = max(over, key=over.get)
     n = held[worst].index(over[worst])
-    holders = _attribute(cycles[n] if n < len(cycles) else cycles[-1], over[worst])
+    last = n == len(held[worst]) - 1  # the cuBLAS workspaces were measured after the last cycle
+    holders = _attribute(cycles[n] if n < len(cycles) else cycles[-1], over[worst], cublas if last else None)
     what = ", ".join(f"{m} {x / MiB:.0f} MiB" for m, x in over.items())
     names = "; ".join(f"{h['holder']}: {h['bytes'] / MiB:.0f} MiB" for h in holders)
     driver = f"; {(lim.retain + DRIVER_ALLOWANCE) / MiB:.0f} MiB on the driver's views, with the CUDA runtime's " \
@@ -267,9 +283,10 @@ def _retention_finding(rec, held: dict[str, list[int]], cycles: list[Cycle], lim
     return set(over)
 
 
-def _attribute(c: Cycle, retained: int) -> list[dict]:
+def _attribute(c: Cycle, retained: int, cublas: int | None = None) -> list[dict]:
     """Who holds ``retained`` bytes after a shutdown: the engine's pools, Python referrers of the surviving
-    tensors, CUDA private pools (CUDA graphs), and whatever is left: outside Python objects."""
+    tensors, CUDA private pools (CUDA graphs), torch's cuBLAS workspaces, and whatever is left: outside Python
+    objects."""
     out = [{"holder": p["holder"], "bytes": int(p["bytes"]), **{k: v for k, v in p.items() if k not in
                                                                ("holder", "bytes")}} for p in c.pools]
     out += [{"holder": h.holder, "bytes": int(h.bytes), "path": h.path} for h in c.holders]
@@ -279,6 +296,9 @@ def _attribute(c: Cycle, retained: int) -> list[dict]:
     if graphs > EXACT_TOL:
         out.append({"holder": "CUDA private memory pools (CUDA graphs)", "bytes": graphs})
         named += graphs
+    if cublas and cublas > EXACT_TOL:
+        out.append({"holder": CUBLAS, "bytes": cublas})
+        named += cublas
     rest = retained - named
     if not out or rest > max(EXACT_TOL, 0.1 * retained):
         out.append({"holder": OUTSIDE, "bytes": max(rest, 0)})
@@ -318,16 +338,19 @@ def _survivor_findings(rec, cycles: list[Cycle], lim: Limits) -> None:
                 per_cycle_mib=per_cycle, devices=last.survivors.by_device)
 
 
-def _growth_findings(rec, growth: dict[str, list[int]], lim: Limits) -> set[str]:
+def _growth_findings(rec, growth: dict[str, list[int]], lim: Limits, cublas: int | None = None) -> set[str]:
     grew = set()
     for m, steps in growth.items():
         tol = lim.growth_tol(m)
         if steps and all(x > tol for x in steps):
             grew.add(m)
+            holder = CUBLAS if cublas and cublas > EXACT_TOL and m in CUDA_MEASURES else None
+            why = f"; held by {holder}: {cublas / MiB:.0f} MiB at the end" if holder else ""
             rec.add("error", "growth", f"{m} after shutdown grows from cycle to cycle: "
                     + ", ".join(f"{i + 1}→{i + 2}: {x / MiB:+.1f} MiB" for i, x in enumerate(steps))
-                    + f" (tolerance {tol / MiB:.1f} MiB per step)", metric=m, growth_mib=[_mib(x) for x in steps],
-                    threshold_mib=_mib(tol))
+                    + f" (tolerance {tol / MiB:.1f} MiB per step){why}", metric=m,
+                    growth_mib=[_mib(x) for x in steps], threshold_mib=_mib(tol), holder=holder,
+                    holder_mib=_mib(cublas) if holder else None)
     return grew
 
 
