@@ -113,3 +113,53 @@ def cap_jobs(cases: list, jobs: int, *, quiet: bool = False) -> tuple[int, tuple
                   "break each other's memory profiling)", file=sys.stderr, flush=True)
         jobs = slots
     return jobs, where.pin
+
+
+# ---------------------------------------------------------------- the CPU: jobs, threads, pre-imports
+
+def default_jobs(cases: list) -> int:
+    """Cases at once when --jobs is not given: for the builtin engine on the CPU, up to 4 (small models use one
+    core better than two; the runner gives the last cases of a sweep the cores the finished ones freed:
+    worker_env) - single-case workers with --isolate case, threads of the one worker with --isolate run
+    (``case_threads``); else 1 (GPU cases: --jobs up to one per visible GPU, ``cap_jobs``)."""
+    if not cases or not _builtin_on_cpu(cases):
+        return 1
+    return max(1, min(4, os.cpu_count() or 1, len(cases)))
+
+
+def case_threads(cases: list, isolate, jobs: int) -> int:
+    """--isolate run: the dtypes its one worker runs at once, each on a thread with its own KV cache and the
+    weights loaded once (``BuiltinEngine.share_weights``) - the builtin engine on the CPU, without faults (some
+    act on process-wide state); else 1: one dtype after the other (vLLM: one engine per process)."""
+    if getattr(isolate, "value", isolate) != "run" or not _builtin_on_cpu(cases):
+        return 1
+    if any(c.params.get("faults") for c in cases):
+        return 1
+    return jobs
+
+
+def _builtin_on_cpu(cases: list) -> bool:
+    return all(c.engine == "builtin" for c in cases) and not place(cases).gpu
+
+
+def preload(cases: list, *modules: str) -> tuple[str, ...]:
+    """What the workers' fork server imports once (kvdiag.runner): torch, the builtin engine, the ``tokenizers``
+    library (not transformers: ``engines/builtin/tokenizer.py``) and ``modules``. Nothing for other engines
+    (vLLM's import must stay in the worker)."""
+    if not cases or any(c.engine != "builtin" for c in cases):
+        return ()
+    return ("torch", "kvdiag.engines.builtin.engine", "tokenizers", "kvdiag.checks.accuracy", *modules)
+
+
+def worker_env(jobs: int) -> dict:
+    """Torch threads per worker: the cores shared by the workers that run at once (unless the user chose; the
+    runner gives the last workers of a sweep the cores the finished ones freed), and OpenMP's passive wait: with
+    its default spin-wait, idle OpenMP threads kept spinning between the small ops of the builtin engine, and a
+    2-thread worker ran a dtype of the default sweep in 31.6 s instead of 13.1 s (1 thread: 16.3 s) on 2 cores."""
+    from kvdiag.runner import SHARE_CORES
+
+    env = {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = os.cpu_count() or 1
+        env.update({"OMP_NUM_THREADS": str(max(1, cores // max(1, jobs))), SHARE_CORES: str(cores)})
+    return env

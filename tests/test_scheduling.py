@@ -87,7 +87,7 @@ def test_what_is_not_capped_and_what_one_named_gpu_allows(gpus, capsys):
 
 
 def test_builtin_default_jobs_follow_the_same_rule(gpus, monkeypatch):
-    from kvdiag.cli.accuracy_cmd import default_jobs
+    from kvdiag.scheduling import default_jobs
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     gpus(1)

@@ -83,6 +83,7 @@ def accuracy(
     any dtype regressed, collapsed, drifted or crashed.
     """
     from kvdiag.cli.common import execute, make_run_dir
+    from kvdiag.scheduling import case_threads, default_jobs, preload, worker_env
 
     cases, analyze = accuracy_cases(engine, model, kv_dtype, baseline, tasks, include_path, limit, num_fewshot, seed,
                                     engine_arg, device, fault, isolate, max_drop=max_drop, alpha=alpha, max_kl=max_kl,
@@ -167,58 +168,6 @@ def resolve_sweep(engine, model, kv_dtype, baseline, engine_arg, device, fault, 
         raise UserError(f"--baseline: {e}") from None
     spec = {"device": device, "engine_args": engine_args, "faults": resolve_faults(engine, fault)}
     return Sweep(engine, model, [base] + [d for d in names if d != base], base, spec)
-
-
-def default_jobs(cases: list) -> int:
-    """Cases at once when --jobs is not given: for the builtin engine on the CPU, up to 4 (small models use one
-    core better than two; the runner gives the last cases of a sweep the cores the finished ones freed:
-    worker_env) - single-case workers with --isolate case, threads of the one worker with --isolate run
-    (``case_threads``); else 1 (GPU cases: --jobs up to one per visible GPU, ``kvdiag.scheduling``)."""
-    import os
-
-    if not cases or not _builtin_on_cpu(cases):
-        return 1
-    return max(1, min(4, os.cpu_count() or 1, len(cases)))
-
-
-def case_threads(cases: list, isolate, jobs: int) -> int:
-    """--isolate run: the dtypes its one worker runs at once, each on a thread with its own KV cache and the
-    weights loaded once (``BuiltinEngine.share_weights``) - the builtin engine on the CPU, without faults (some
-    act on process-wide state); else 1: one dtype after the other (vLLM: one engine per process)."""
-    if Isolate(isolate) != Isolate.run or not _builtin_on_cpu(cases) or any(c.params.get("faults") for c in cases):
-        return 1
-    return jobs
-
-
-def _builtin_on_cpu(cases: list) -> bool:
-    from kvdiag.scheduling import place
-
-    return all(c.engine == "builtin" for c in cases) and not place(cases).gpu
-
-
-def preload(cases: list, *modules: str) -> tuple[str, ...]:
-    """What the workers' fork server imports once (kvdiag.runner): torch, the builtin engine, the ``tokenizers``
-    library (not transformers: ``engines/builtin/tokenizer.py``) and ``modules``. Nothing for other engines
-    (vLLM's import must stay in the worker)."""
-    if not cases or any(c.engine != "builtin" for c in cases):
-        return ()
-    return ("torch", "kvdiag.engines.builtin.engine", "tokenizers", "kvdiag.checks.accuracy", *modules)
-
-
-def worker_env(jobs: int) -> dict:
-    """Torch threads per worker: the cores shared by the workers that run at once (unless the user chose; the
-    runner gives the last workers of a sweep the cores the finished ones freed), and OpenMP's passive wait: with
-    its default spin-wait, idle OpenMP threads kept spinning between the small ops of the builtin engine, and a
-    2-thread worker ran a dtype of the default sweep in 31.6 s instead of 13.1 s (1 thread: 16.3 s) on 2 cores."""
-    import os
-
-    from kvdiag.runner import SHARE_CORES
-
-    env = {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
-    if "OMP_NUM_THREADS" not in os.environ:
-        cores = os.cpu_count() or 1
-        env.update({"OMP_NUM_THREADS": str(max(1, cores // max(1, jobs))), SHARE_CORES: str(cores)})
-    return env
 
 
 def build_cases(check: str, target: str, sweep: Sweep, params: dict, isolate) -> list:

@@ -44,12 +44,12 @@ def ci(
     (cycles, threshold_mib, tasks, limit, max_drop, alpha, levels, value, ...); [compare] max_drop,
     alpha, mem_tolerance_mib. An unknown key is an error that lists the valid ones.
     """
-    from kvdiag.cli.accuracy_cmd import worker_env
     from kvdiag.cli.ci_config import find_config, load_config
     from kvdiag.cli.ci_suite import build_suite
     from kvdiag.cli.common import execute
     from kvdiag.errors import UserError
     from kvdiag.report.baseline import load_side
+    from kvdiag.scheduling import worker_env
 
     cfg = load_config(config or find_config())
     cases, analyzers = build_suite(cfg)

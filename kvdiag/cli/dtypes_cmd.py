@@ -94,8 +94,8 @@ def _list(engine, kv_dtype, fmt) -> None:
 
 def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs, output_dir, timeout,
            resume, quiet, fault) -> int:
-    from kvdiag.cli.accuracy_cmd import default_jobs, preload, worker_env
     from kvdiag.cli.common import execute, make_run_dir
+    from kvdiag.scheduling import default_jobs, preload, worker_env
 
     cases, analyze = check_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, max_kl=max_kl,
                                  min_top1=min_top1)
