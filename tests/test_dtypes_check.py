@@ -151,7 +151,7 @@ def test_the_matrix_shows_what_the_cache_stores(tmp_path):
     assert {v["not_quantized"] for v in rows.values()} == {None}
     from rich.console import Console
 
-    from kvdiag.cli.dtypes_cmd import _render
+    from kvdiag.report.views import dtypes as _render
     from kvdiag.results import load_run
 
     con = Console(record=True, width=250)

@@ -149,7 +149,7 @@ def test_cli_fault_alias_json_and_exit_code(model, tmp_path):
 def test_table_names_value_blocks_and_first_difference(model):
     from rich.console import Console
 
-    from kvdiag.cli.poison_cmd import render
+    from kvdiag.report.views import poison as render
     from kvdiag.results import RunRecord
 
     recs = [run_case(model, "fp8", value="max"), run_case(model, "bfloat16", faults=S3),

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiag.checks import drift
+from kvdiag.checks.registry import Check, option
 from kvdiag.errors import EngineUnsupported, resource_failure
 
 SAMPLES = ".samples.json"
@@ -24,6 +26,34 @@ _STARTED: list = []  # non-empty once this worker ran its first case
 
 
 # ------------------------------------------------------------------ worker side
+
+
+def drift_limit(name: str):
+    """The drift limits accuracy and dtypes --check both take."""
+    if name == "max_kl":
+        return option(None, "--max-kl", min=0, help="Mean KL(baseline||dtype) allowed per position for every dtype "
+                      "that need not be bit-identical (default: per dtype family, see docs).")
+    return option(None, "--min-top1", min=0, max=1, help="Top-1 agreement with the baseline required (default: per "
+                  "dtype family).")
+
+
+@dataclass
+class AccuracyParams:
+    tasks: list[str] = option([], "--tasks", "-t", help="lm_eval task names or globs (comma-separated or repeated). "
+                              "Default: kvdiag's shipped tasks (kv_recall, kv_recall_long). Any lm_eval task works "
+                              "(indexing lm_eval's tasks adds ~7 s).")
+    include_paths: list[str] = option([], "--include-path", help="A folder of your own lm_eval task YAML files; "
+                                      "repeatable.")
+    baseline: str = option("auto", "--baseline", help="The kv dtype every other dtype is compared with.")
+    limit: float | None = option(None, "--limit", help="Documents per task (an int), or a fraction of each "
+                                 "task when < 1 (as in lm_eval).")
+    num_fewshot: int | None = option(None, "--num-fewshot", min=0, help="Few-shot examples (lm_eval).")
+    seed: int = option(0, "--seed", help="Random seed for sampling and for lm_eval.")
+    max_drop: float = option(0.02, "--max-drop", min=0, help="A drop (in the metric's units, e.g. 0.02 = 2 points "
+                             "of acc) larger than this and significant at --alpha is a regression.")
+    alpha: float = option(0.05, "--alpha", min=0, max=1, help="Significance level of the paired test.")
+    max_kl: float | None = drift_limit("max_kl")
+    min_top1: float | None = drift_limit("min_top1")
 
 
 def run_case(case, ctx):
@@ -195,3 +225,10 @@ def total_timings(cases) -> dict:
         for k, v in (c.metrics.get("timings") or {}).items():
             out[k] = round(out.get(k, 0.0) + v, 3)
     return out
+
+
+CHECK = Check(
+    "accuracy", "kvdiag.checks.accuracy:run_case", AccuracyParams,
+    help="Score lm_eval tasks and token-level drift for each kv dtype against a baseline dtype.",
+    render="kvdiag.report.views:accuracy", plots="kvdiag.report.plots:accuracy_plots",
+    compare="kvdiag.report.compare:score_rows")

@@ -18,13 +18,22 @@ at the model's precision gets a ``not_quantized`` warning (the row still passes)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiag.checks import drift
-from kvdiag.checks.accuracy import DRIFT, acquire_engine, model_dtype, release_engine
+from kvdiag.checks.accuracy import DRIFT, acquire_engine, drift_limit, model_dtype, release_engine
+from kvdiag.checks.registry import Check
 from kvdiag.errors import EngineUnsupported, first_line, resource_failure
 
 UNSUPPORTED = (EngineUnsupported, NotImplementedError, ValueError)
+
+
+
+@dataclass
+class DtypesParams:
+    max_kl: float | None = drift_limit("max_kl")
+    min_top1: float | None = drift_limit("min_top1")
 
 
 def run_case(case, ctx):
@@ -174,3 +183,10 @@ def _full_precision(kv_dtype: str, st: dict, model: str | None) -> list[str]:
     model_bytes = dtypes.element_bytes(model) or 2
     sizes = st["element_bytes"]
     return [d for d in st["layer_dtypes"] if any(x == model or sizes.get(x, 0) >= model_bytes for x in d.split("/"))]
+
+
+CHECK = Check(
+    "dtypes", "kvdiag.checks.dtypes_matrix:run_case", DtypesParams, timeout=300.0,
+    help="The kv dtype support matrix: does the engine start with each dtype, is the output finite, bit-identical "
+    "or within drift of 'auto', and what its cache stores.",
+    render="kvdiag.report.views:dtypes")

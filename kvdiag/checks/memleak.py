@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvdiag.checks import greedy
 from kvdiag.checks.common import detector_disabled, engine_spec
+from kvdiag.checks.registry import Check, option
 from kvdiag.engines.base import create_engine
 from kvdiag.errors import EngineUnsupported, first_line
 from kvdiag.memory import (
@@ -65,9 +66,12 @@ CUDA_MEASURES = ("cuda_allocated", "cuda_reserved", "driver_used", "nvml_process
 
 @dataclass
 class LeakParams:
-    cycles: int = 3
-    threshold_mib: float | None = None  # the retention limit; None: max(64 MiB, 5% of the engine's peak)
-    max_tokens: int = 16
+    cycles: int = option(3, "--cycles", "-n", help="How many cycles to run.", min=1)
+    threshold_mib: float | None = option(
+        None, "--threshold", min=0, help="Retention limit: MiB that may stay held beyond the baseline after any "
+        "shutdown (CUDA allocated/reserved, live tensor bytes; the driver's used memory and NVML get 128 MiB more "
+        "for the CUDA runtime's own memory). Default: max(64 MiB, 5% of the engine's peak).")
+    max_tokens: int = option(16, "--max-tokens", help="Tokens decoded per prompt in each cycle.", min=1)
     num_prompts: int = 4
 
     @classmethod
@@ -356,3 +360,28 @@ def _growth_findings(rec, growth: dict[str, list[int]], lim: Limits, cublas: int
 
 def _mib(x) -> float | None:
     return None if x is None else round(x / MiB, 3)
+
+
+HELP = (
+    "Is memory back after the engine shuts down? Per kv dtype, in a fresh worker: a baseline, then\n"
+    "--cycles times start, a short prefill + decode, snapshot, shutdown, gc + empty_cache, snapshot.\n"
+    "\n"
+    "One verdict policy for every engine. FAIL when:\n"
+    "retention - after any shutdown (the first too; one cycle is enough) more than --threshold MiB stays held\n"
+    "beyond the baseline on CUDA allocated/reserved, the driver's used memory or live tensor bytes; the\n"
+    "finding names the holder: Python referrers (a module global, an lru_cache and its key, a closure, a class\n"
+    "attribute, the engine object), vLLM's sleep-mode allocator pool, CUDA graph pools, or \"held outside\n"
+    "Python objects (allocator/driver)\";\n"
+    "growth - memory after shutdown grows in every step from one cycle to the next: by more than 4 MiB on\n"
+    "tensor bytes, CUDA allocated or reserved, by more than max(16 MiB, 1% of the peak) on RSS, driver\n"
+    "used and NVML;\n"
+    "surviving tensors whose count or bytes grow every cycle;\n"
+    "restart impossible - the engine started once and cannot start again in this process (vLLM sleep mode\n"
+    "on CUDA), with the engine's message;\n"
+    "objects left frozen by gc.freeze().\n"
+    "WARNING (exit 0): a small set of tensors that survives shutdown unchanged every cycle (a process-lifetime\n"
+    "cache), with its holder. INFO: a one-time cost of the first cycle under the limits.")
+
+CHECK = Check("memleak", "kvdiag.checks.memleak:run", LeakParams, help=HELP,
+              isolate=False, render="kvdiag.report.views:memleak", plots="kvdiag.report.plots:memleak_plots",
+              compare="kvdiag.report.compare:memory_rows")

@@ -21,15 +21,19 @@ from dataclasses import asdict, dataclass
 
 from kvdiag.checks import greedy, kv_tensors
 from kvdiag.checks.common import device_info, engine_spec
+from kvdiag.checks.registry import Check, option
 from kvdiag.engines.base import create_engine
 from kvdiag.errors import EngineUnsupported
 
 
 @dataclass
 class PoisonParams:
-    value: str = "nan"
-    seed: int = 0
-    logprob_tol: float = greedy.LOGPROB_TOL
+    value: str = option("nan", "--value", choices=("nan", "inf", "max", "random"), help="What free blocks (K, V "
+                        "and scale slots) are filled with: nan, inf (NaN where the dtype has no inf), max (the "
+                        "dtype's largest finite value) or random (seeded random bits).")
+    logprob_tol: float = option(greedy.LOGPROB_TOL, "--logprob-tol", min=0,
+                                help="Largest |Δ logprob| allowed where the tokens are identical.")
+    seed: int = option(0, "--seed", help="Random seed.")
 
     @classmethod
     def from_case(cls, case) -> "PoisonParams":
@@ -133,3 +137,16 @@ def _verdict(case, p: PoisonParams, prompts, ref, out, stats: dict, engine):
                 "poisoned blocks: nothing was tested")
     rec.status = "fail" if any(f.severity == "error" for f in rec.findings) else "pass"
     return rec
+
+
+HELP = (
+    "Poison every free KV block, run a workload that allocates fresh blocks, compare with a clean run.\n"
+    "\n"
+    "Per kv dtype: three waves of requests (decodes growing across block boundaries, short\n"
+    "requests on freed blocks, all at once) in a cache small enough that freed blocks are\n"
+    "reused; free blocks are re-poisoned before each wave. The same waves with zeroed free\n"
+    "blocks are the reference. Any NaN/Inf or changed token fails, naming the request and\n"
+    "position that first differed. Engines without KV access are reported as skipped.")
+
+CHECK = Check("poison", "kvdiag.checks.poison:run", PoisonParams, help=HELP,
+              render="kvdiag.report.views:poison")

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 from kvdiag.checks import greedy, kv_tensors, mem_probe
 from kvdiag.checks.common import device_info, engine_spec
+from kvdiag.checks.registry import Check, option
 from kvdiag.engines.base import create_engine
 from kvdiag.errors import EngineUnsupported
 
@@ -25,11 +26,16 @@ MAX_TOKENS = 24
 
 @dataclass
 class WakeParams:
-    level: int = 1
-    cycles: int = 5
-    staged: bool = False
-    max_tokens: int = MAX_TOKENS
-    logprob_tol: float = greedy.LOGPROB_TOL
+    levels: list[int] = option([1], "--level", "-l", choices=(1, 2), help="Sleep level: 1 (weights offloaded to "
+                               "CPU, KV discarded) or 2 (both discarded); repeat for both. Default: 1.")
+    staged: bool = option(False, "--staged", help="Wake in two steps, 'weights' then 'kv_cache', instead of all tags "
+                          "at once.")
+    cycles: int = option(5, "--cycles", "-n", help="How many cycles to run.", min=1)
+    max_tokens: int = option(MAX_TOKENS, "--max-tokens", help="Tokens generated greedily per prompt.", min=1)
+    logprob_tol: float = option(greedy.LOGPROB_TOL, "--logprob-tol", min=0,
+                                help="Largest |Δ logprob| allowed where the tokens are identical.")
+    seed: int = option(0, "--seed", help="Random seed.")
+    level: int = 1  # this case's level (one of levels)
 
     @classmethod
     def from_case(cls, case) -> "WakeParams":
@@ -165,3 +171,26 @@ def _add_once(rec, kind: str, message: str, cycle: int) -> None:
             f.evidence["cycles"].append(cycle)
             return
     rec.add("error", kind, f"cycle {cycle}: {message}", cycles=[cycle])
+
+
+def variants(p: WakeParams) -> list[dict]:
+    """One case per dtype and sleep level: the level and its id suffix (``L2``, ``L2-staged``)."""
+    from kvdiag.errors import UserError
+
+    levels = list(dict.fromkeys(p.levels or [1]))
+    if bad := [x for x in levels if x not in (1, 2)]:
+        raise UserError(f"--level {bad[0]}: sleep levels are 1 and 2")
+    return [{"level": lv, "staged": p.staged, "suffix": f"L{lv}" + ("-staged" if p.staged else "")} for lv in levels]
+
+
+HELP = (
+    "Sleep and wake the engine N times per kv dtype; outputs must stay identical.\n"
+    "\n"
+    "Records greedy tokens and logprobs of a fixed prompt set, then each cycle sleeps,\n"
+    "checks that the KV cache (and at level 2, or on a GPU, the weights) was freed, wakes,\n"
+    "checks that memory came back, regenerates and compares token for token, and scans the\n"
+    "KV slots just written for NaN/Inf. Engines without sleep mode are reported as skipped.")
+
+CHECK = Check("wake-cycle", "kvdiag.checks.wake_cycle:run", WakeParams, help=HELP,
+              variants="kvdiag.checks.wake_cycle:variants",
+              render="kvdiag.report.views:wake_cycle", plots="kvdiag.report.plots:wake_cycle_plots")

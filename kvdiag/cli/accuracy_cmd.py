@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
 
 import typer
 
+from kvdiag.checks.accuracy import AccuracyParams
 from kvdiag.cli.options import (
     DeviceOpt,
     EngineArgOpt,
@@ -25,26 +25,19 @@ from kvdiag.cli.options import (
     SeedOpt,
     SweepJobsOpt,
     TimeoutOpt,
+    field_option,
 )
 
-TasksOpt = Annotated[Optional[list[str]], typer.Option(
-    "--tasks", "-t", help="lm_eval task names or globs (comma-separated or repeated). Default: kvdiag's shipped "
-    "tasks (kv_recall, kv_recall_long). Any lm_eval task works (indexing lm_eval's tasks adds ~7 s).")]
-IncludeOpt = Annotated[Optional[list[Path]], typer.Option(
-    "--include-path", help="A folder of your own lm_eval task YAML files; repeatable.")]
-BaselineOpt = Annotated[str, typer.Option("--baseline", help="The kv dtype every other dtype is compared with.")]
-LimitOpt = Annotated[Optional[float], typer.Option(
-    "--limit", help="Documents per task (an int), or a fraction of each task when < 1 (as in lm_eval).")]
-FewshotOpt = Annotated[Optional[int], typer.Option("--num-fewshot", help="Few-shot examples (lm_eval).", min=0)]
-MaxDropOpt = Annotated[float, typer.Option(
-    "--max-drop", help="A drop (in the metric's units, e.g. 0.02 = 2 points of acc) larger than this and "
-    "significant at --alpha is a regression.", min=0)]
-AlphaOpt = Annotated[float, typer.Option("--alpha", help="Significance level of the paired test.", min=0, max=1)]
-MaxKLOpt = Annotated[Optional[float], typer.Option(
-    "--max-kl", help="Mean KL(baseline||dtype) allowed per position for every dtype that need not be "
-    "bit-identical (default: per dtype family, see docs).", min=0)]
-MinTop1Opt = Annotated[Optional[float], typer.Option(
-    "--min-top1", help="Top-1 agreement with the baseline required (default: per dtype family).", min=0, max=1)]
+A = AccuracyParams
+TasksOpt = field_option(A, "tasks")
+IncludeOpt = field_option(A, "include_paths", list[Path])
+BaselineOpt = field_option(A, "baseline")
+LimitOpt = field_option(A, "limit")
+FewshotOpt = field_option(A, "num_fewshot")
+MaxDropOpt = field_option(A, "max_drop")
+AlphaOpt = field_option(A, "alpha")
+MaxKLOpt = field_option(A, "max_kl")
+MinTop1Opt = field_option(A, "min_top1")
 
 
 LM_EVAL_MODULES = ("kvdiag.lm_eval_adapter", "lm_eval.evaluator")  # what the workers' fork server pre-imports
@@ -54,14 +47,14 @@ def accuracy(
     engine: EngineOpt = "builtin",
     model: ModelOpt = None,
     kv_dtype: KVDtypeOpt = None,
-    baseline: BaselineOpt = "auto",
+    baseline: BaselineOpt = A.baseline,
     tasks: TasksOpt = None,
     include_path: IncludeOpt = None,
     limit: LimitOpt = None,
     num_fewshot: FewshotOpt = None,
-    seed: SeedOpt = 0,
-    max_drop: MaxDropOpt = 0.02,
-    alpha: AlphaOpt = 0.05,
+    seed: SeedOpt = A.seed,
+    max_drop: MaxDropOpt = A.max_drop,
+    alpha: AlphaOpt = A.alpha,
     max_kl: MaxKLOpt = None,
     min_top1: MinTop1Opt = None,
     isolate: IsolateOpt = Isolate.case,
@@ -92,12 +85,12 @@ def accuracy(
     jobs = jobs or default_jobs(cases)
     code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
                    jobs=jobs, env=worker_env(jobs), preload=preload(cases, *LM_EVAL_MODULES), analyze=analyze,
-                   render=render, threads=case_threads(cases, isolate, jobs))
+                   threads=case_threads(cases, isolate, jobs))
     raise typer.Exit(code)
 
 
 def accuracy_cases(engine, model, kv_dtype, baseline, tasks, include_path, limit, num_fewshot, seed, engine_arg,
-                   device, fault, isolate, *, max_drop=0.02, alpha=0.05, max_kl=None, min_top1=None):
+                   device, fault, isolate, *, max_drop, alpha, max_kl=None, min_top1=None):
     """(cases, analyze): the accuracy cases, baseline dtype first, and the analysis that judges them against it
     (also used by `kvdiag ci`)."""
     from kvdiag.checks.accuracy import analyze
@@ -184,35 +177,7 @@ def build_cases(check: str, target: str, sweep: Sweep, params: dict, isolate) ->
 # ------------------------------------------------------------------ table
 
 
-def render(run, con) -> None:
-    from rich.table import Table
-
-    from kvdiag.report.table import fmt_value
-
-    a = run.analysis.get("accuracy", {})
-    t = Table(title=f"accuracy vs baseline '{a.get('baseline', '?')}' (max drop {a.get('max_drop')}, "
-              f"alpha {a.get('alpha')})", title_justify="left")
-    for col in ("kv dtype", "task", "metric", "score ± stderr", "Δ", "95% CI", "p", "KL mean/max", "top-1",
-                "verdict"):
-        t.add_column(col, justify="left" if col in ("kv dtype", "task", "metric", "verdict") else "right")
-    for r in a.get("rows", []):
-        score = "-" if "score" not in r else f"{fmt_value(r['score'])} ± {fmt_value(r['stderr'])}"
-        ci = "-" if r.get("ci_low") is None else f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
-        kl = "-" if r.get("mean_kl") is None else f"{fmt_value(r['mean_kl'])} / {fmt_value(r['max_kl'])}"
-        delta = "-" if r.get("delta") is None else f"{r['delta']:+.4f}"
-        t.add_row(r["kv_dtype"], r["task"], r["metric"], score, delta, ci, fmt_value(r.get("p_value")), kl,
-                  fmt_value(r.get("top1_agreement")), _verdict(r["verdict"], r.get("message")))
-    con.print(t)
-    times = a.get("timings")
-    if times:
-        con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
 
 
-STYLE = {"ok": "green", "baseline": "cyan", "skipped": "yellow"}
 
 
-def _verdict(v: str, message: str | None = None) -> str:
-    text = f"[{STYLE.get(v, 'bold red')}]{v}[/]"
-    from rich.markup import escape
-
-    return f"{text} {escape(message[:60])}" if message else text

@@ -41,14 +41,15 @@ def _root(
     pass
 
 
-# (command name, module under kvdiag.cli, function). Command modules import only typer and
-# kvdiag's light modules at top level; a module not written yet is simply not registered.
+# (command name, module under kvdiag.cli, function); module None: the command is made from the check's registry
+# entry (cli/check_cmd.py), as for every plug-in check, listed after these. Command modules import only typer and
+# kvdiag's light modules at top level.
 COMMANDS = [
     ("accuracy", "accuracy_cmd", "accuracy"),
     ("dtypes", "dtypes_cmd", "dtypes"),
-    ("memleak", "memleak_cmd", "memleak"),
-    ("wake-cycle", "wake_cycle_cmd", "wake_cycle"),
-    ("poison", "poison_cmd", "poison"),
+    ("memleak", None, None),
+    ("wake-cycle", None, None),
+    ("poison", None, None),
     ("bench", "bench_cmd", "bench"),
     ("ci", "ci_cmd", "ci"),
     ("report", "report_cmd", "report"),
@@ -60,14 +61,19 @@ COMMANDS = [
 def _register() -> None:
     import importlib
 
+    from kvdiag.checks.registry import checks
+    from kvdiag.cli.check_cmd import command_for
+
+    registry = checks()
     for name, module, attr in COMMANDS:
-        try:
-            mod = importlib.import_module(f"kvdiag.cli.{module}")
-        except ModuleNotFoundError as e:
-            if e.name == f"kvdiag.cli.{module}":
-                continue
-            raise
-        app.command(name)(getattr(mod, attr))
+        if module is None:
+            app.command(name)(command_for(registry[name]))
+        else:
+            app.command(name)(getattr(importlib.import_module(f"kvdiag.cli.{module}"), attr))
+    listed = {name for name, _, _ in COMMANDS}
+    for name, check in registry.items():  # plug-in checks
+        if name not in listed:
+            app.command(name)(command_for(check))
 
 
 _register()

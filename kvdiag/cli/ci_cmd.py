@@ -40,7 +40,7 @@ def ci(
 
     Config keys: top level engines, models ("tiny-llama" = the shipped model), kv_dtypes, device,
     engine_args, timeout, isolate (defaults for every check), jobs, output_dir, baseline; a table per
-    check to run, [memleak] [accuracy] [wake-cycle] [poison] [dtypes], with that command's options
+    check to run, [memleak] [accuracy] [wake-cycle] [poison] [dtypes] or a plug-in's, with that command's options
     (cycles, threshold_mib, tasks, limit, max_drop, alpha, levels, value, ...); [compare] max_drop,
     alpha, mem_tolerance_mib. An unknown key is an error that lists the valid ones.
     """

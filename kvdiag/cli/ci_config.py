@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvdiag.checks.registry import _bool, _choice, _int, _list, _num, _str, _table
 from kvdiag.errors import UserError
 
 
@@ -19,79 +20,28 @@ class ConfigError(UserError):
     pass
 
 
-def _int(lo=None):
-    def check(v):
-        if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo):
-            raise ValueError(f"an integer{'' if lo is None else f' >= {lo}'}")
-        return v
-    return check
-
-
-def _num(lo=None, hi=None):
-    def check(v):
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or (lo is not None and v < lo) or \
-                (hi is not None and v > hi):
-            raise ValueError("a number" + (f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}" if lo is not None
-                                           else ""))
-        return float(v)
-    return check
-
-
-def _str(v):
-    if not isinstance(v, str) or not v.strip():
-        raise ValueError("a non-empty string")
-    return v
-
-
-def _bool(v):
-    if not isinstance(v, bool):
-        raise ValueError("true or false")
-    return v
-
-
-def _list(item):
-    def check(v):
-        values = [v] if not isinstance(v, list) else v
-        try:
-            return [item(x) for x in values]
-        except ValueError as e:
-            raise ValueError(f"a list of {e}") from None
-    return check
-
-
-def _choice(*choices):
-    def check(v):
-        if v not in choices:
-            raise ValueError("one of " + ", ".join(map(str, choices)))
-        return v
-    return check
-
-
-def _table(v):
-    if not isinstance(v, dict):
-        raise ValueError("a table of key = value")
-    return v
-
-
 # Keys every check section may set (defaults at top level).
 COMMON = {
     "engines": _list(_str), "models": _list(_str), "kv_dtypes": _list(_str), "device": _str,
     "engine_args": _table, "timeout": _num(1), "isolate": _choice("case", "run"),
 }
-CHECKS = {
-    "memleak": {"cycles": _int(1), "threshold_mib": _num(0), "max_tokens": _int(1)},
-    "accuracy": {"tasks": _list(_str), "include_paths": _list(_str), "limit": _num(0), "num_fewshot": _int(0),
-                 "seed": _int(), "baseline": _str, "max_drop": _num(0), "alpha": _num(0, 1), "max_kl": _num(0),
-                 "min_top1": _num(0, 1)},
-    "wake-cycle": {"levels": _list(_choice(1, 2)), "staged": _bool, "cycles": _int(1), "max_tokens": _int(1),
-                   "logprob_tol": _num(0), "seed": _int()},
-    "poison": {"value": _choice("nan", "inf", "max", "random"), "logprob_tol": _num(0), "seed": _int()},
-    "dtypes": {"max_kl": _num(0), "min_top1": _num(0, 1)},
-}
 TOP = {**COMMON, "engine": _str, "model": _str, "jobs": _int(1), "output_dir": _str, "baseline": _str,
        "compare": _table}
 COMPARE = {"max_drop": _num(0), "alpha": _num(0, 1), "mem_tolerance_mib": _num(0)}
-ALIASES = {"wake_cycle": "wake-cycle", "engine": "engines", "model": "models", "kv_dtype": "kv_dtypes"}
+ALIASES = {"engine": "engines", "model": "models", "kv_dtype": "kv_dtypes"}
+
+
+def check_schemas() -> dict:
+    """Check name -> {key: validator} of its own options: every check of the registry (kvdiag's and plug-ins')."""
+    from kvdiag.checks.registry import checks, toml_schema
+
+    return {name: toml_schema(c) for name, c in checks().items()}
+
+
+def _alias(raw: str, names) -> str:
+    """A table or key as written -> its name: wake_cycle -> wake-cycle, kv_dtype -> kv_dtypes."""
+    dashed = raw.replace("_", "-")
+    return ALIASES.get(raw) or (dashed if dashed in names and raw not in names else raw)
 
 
 @dataclass
@@ -160,15 +110,16 @@ def load_config(path: Path) -> CIConfig:
     cfg.baseline = cfg.resolve(top["baseline"]) if "baseline" in top else None
     cfg.compare = _validate(cfg, "compare", top.get("compare", {}), COMPARE)
     defaults = {k: v for k, v in top.items() if k in COMMON}
+    schemas = check_schemas()
     for raw, section in data.items():
-        name = ALIASES.get(raw, raw)
-        if name not in CHECKS:
+        name = _alias(raw, schemas)
+        if name not in schemas:
             continue
-        own = _validate(cfg, raw, section, {**COMMON, **CHECKS[name], "enabled": _bool})
+        own = _validate(cfg, raw, section, {**COMMON, **schemas[name], "enabled": _bool})
         if own.pop("enabled", True):
             cfg.checks.append(CheckConfig(name, raw, {**defaults, **own}))
     if not cfg.checks:
-        raise cfg.error(f"no check to run: add a table for at least one of {', '.join(CHECKS)}")
+        raise cfg.error(f"no check to run: add a table for at least one of {', '.join(schemas)}")
     return cfg
 
 
@@ -176,12 +127,13 @@ def _validate(cfg: CIConfig, table: str | None, data, schema: dict, sections: bo
     if not isinstance(data, dict):
         raise cfg.error(f"'{table}' must be a table ([{table}])", None, table)
     out = {}
+    checks = check_schemas() if sections else {}
     for raw, value in data.items():
         key = ALIASES.get(raw, raw) if raw not in schema else raw
-        if sections and key in CHECKS:
+        if sections and _alias(raw, checks) in checks:
             continue
         if key not in schema:
-            valid = sorted(set(schema) | (set(CHECKS) if sections else set()))
+            valid = sorted(set(schema) | set(checks))
             raise cfg.error(f"unknown key '{raw}'" + (f" in [{table}]" if table else "") + "; valid: "
                             + ", ".join(valid), table, raw)
         try:

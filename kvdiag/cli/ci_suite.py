@@ -16,50 +16,36 @@ def _engine_args(settings: dict) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in (settings.get("engine_args") or {}).items()]
 
 
-def _memleak(s, engine, model, args):
-    from kvdiag.cli.memleak_cmd import build_cases
-
-    return build_cases(engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None,
-                       cycles=s.get("cycles", 3), threshold=s.get("threshold_mib"),
-                       max_tokens=s.get("max_tokens", 16)), None
-
-
-def _wake_cycle(s, engine, model, args):
-    from kvdiag.cli.wake_cycle_cmd import build_cases
-
-    return build_cases(engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None,
-                       levels=s.get("levels"), staged=s.get("staged", False), cycles=s.get("cycles", 5),
-                       max_tokens=s.get("max_tokens", 24), logprob_tol=s.get("logprob_tol", 1e-4),
-                       seed=s.get("seed", 0), isolate=s.get("isolate", "case")), None
-
-
-def _poison(s, engine, model, args):
-    from kvdiag.cli.poison_cmd import build_cases
-
-    return build_cases(engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None,
-                       value=s.get("value", "nan"), logprob_tol=s.get("logprob_tol", 1e-4), seed=s.get("seed", 0),
-                       isolate=s.get("isolate", "case")), None
-
-
-def _accuracy(s, engine, model, args):
+def _accuracy(p, s, engine, model, args):
     from kvdiag.cli.accuracy_cmd import accuracy_cases
 
-    return accuracy_cases(engine, model, s.get("kv_dtypes"), s.get("baseline", "auto"), s.get("tasks"),
-                          [Path(p) for p in s.get("include_paths") or ()], s.get("limit"), s.get("num_fewshot"),
-                          s.get("seed", 0), args, s.get("device", "auto"), None, s.get("isolate", "case"),
-                          max_drop=s.get("max_drop", 0.02), alpha=s.get("alpha", 0.05), max_kl=s.get("max_kl"),
-                          min_top1=s.get("min_top1"))
+    return accuracy_cases(engine, model, s.get("kv_dtypes"), p.baseline, p.tasks or None,
+                          [Path(x) for x in p.include_paths], p.limit, p.num_fewshot, p.seed, args,
+                          s.get("device", "auto"), None, s.get("isolate", "case"), max_drop=p.max_drop, alpha=p.alpha,
+                          max_kl=p.max_kl, min_top1=p.min_top1)
 
 
-def _dtypes(s, engine, model, args):
+def _dtypes(p, s, engine, model, args):
     from kvdiag.cli.dtypes_cmd import check_cases
 
     return check_cases(engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None,
-                       s.get("isolate", "case"), max_kl=s.get("max_kl"), min_top1=s.get("min_top1"))
+                       s.get("isolate", "case"), max_kl=p.max_kl, min_top1=p.min_top1)
 
 
-BUILDERS = {"memleak": _memleak, "accuracy": _accuracy, "wake-cycle": _wake_cycle, "poison": _poison,
-            "dtypes": _dtypes}
+# the checks whose cases are a sweep against a baseline dtype; every other check: one case per dtype and variant
+SWEEPS = {"accuracy": _accuracy, "dtypes": _dtypes}
+
+
+def _build(name: str, s: dict, engine: str, model, args) -> tuple:
+    """(cases, analyze) of one check for one engine and model, its options from the config (defaults: its params)."""
+    from kvdiag.checks.registry import get
+    from kvdiag.cli.common import check_cases
+
+    p = get(name).make(s)
+    if name in SWEEPS:
+        return SWEEPS[name](p, s, engine, model, args)
+    return check_cases(name, p, engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None,
+                       s.get("isolate", "case"))
 
 
 def _model(cfg, name: str) -> str | None:
@@ -84,8 +70,8 @@ def build_suite(cfg) -> tuple[list, list]:
         groups = [(e, m) for e in s.get("engines") or ["builtin"] for m in s.get("models") or [None]]
         for engine, model in groups:
             try:
-                got, analyze = BUILDERS[chk.name](s, engine, None if model is None else _model(cfg, model),
-                                                  _engine_args(s))
+                got, analyze = _build(chk.name, s, engine, None if model is None else _model(cfg, model),
+                                      _engine_args(s))
             except UserError as e:
                 raise cfg.error(f"[{chk.table}]: {e}", *_blame(chk, s, str(e))) from None
             ids = {c.id for c in got}

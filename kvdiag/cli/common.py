@@ -252,3 +252,18 @@ def dtype_cases(check, target, engine, model, kv_dtype, device, engine_arg, faul
             cid = f"{check}/{engine}/{label}/{d}" + (f"/{suffix}" if suffix else "")
             cases.append(Case(check, engine, model, d, target, params={**base, **v}, id=cid, group=group))
     return cases
+
+
+def check_cases(name: str, p, engine, model, kv_dtype, device, engine_arg, fault, isolate="case") -> tuple:
+    """(cases, analyze) of a registered check (kvdiag.checks.registry): one case per kv dtype and variant, each
+    carrying the options in ``p`` (the check's params); ``analyze`` is the check's verdict across cases, or None."""
+    from kvdiag.checks.registry import get, load
+
+    check = get(name)
+    params = {f.name: getattr(p, f.name) for f in check.option_fields()}
+    variants = load(check.variants)(p) if check.variants else ({"suffix": None},)
+    isolate = getattr(isolate, "value", isolate) if check.isolate else "case"
+    cases = dtype_cases(name, check.target, engine, model, kv_dtype, device, engine_arg, fault, params,
+                        isolate=isolate, variants=variants)
+    analyze = (lambda run: load(check.analyze)(run, p)) if check.analyze else None
+    return cases, analyze

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvdiag.checks.accuracy import AccuracyParams as A
 from kvdiag.cli.accuracy_cmd import AlphaOpt, MaxDropOpt
 from kvdiag.cli.options import Format, FormatOpt
 
@@ -20,8 +21,8 @@ MemTolOpt = Annotated[Optional[float], typer.Option(
 def compare(
     old: Annotated[Path, typer.Argument(help="The earlier run: a run directory or a baseline .json file.")],
     new: Annotated[Path, typer.Argument(help="The later run: a run directory or a baseline .json file.")],
-    max_drop: MaxDropOpt = 0.02,
-    alpha: AlphaOpt = 0.05,
+    max_drop: MaxDropOpt = A.max_drop,
+    alpha: AlphaOpt = A.alpha,
     mem_tolerance: MemTolOpt = None,
     fmt: FormatOpt = Format.table,
 ) -> None:

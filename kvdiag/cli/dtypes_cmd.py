@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from kvdiag.checks.dtypes_matrix import CHECK
 from kvdiag.cli.accuracy_cmd import MaxKLOpt, MinTop1Opt
 from kvdiag.cli.options import (
     DeviceOpt,
@@ -47,7 +48,7 @@ def dtypes(
     isolate: IsolateOpt = Isolate.case,
     jobs: SweepJobsOpt = None,
     output_dir: OutputDirOpt = None,
-    timeout: TimeoutOpt = 300.0,
+    timeout: TimeoutOpt = CHECK.timeout,
     resume: ResumeOpt = None,
     quiet: QuietOpt = False,
     fault: FaultOpt = None,
@@ -102,7 +103,7 @@ def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, i
     jobs = jobs or default_jobs(cases)
     run_dir = make_run_dir(output_dir, "dtypes", resume)
     return execute("dtypes --check", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
-                   quiet=quiet, jobs=jobs, env=worker_env(jobs), render=_render, preload=preload(cases),
+                   quiet=quiet, jobs=jobs, env=worker_env(jobs), preload=preload(cases),
                    analyze=analyze)
 
 
@@ -116,40 +117,11 @@ def check_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, *, 
     return cases, lambda run: analyze(run, max_kl=max_kl, min_top1=min_top1)
 
 
-STYLE = {"pass": "green", "unsupported": "yellow", "resource": "red", "crashed": "bold red", "wrong": "bold red"}
 
 
-def _render(run, con) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from kvdiag.report.table import fmt_value
-
-    a = run.analysis.get("dtypes", {})
-    t = Table(title=f"kv dtype support matrix of engine '{run.cases[0].engine if run.cases else '?'}' "
-              f"(drift vs '{a.get('baseline')}')", title_justify="left")
-    for col in ("kv dtype", "result", "starts", "finite", "== auto", "KL mean", "top-1", "stores",
-                "K+V (+scales) B/token", "detail"):
-        t.add_column(col, overflow="fold", max_width=70 if col == "detail" else None)
-    for r in a.get("rows", []):
-        t.add_row(r["kv_dtype"], f"[{STYLE.get(r['result'], '')}]{r['result']}[/]", _yn(r["started"]),
-                  _yn(r["finite"]), _yn(r["identical_to_auto"]), fmt_value(r["mean_kl"]),
-                  fmt_value(r["top1_agreement"]), _stores(r), _token_bytes(r), escape(r["detail"] or ""))
-    con.print(t)
 
 
-def _stores(r: dict) -> str:
-    from rich.markup import escape
-
-    stores = r.get("stores")
-    return "-" if stores is None else escape(stores) if not r.get("not_quantized") else f"[yellow]{escape(stores)}[/]"
 
 
-def _token_bytes(r: dict) -> str:
-    """K+V bytes per token over all layers, and the scales' (``+N``) where there are per-token scales."""
-    kv, scales = r.get("kv_bytes_per_token"), r.get("scale_bytes_per_token")
-    return "-" if kv is None else f"{kv}" + (f" +{scales}" if scales else "")
 
 
-def _yn(v) -> str:
-    return "-" if v is None else ("yes" if v else "no")

@@ -61,3 +61,22 @@ CyclesOpt = Annotated[int, typer.Option("--cycles", "-n", min=1, help="How many 
 FaultOpt = Annotated[Optional[list[str]], typer.Option(
     "--fault", help="builtin engine only: re-introduce a known bug class (see `kvdiag selftest --list`).",
     hidden=True)]
+
+
+def field_option(params: type, name: str, annotation=None):
+    """The command-line option of a check's params field (kvdiag.checks.registry.option): its flags, help and bounds
+    from the field, written once there; ``annotation`` overrides the type (an Enum for choices)."""
+    import typing
+    from dataclasses import fields
+
+    f = next(x for x in fields(params) if x.name == name)
+    meta = f.metadata
+    hint = annotation or typing.get_type_hints(params)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list or (args and typing.get_origin(args[0]) is list):
+        hint = Optional[hint if typing.get_origin(hint) is list else args[0]]
+    elif type(None) in typing.get_args(hint):
+        hint = Optional[args[0]]
+    bounds = {k: meta[k] for k in ("min", "max") if meta.get(k) is not None}
+    flags = meta.get("flags") or (f"--{name.replace('_', '-')}",)
+    return Annotated[hint, typer.Option(*flags, help=meta.get("help") or None, **bounds)]

@@ -15,35 +15,58 @@ from __future__ import annotations
 
 import math
 
+from kvdiag.checks.accuracy import AccuracyParams as A
 from kvdiag.results import BAD_STATUSES
 
 RETAINED_TOL_MIB = 1.0
 
 
-def _row(case, what: str, old, new, verdict: str, **kw) -> dict:
+def row(case, what: str, old, new, verdict: str, **kw) -> dict:
+    """One row of a comparison (a check's compare rule returns a list of these); verdict: regression,
+    improvement, ok, new or missing."""
     delta = new - old if isinstance(old, (int, float)) and isinstance(new, (int, float)) else None
     return {"id": case.id, "check": case.check, "kv_dtype": case.kv_dtype, "what": what, "old": old, "new": new,
             "delta": kw.pop("delta", delta), "verdict": verdict, **kw}
 
 
-def compare(old, new, *, max_drop: float = 0.02, alpha: float = 0.05, mem_tolerance_mib: float | None = None) -> dict:
+def compare(old, new, *, max_drop: float = A.max_drop, alpha: float = A.alpha,
+            mem_tolerance_mib: float | None = None) -> dict:
     rows: list[dict] = []
     for cid, n in new.cases.items():
         o = old.cases.get(cid)
         if o is None:
-            rows.append(_row(n, "case", None, n.status, "new", message="not in OLD"))
+            rows.append(row(n, "case", None, n.status, "new", message="not in OLD"))
             continue
         rows += _status(o, n)
-        if n.check == "accuracy" or "scores" in n.metrics:
-            rows += _scores(o, n, old.samples.get(cid), new.samples.get(cid), max_drop, alpha)
-        if n.check == "memleak":
-            rows += _memory(o, n, mem_tolerance_mib)
+        rows += _check_rows(o, n, {"max_drop": max_drop, "alpha": alpha, "mem_tolerance_mib": mem_tolerance_mib,
+                                   "old_samples": old.samples.get(cid), "new_samples": new.samples.get(cid)})
     for cid, o in old.cases.items():
         if cid not in new.cases:
-            rows.append(_row(o, "case", o.status, None, "missing", message="not in NEW"))
+            rows.append(row(o, "case", o.status, None, "missing", message="not in NEW"))
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("regression", "improvement", "ok", "new", "missing")}
     return {"old": old.label, "new": new.label, "regressed": counts["regression"] > 0, "counts": counts,
             "settings": {"max_drop": max_drop, "alpha": alpha, "mem_tolerance_mib": mem_tolerance_mib}, "rows": rows}
+
+
+def _check_rows(o, n, settings: dict) -> list[dict]:
+    """The rows of the case's check (its registry entry's ``compare`` rule); scores where a check has none."""
+    from kvdiag.checks.registry import get, load
+
+    check = get(n.check)
+    if check is not None and check.compare:
+        return load(check.compare)(o, n, settings)
+    return score_rows(o, n, settings) if "scores" in n.metrics else []
+
+
+def score_rows(o, n, settings: dict) -> list[dict]:
+    """accuracy's rule: every task metric's change, by the paired test where both sides kept their samples."""
+    return _scores(o, n, settings.get("old_samples"), settings.get("new_samples"), settings["max_drop"],
+                   settings["alpha"])
+
+
+def memory_rows(o, n, settings: dict) -> list[dict]:
+    """memleak's rule: growth per cycle of each measure, and the tensors that survived shutdown."""
+    return _memory(o, n, settings.get("mem_tolerance_mib"))
 
 
 def _status(o, n) -> list[dict]:
@@ -51,10 +74,10 @@ def _status(o, n) -> list[dict]:
         return []
     first = next((f.message for f in n.findings if f.severity == "error"), "")
     if n.status in BAD_STATUSES and o.status not in BAD_STATUSES:
-        return [_row(n, "status", o.status, n.status, "regression", message=f"newly {n.status}: {first}"[:300])]
+        return [row(n, "status", o.status, n.status, "regression", message=f"newly {n.status}: {first}"[:300])]
     if o.status in BAD_STATUSES and n.status not in BAD_STATUSES:
-        return [_row(n, "status", o.status, n.status, "improvement", message=f"now {n.status}")]
-    return [_row(n, "status", o.status, n.status, "ok")]
+        return [row(n, "status", o.status, n.status, "improvement", message=f"now {n.status}")]
+    return [row(n, "status", o.status, n.status, "ok")]
 
 
 def _scores(o, n, old_samples, new_samples, max_drop, alpha) -> list[dict]:
@@ -83,7 +106,7 @@ def _scores(o, n, old_samples, new_samples, max_drop, alpha) -> list[dict]:
             gain = delta if hib else -delta
             verdict = ("regression" if v in ("regression", "collapse") else
                        "improvement" if _finite(gain) and gain > max_drop and _finite(p) and p < alpha else "ok")
-            rows.append(_row(n, f"{task} {metric}", osc["score"], sc["score"], verdict, delta=delta, test=test,
+            rows.append(row(n, f"{task} {metric}", osc["score"], sc["score"], verdict, delta=delta, test=test,
                              p_value=p, ci_low=lo, ci_high=hi, n=paired.n if paired else sc.get("n")))
     return rows
 
@@ -106,12 +129,12 @@ def _memory(o, n, tol) -> list[dict]:
         if measure not in og:
             continue
         a, b = _max(og[measure]), _max(ng[measure])
-        rows.append(_row(n, f"growth/cycle {measure} MiB", a, b, "regression" if b - a > tol else "ok",
+        rows.append(row(n, f"growth/cycle {measure} MiB", a, b, "regression" if b - a > tol else "ok",
                          tolerance=tol))
     if "survivor_mib" in n.metrics and "survivor_mib" in o.metrics:
         a, b = _max(o.metrics["survivor_mib"]), _max(n.metrics["survivor_mib"])
         lim = min(tol, RETAINED_TOL_MIB)
-        rows.append(_row(n, "retained tensor MiB", a, b, "regression" if b - a > lim else "ok", tolerance=lim))
+        rows.append(row(n, "retained tensor MiB", a, b, "regression" if b - a > lim else "ok", tolerance=lim))
     return rows
 
 

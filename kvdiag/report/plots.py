@@ -19,10 +19,14 @@ Z95 = 1.959963984540054
 
 
 def plots_for(run) -> list[str]:
+    from kvdiag.checks.registry import checks, load
+
     figures: list[str] = []
-    for extract in (memleak_plots, accuracy_plots, wake_cycle_plots):
-        for suffix, cases in _groups(run.cases):
-            figures += extract(cases, suffix)
+    present = {c.check for c in run.cases}
+    for check in checks().values():  # each check's plots, from its registry entry
+        if check.plots and check.name in present:
+            for suffix, cases in _groups([c for c in run.cases if c.check == check.name]):
+                figures += load(check.plots)(cases, suffix)
     return figures
 
 

@@ -52,8 +52,19 @@ def cases_table(cases, title: str = "cases", metrics: list[str] | None = None):
     return t
 
 
+def view_for(run) -> Callable | None:
+    """The terminal table of the run's check (its registry entry's ``render``) when all its cases are of one check."""
+    from kvdiag.checks.registry import get, load
+
+    names = {c.check for c in run.cases}
+    check = get(next(iter(names))) if len(names) == 1 else None
+    return load(check.render) if check is not None and check.render else None
+
+
 def print_run(run, render: Callable | None = None) -> None:
+    """``render`` (default: the check's own table, else the cases table), then one line: the verdict and counts."""
     con = console()
+    render = render or view_for(run)
     if render is not None:
         render(run, con)
     else:

@@ -1,0 +1,83 @@
+"""`kvdiag memleak`, `kvdiag wake-cycle`, `kvdiag poison` and every plug-in check (``kvdiag.checks`` entry point):
+a command made from the check's registry entry. The options every check command takes (engine, model, kv dtypes,
+jobs, device, ...), the check's own options from its params, its --help from its ``help``; it runs one case per kv
+dtype and variant, prints the check's table and exits 0 (all passed or skipped) or 1."""
+
+from __future__ import annotations
+
+import inspect
+from enum import Enum
+
+import typer
+
+from kvdiag.cli.options import (
+    DeviceOpt,
+    EngineArgOpt,
+    EngineOpt,
+    FaultOpt,
+    Format,
+    FormatOpt,
+    Isolate,
+    IsolateOpt,
+    JobsOpt,
+    KVDtypeOpt,
+    ModelOpt,
+    OutputDirOpt,
+    QuietOpt,
+    ResumeOpt,
+    TimeoutOpt,
+    field_option,
+)
+
+
+def common_options(check) -> list[tuple[str, object, object]]:
+    """(name, annotation, default) of the options every check command takes."""
+    out = [("engine", EngineOpt, "builtin"), ("model", ModelOpt, None), ("kv_dtype", KVDtypeOpt, None),
+           ("jobs", JobsOpt, 1), ("device", DeviceOpt, "auto"), ("engine_arg", EngineArgOpt, None),
+           ("output_dir", OutputDirOpt, None), ("fmt", FormatOpt, Format.table), ("timeout", TimeoutOpt, check.timeout),
+           ("resume", ResumeOpt, None), ("quiet", QuietOpt, False), ("fault", FaultOpt, None)]
+    return out
+
+
+def own_options(check) -> list[tuple[str, object, object]]:
+    """(name, annotation, default) of the check's own options: a field with choices becomes an Enum option."""
+    from kvdiag.checks.registry import default_of
+
+    out = []
+    for f in check.option_fields():
+        choices = f.metadata.get("choices")
+        default = default_of(f)
+        if choices and all(isinstance(c, str) for c in choices):
+            kind = Enum(f"{f.name}_choice", {c: c for c in choices}, type=str)
+            out.append((f.name, field_option(check.params, f.name, kind), None if default is None else kind(default)))
+        else:
+            out.append((f.name, field_option(check.params, f.name), None if isinstance(default, list) else default))
+    return out
+
+
+def command_for(check):
+    """A typer command for ``check``, built from its registry entry."""
+    common, own = common_options(check), own_options(check)
+    names = {n for n, _, _ in common}
+    if clash := [n for n, _, _ in own if n in names]:
+        raise ValueError(f"check '{check.name}': option {clash[0]} is one every check takes")
+
+    def command(**kw) -> None:
+        from kvdiag.cli.common import check_cases, execute, make_run_dir
+
+        values = {n: getattr(kw[n], "value", kw[n]) for n, _, _ in own if kw[n] is not None}
+        p = check.make(values)
+        cases, analyze = check_cases(check.name, p, kw["engine"], kw["model"], kw["kv_dtype"], kw["device"],
+                                     kw["engine_arg"], kw["fault"], kw.get("isolate", "case"))
+        run_dir = make_run_dir(kw["output_dir"], check.name, kw["resume"])
+        raise typer.Exit(execute(check.name, cases, run_dir, fmt=kw["fmt"], timeout=kw["timeout"],
+                                 resume=kw["resume"] is not None, quiet=kw["quiet"], jobs=kw["jobs"], analyze=analyze))
+
+    isolate = [("isolate", IsolateOpt, Isolate.case)] if check.isolate else []
+    params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
+              for n, a, d in common[:3] + own + isolate + common[3:]]
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__doc__ = check.help
+    command.__name__ = check.name.replace("-", "_")
+    return command

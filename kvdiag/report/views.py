@@ -1,0 +1,173 @@
+"""Each check's terminal table (the ``render`` of its registry entry): what the command prints and what
+``kvdiag report RUN --format table`` prints again."""
+
+from __future__ import annotations
+
+COLUMNS = (("cycle", "cycle"), ("stage", "stage"), ("tensors", "tensors"), ("tensor_mib", "tensor MiB"),
+           ("rss_mib", "RSS MiB"), ("cuda_allocated_mib", "CUDA alloc"), ("cuda_reserved_mib", "CUDA reserved"),
+           ("driver_used_mib", "driver used"), ("nvml_process_mib", "NVML proc"), ("frozen", "frozen"))
+
+
+def memleak(run, con) -> None:
+    """One table of dtype x cycle x stage, then the findings (holders with their chains)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvdiag.report.table import fmt_value, status_text
+
+    t = Table(title="memleak: memory per kv dtype, cycle and stage", title_justify="left")
+    for col in ("kv dtype", "status") + tuple(label for _, label in COLUMNS):
+        t.add_column(col, justify="left" if col in ("kv dtype", "status", "stage") else "right")
+    for c in run.cases:
+        rows = c.metrics.get("snapshots") or [{}]
+        for i, row in enumerate(rows):
+            t.add_row(c.kv_dtype if i == 0 else "", status_text(c.status) if i == 0 else "",
+                      *[fmt_value(row.get(key)) for key, _ in COLUMNS], end_section=i == len(rows) - 1)
+    con.print(t)
+    for c in run.cases:
+        th = c.metrics.get("threshold_mib")
+        head = f"[bold]{c.kv_dtype}[/] ({status_text(c.status)}" + (f", threshold {th:.1f} MiB)" if th else ")")
+        shown = [f for f in c.findings if f.kind != "one_time_cost" or c.status == "pass"]
+        if not shown:
+            continue
+        con.print(head)
+        for f in shown:
+            con.print(f"  {f.severity}: {f.kind}: {escape(f.message)}")
+            if f.evidence.get("path") and f.evidence["path"] != "?":
+                con.print(f"    path: {escape(f.evidence['path'])}")
+
+
+def mib(n) -> str:
+    return "-" if n is None else f"{n / (1 << 20):.1f}"
+
+
+def wake_cycle(run, con) -> None:
+    """Per case the status and first finding, then one row per dtype x cycle."""
+    from rich.table import Table
+
+    from kvdiag.report.table import cases_table, fmt_value, status_text
+
+    con.print(cases_table(run.cases, "wake-cycle cases"))
+    t = Table(title="wake-cycle per cycle (memory judged on the cache's device)", title_justify="left")
+    for col in ("kv dtype", "cycle", "level", "staged", "freed MiB (expected)", "restored", "tokens identical",
+                "max |Δ logprob|", "NaN", "verdict"):
+        t.add_column(col, justify="left" if col in ("kv dtype", "verdict") else "right")
+    for c in run.cases:
+        m = c.metrics
+        for r in m.get("cycles") or [{}]:
+            if not r:
+                t.add_row(c.kv_dtype, "-", str(m.get("level", c.params.get("level", "-"))), "-", "-", "-", "-", "-",
+                          "-", status_text(c.status))
+                continue
+            nan = (r.get("nonfinite_logprobs") or 0) + (r.get("kv_nonfinite") or 0) + (r.get("kv_bad_scales") or 0)
+            t.add_row(c.kv_dtype, str(r["cycle"]), str(r["level"]), "yes" if r["staged"] else "no",
+                      f"{mib(r['freed_bytes'])} ({mib(m.get('expected_bytes'))})",
+                      "yes" if r["restored"] else "[red]no[/]", "yes" if r["identical"] else "[red]no[/]",
+                      fmt_value(r["max_dlogprob"]), str(nan) if nan else "0",
+                      ", ".join(r["problems"]) or "[green]ok[/]")
+    con.print(t)
+
+
+def poison(run, con) -> None:
+    """One row per dtype: what was poisoned, what was allocated, and what differed first."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvdiag.report.table import status_text
+
+    t = Table(title="poison per kv dtype (reference: the same waves with free blocks zeroed)", title_justify="left")
+    for col in ("kv dtype", "value", "fresh blocks", "poisoned blocks", "identical", "NaN", "first difference",
+                "status"):
+        t.add_column(col, justify="right" if "blocks" in col or col == "NaN" else "left")
+    for c in run.cases:
+        m = c.metrics
+        nan = "-" if "nonfinite_logprobs" not in m else str(m["nonfinite_logprobs"] + m["kv_nonfinite"] +
+                                                            m["kv_bad_scales"])
+        identical = "-" if "identical" not in m else ("yes" if m["identical"] else "[red]no[/]")
+        t.add_row(c.kv_dtype, str(m.get("value", c.params.get("value", "-"))), str(m.get("fresh_blocks", "-")),
+                  str(m.get("poisoned_blocks", "-")), identical, nan,
+                  escape(_first(c)), status_text(c.status))
+    con.print(t)
+
+
+def _first(c) -> str:
+    """Where the poisoned run first differed, else the first finding (a skip's reason, a crash)."""
+    f, m = c.metrics.get("first_difference"), c.metrics
+    if f:
+        return (f"request {f['request']} position {f['position']}: {f['got']} not {f['expected']} "
+                f"({m['diverged_requests']}/{m['requests']} requests differ)")
+    first = next((x for x in c.findings if x.severity == "error"), c.findings[0] if c.findings else None)
+    return first.message[:90] if first else ""
+
+
+STYLE = {"pass": "green", "unsupported": "yellow", "resource": "red", "crashed": "bold red", "wrong": "bold red"}
+
+
+def dtypes(run, con) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvdiag.report.table import fmt_value
+
+    a = run.analysis.get("dtypes", {})
+    t = Table(title=f"kv dtype support matrix of engine '{run.cases[0].engine if run.cases else '?'}' "
+              f"(drift vs '{a.get('baseline')}')", title_justify="left")
+    for col in ("kv dtype", "result", "starts", "finite", "== auto", "KL mean", "top-1", "stores",
+                "K+V (+scales) B/token", "detail"):
+        t.add_column(col, overflow="fold", max_width=70 if col == "detail" else None)
+    for r in a.get("rows", []):
+        t.add_row(r["kv_dtype"], f"[{STYLE.get(r['result'], '')}]{r['result']}[/]", _yn(r["started"]),
+                  _yn(r["finite"]), _yn(r["identical_to_auto"]), fmt_value(r["mean_kl"]),
+                  fmt_value(r["top1_agreement"]), _stores(r), _token_bytes(r), escape(r["detail"] or ""))
+    con.print(t)
+
+
+def _stores(r: dict) -> str:
+    from rich.markup import escape
+
+    stores = r.get("stores")
+    return "-" if stores is None else escape(stores) if not r.get("not_quantized") else f"[yellow]{escape(stores)}[/]"
+
+
+def _token_bytes(r: dict) -> str:
+    """K+V bytes per token over all layers, and the scales' (``+N``) where there are per-token scales."""
+    kv, scales = r.get("kv_bytes_per_token"), r.get("scale_bytes_per_token")
+    return "-" if kv is None else f"{kv}" + (f" +{scales}" if scales else "")
+
+
+def _yn(v) -> str:
+    return "-" if v is None else ("yes" if v else "no")
+
+
+def accuracy(run, con) -> None:
+    from rich.table import Table
+
+    from kvdiag.report.table import fmt_value
+
+    a = run.analysis.get("accuracy", {})
+    t = Table(title=f"accuracy vs baseline '{a.get('baseline', '?')}' (max drop {a.get('max_drop')}, "
+              f"alpha {a.get('alpha')})", title_justify="left")
+    for col in ("kv dtype", "task", "metric", "score ± stderr", "Δ", "95% CI", "p", "KL mean/max", "top-1",
+                "verdict"):
+        t.add_column(col, justify="left" if col in ("kv dtype", "task", "metric", "verdict") else "right")
+    for r in a.get("rows", []):
+        score = "-" if "score" not in r else f"{fmt_value(r['score'])} ± {fmt_value(r['stderr'])}"
+        ci = "-" if r.get("ci_low") is None else f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
+        kl = "-" if r.get("mean_kl") is None else f"{fmt_value(r['mean_kl'])} / {fmt_value(r['max_kl'])}"
+        delta = "-" if r.get("delta") is None else f"{r['delta']:+.4f}"
+        t.add_row(r["kv_dtype"], r["task"], r["metric"], score, delta, ci, fmt_value(r.get("p_value")), kl,
+                  fmt_value(r.get("top1_agreement")), _verdict(r["verdict"], r.get("message")))
+    con.print(t)
+    times = a.get("timings")
+    if times:
+        con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
+
+
+VERDICT_STYLE = {"ok": "green", "baseline": "cyan", "skipped": "yellow"}
+
+
+def _verdict(v: str, message: str | None = None) -> str:
+    text = f"[{VERDICT_STYLE.get(v, 'bold red')}]{v}[/]"
+    from rich.markup import escape
+
+    return f"{text} {escape(message[:60])}" if message else text
