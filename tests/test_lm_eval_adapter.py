@@ -152,7 +152,7 @@ def test_kvdiags_own_tasks_resolve_without_importing_lm_eval():
     import subprocess
     import sys
 
-    script = ("import sys; from kvdiag.cli.accuracy_cmd import _tasks; "
+    script = ("import sys; from kvdiag.cases import _tasks; "
               "print(_tasks(None, None), _tasks(['kv_recall,kv_recall'], None), 'lm_eval' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "(['kv_recall', 'kv_recall_long'], False) (['kv_recall'], False) False", out.stderr

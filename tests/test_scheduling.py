@@ -32,8 +32,8 @@ def gpus(monkeypatch):
 
 def execute(cs, tmp_path, capsys, jobs, quiet=False):
     """(case records, kvdiag's --jobs lines on stderr) of a run through the path every command takes."""
-    from kvdiag.cli.common import execute
     from kvdiag.cli.options import Format
+    from kvdiag.orchestrate import execute
 
     assert execute("t", cs, tmp_path, fmt=Format.json, timeout=60, jobs=jobs, quiet=quiet) == 0
     out, err = capsys.readouterr()

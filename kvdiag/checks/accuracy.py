@@ -231,4 +231,7 @@ CHECK = Check(
     "accuracy", "kvdiag.checks.accuracy:run_case", AccuracyParams,
     help="Score lm_eval tasks and token-level drift for each kv dtype against a baseline dtype.",
     render="kvdiag.report.views:accuracy", plots="kvdiag.report.plots:accuracy_plots",
-    compare="kvdiag.report.compare:score_rows")
+    compare="kvdiag.report.compare:score_rows",
+    # 10 documents of kv_recall: enough for a collapse; drift (measured in every case) catches what they cannot
+    selftest={"tasks": ["kv_recall"], "include_paths": [], "include_defaults": False, "limit": 10,
+              "num_fewshot": None, "seed": 0, "num_prompts": 2})

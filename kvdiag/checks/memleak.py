@@ -384,4 +384,5 @@ HELP = (
 
 CHECK = Check("memleak", "kvdiag.checks.memleak:run", LeakParams, help=HELP,
               isolate=False, render="kvdiag.report.views:memleak", plots="kvdiag.report.plots:memleak_plots",
-              compare="kvdiag.report.compare:memory_rows")
+              compare="kvdiag.report.compare:memory_rows",
+              selftest={"cycles": 2, "num_prompts": 2, "max_tokens": 4, "num_blocks": 16})

@@ -149,4 +149,4 @@ HELP = (
     "position that first differed. Engines without KV access are reported as skipped.")
 
 CHECK = Check("poison", "kvdiag.checks.poison:run", PoisonParams, help=HELP,
-              render="kvdiag.report.views:poison")
+              render="kvdiag.report.views:poison", selftest={"value": "nan", "num_prompts": 2, "seed": 0})

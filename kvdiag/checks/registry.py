@@ -43,6 +43,7 @@ class Check:
     compare: str | None = None  # "module:function(old_case, new_case, settings) -> [row]" for kvdiag compare
     isolate: bool = True  # takes --isolate (memleak: every dtype always in its own worker)
     timeout: float = 900.0  # seconds a case may run
+    selftest: dict | None = None  # the params of its `kvdiag selftest` cases: small sizes that keep it short
 
     def option_fields(self) -> list:
         """The fields made with option(); other fields are the worker's own (selftest's sizes)."""

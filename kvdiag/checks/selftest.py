@@ -10,6 +10,7 @@ reports an error finding; the clean engine must report no error or warning findi
 from __future__ import annotations
 
 from kvdiag.checks import selftest_plan as plan
+from kvdiag.checks.registry import get
 
 CLEAN = "clean"
 INCONCLUSIVE = ("timeout", "not_run", "no_baseline")  # error findings that do not show a detection
@@ -40,11 +41,11 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
         group = None if isolate == "case" else f"selftest/{subject}" if leaky else f"selftest/{check}"
         for it in its:
             params = {"device": device, "engine_args": {}, "faults": [] if subject == CLEAN else [subject],
-                      **plan.SIZES[check], **it.params, "selftest": subject}
+                      **get(check).selftest, **it.params, "selftest": subject}
             if check in plan.COMPARES_TO_BASELINE:
                 params["role"] = "baseline" if it.kv_dtype == plan.BASELINE else "test"
             cid = f"{check}/{subject}/{it.kv_dtype}" + (f"/{it.suffix}" if it.suffix else "")
-            cases.append(Case(check, "builtin", model, it.kv_dtype, plan.TARGETS[check], params=params, id=cid,
+            cases.append(Case(check, "builtin", model, it.kv_dtype, get(check).target, params=params, id=cid,
                               group=group))
     return cases
 

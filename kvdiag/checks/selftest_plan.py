@@ -23,26 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 CHECKS = ("accuracy", "dtypes", "memleak", "wake-cycle", "poison")
-
-TARGETS = {
-    "accuracy": "kvdiag.checks.accuracy:run_case",
-    "dtypes": "kvdiag.checks.dtypes_matrix:run_case",
-    "memleak": "kvdiag.checks.memleak:run",
-    "wake-cycle": "kvdiag.checks.wake_cycle:run",
-    "poison": "kvdiag.checks.poison:run",
-}
-
-# Per check, the sizes of a self-test case (case.params): the shortest recall prompts, few tokens and
-# cycles, a small cache. accuracy scores 10 documents of kv_recall: enough for a collapse, and drift
-# (which every accuracy case measures) catches what 10 documents cannot.
-SIZES = {
-    "accuracy": {"tasks": ["kv_recall"], "include_paths": [], "include_defaults": False, "limit": 10,
-                 "num_fewshot": None, "seed": 0, "num_prompts": 2},
-    "dtypes": {"num_prompts": 2},
-    "memleak": {"cycles": 2, "num_prompts": 2, "max_tokens": 4, "num_blocks": 16},
-    "wake-cycle": {"cycles": 1, "num_prompts": 2, "max_tokens": 8, "num_blocks": 16, "seed": 0},
-    "poison": {"value": "nan", "num_prompts": 2, "seed": 0},
-}
+# The sizes of a self-test case (case.params) are each check's ``Check.selftest`` (kvdiag.checks.registry).
 BASELINE = "auto"  # accuracy and dtypes compare every dtype with the same engine's 'auto'
 COMPARES_TO_BASELINE = ("accuracy", "dtypes")
 

@@ -193,4 +193,5 @@ HELP = (
 
 CHECK = Check("wake-cycle", "kvdiag.checks.wake_cycle:run", WakeParams, help=HELP,
               variants="kvdiag.checks.wake_cycle:variants",
-              render="kvdiag.report.views:wake_cycle", plots="kvdiag.report.plots:wake_cycle_plots")
+              render="kvdiag.report.views:wake_cycle", plots="kvdiag.report.plots:wake_cycle_plots",
+              selftest={"cycles": 1, "num_prompts": 2, "max_tokens": 8, "num_blocks": 16, "seed": 0})

@@ -63,7 +63,8 @@ def command_for(check):
         raise ValueError(f"check '{check.name}': option {clash[0]} is one every check takes")
 
     def command(**kw) -> None:
-        from kvdiag.cli.common import check_cases, execute, make_run_dir
+        from kvdiag.cases import check_cases
+        from kvdiag.orchestrate import execute, make_run_dir
 
         values = {n: getattr(kw[n], "value", kw[n]) for n, _, _ in own if kw[n] is not None}
         p = check.make(values)

@@ -44,10 +44,10 @@ def ci(
     (cycles, threshold_mib, tasks, limit, max_drop, alpha, levels, value, ...); [compare] max_drop,
     alpha, mem_tolerance_mib. An unknown key is an error that lists the valid ones.
     """
-    from kvdiag.cli.ci_config import find_config, load_config
-    from kvdiag.cli.ci_suite import build_suite
-    from kvdiag.cli.common import execute
+    from kvdiag.ci_config import find_config, load_config
+    from kvdiag.ci_suite import build_suite
     from kvdiag.errors import UserError
+    from kvdiag.orchestrate import execute
     from kvdiag.report.baseline import load_side
     from kvdiag.scheduling import worker_env
 
@@ -87,8 +87,8 @@ def ci(
 
 
 def _run_dir(cfg, output_dir, resume) -> Path:
-    from kvdiag.cli.common import make_run_dir
     from kvdiag.errors import UserError
+    from kvdiag.orchestrate import make_run_dir
 
     try:
         return make_run_dir(output_dir or (Path(cfg.output_dir) if cfg.output_dir else None), "ci", resume)

@@ -66,7 +66,7 @@ def dtypes(
 
 def _list(engine, kv_dtype, fmt) -> None:
     from kvdiag import dtypes as registry
-    from kvdiag.cli.common import resolve_kv_dtypes
+    from kvdiag.cases import resolve_kv_dtypes
     from kvdiag.engines.base import engine_dtypes, resolve_engine
 
     engine = resolve_engine(engine)
@@ -95,33 +95,16 @@ def _list(engine, kv_dtype, fmt) -> None:
 
 def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs, output_dir, timeout,
            resume, quiet, fault) -> int:
-    from kvdiag.cli.common import execute, make_run_dir
+    from kvdiag.cases import dtypes_cases
+    from kvdiag.orchestrate import execute, make_run_dir
     from kvdiag.scheduling import default_jobs, preload, worker_env
 
-    cases, analyze = check_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, max_kl=max_kl,
+    cases, analyze = dtypes_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, max_kl=max_kl,
                                  min_top1=min_top1)
     jobs = jobs or default_jobs(cases)
     run_dir = make_run_dir(output_dir, "dtypes", resume)
     return execute("dtypes --check", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
                    quiet=quiet, jobs=jobs, env=worker_env(jobs), preload=preload(cases),
                    analyze=analyze)
-
-
-def check_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, *, max_kl=None, min_top1=None):
-    """(cases, analyze) of the support matrix (also used by `kvdiag ci`)."""
-    from kvdiag.checks.dtypes_matrix import analyze
-    from kvdiag.cli.accuracy_cmd import build_cases, resolve_sweep
-
-    sweep = resolve_sweep(engine, model, kv_dtype, "auto", engine_arg, device, fault, all_names=True)
-    cases = build_cases("dtypes", "kvdiag.checks.dtypes_matrix:run_case", sweep, {}, isolate)
-    return cases, lambda run: analyze(run, max_kl=max_kl, min_top1=min_top1)
-
-
-
-
-
-
-
-
 
 

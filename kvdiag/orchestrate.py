@@ -1,91 +1,19 @@
-"""What every check command does the same way: resolve inputs, make the run directory,
-run the cases, analyse, write run.json, print, and choose the exit code."""
+"""Running a command's cases: the run directory, the environment record, execute (run, analyse, write run.json,
+print, exit code)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
-import re
 import shlex
 import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 from kvdiag.errors import UserError
-
-SHIPPED_MODEL = "tiny-llama"
-
-
-def default_model() -> str:
-    from kvdiag.assets import TINY_MODEL
-
-    return str(TINY_MODEL)
-
-
-def resolve_model(model: str | None) -> str:
-    """The shipped model when None, else a checked local folder: the folder given, or a hub id's snapshot in the
-    Hugging Face cache (kvdiag.models). Resolved here, once, so that the workers only see a folder."""
-    if model is None:
-        return default_model()
-    from kvdiag.models import resolve
-
-    return resolve(model)
-
-
-def parse_engine_args(items: Iterable[str] | None) -> dict:
-    """key=value pairs, values typed as JSON where they parse (2, 0.5, true, null, [..]) else strings. One item may
-    hold several, comma-separated as lm_eval's --model_args (``a=1,b=2``), when every part is key=value (a value
-    with commas of its own, ``sizes=[1,2]``, stays whole)."""
-    out = {}
-    for item in (part for given in items or () for part in _split_pairs(given)):
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--engine-arg '{item}' is not key=value")
-        low = raw.strip()
-        try:
-            value = json.loads({"True": "true", "False": "false", "None": "null"}.get(low, low))
-        except ValueError:
-            value = raw
-        out[key.strip().replace("-", "_")] = value
-    return out
-
-
-def _split_pairs(item: str) -> list[str]:
-    parts = item.split(",")
-    keyed = all(re.fullmatch(r"\s*[A-Za-z_][\w-]*\s*=.*", x, re.S) for x in parts)
-    return parts if len(parts) > 1 and keyed else [item]
-
-
-def resolve_kv_dtypes(engine: str, user: list[str] | None, *, default_all: bool = True) -> list[str]:
-    from kvdiag import dtypes
-    from kvdiag.engines.base import engine_dtypes, resolve_engine
-
-    engine = resolve_engine(engine)
-    valid = engine_dtypes(engine)
-    if not user:
-        return dtypes.sweep_names(valid) if default_all else ["auto"]
-    out = []
-    for u in user:
-        for part in u.split(","):
-            if part.strip():
-                name = dtypes.resolve(part, valid, engine)
-                if name not in out:
-                    out.append(name)
-    return out
-
-
-def resolve_faults(engine: str, names: list[str] | None) -> list[str]:
-    """--fault names for the builtin engine, aliases expanded and validated (UserError otherwise)."""
-    if not names:
-        return []
-    if engine != "builtin":
-        raise UserError("--fault works with the builtin engine only")
-    from kvdiag.engines.builtin.faults import Faults
-
-    return list(Faults.parse(names).enabled)
 
 
 def make_run_dir(output_dir: Path | None, command: str, resume: Path | None = None) -> Path:
@@ -224,46 +152,3 @@ def _previous_run(run_dir: Path):
         return RunRecord.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-
-
-def dtype_cases(check, target, engine, model, kv_dtype, device, engine_arg, fault, params, *, seed=None,
-                isolate="case", variants=({"suffix": None},)) -> list:
-    """One case per kv dtype and variant, validated before any worker starts (bad input: exit 2).
-
-    ``isolate="run"`` puts all cases in one worker; ``seed`` (when given) goes into every case's params.
-    """
-    from kvdiag.engines.base import resolve_engine
-    from kvdiag.models import label as model_label
-    from kvdiag.runner import Case
-
-    engine = resolve_engine(engine)
-    model = resolve_model(model)
-    faults = resolve_faults(engine, fault)
-    base = {"device": device, "engine_args": parse_engine_args(engine_arg), "faults": faults, **params}
-    if seed is not None:
-        base["seed"] = seed
-    label = model_label(model)
-    group = check if isolate == "run" else None
-    cases = []
-    for d in resolve_kv_dtypes(engine, kv_dtype):
-        for v in variants:
-            v = dict(v)
-            suffix = v.pop("suffix")
-            cid = f"{check}/{engine}/{label}/{d}" + (f"/{suffix}" if suffix else "")
-            cases.append(Case(check, engine, model, d, target, params={**base, **v}, id=cid, group=group))
-    return cases
-
-
-def check_cases(name: str, p, engine, model, kv_dtype, device, engine_arg, fault, isolate="case") -> tuple:
-    """(cases, analyze) of a registered check (kvdiag.checks.registry): one case per kv dtype and variant, each
-    carrying the options in ``p`` (the check's params); ``analyze`` is the check's verdict across cases, or None."""
-    from kvdiag.checks.registry import get, load
-
-    check = get(name)
-    params = {f.name: getattr(p, f.name) for f in check.option_fields()}
-    variants = load(check.variants)(p) if check.variants else ({"suffix": None},)
-    isolate = getattr(isolate, "value", isolate) if check.isolate else "case"
-    cases = dtype_cases(name, check.target, engine, model, kv_dtype, device, engine_arg, fault, params,
-                        isolate=isolate, variants=variants)
-    analyze = (lambda run: load(check.analyze)(run, p)) if check.analyze else None
-    return cases, analyze

@@ -17,7 +17,7 @@ def _engine_args(settings: dict) -> list[str]:
 
 
 def _accuracy(p, s, engine, model, args):
-    from kvdiag.cli.accuracy_cmd import accuracy_cases
+    from kvdiag.cases import accuracy_cases
 
     return accuracy_cases(engine, model, s.get("kv_dtypes"), p.baseline, p.tasks or None,
                           [Path(x) for x in p.include_paths], p.limit, p.num_fewshot, p.seed, args,
@@ -26,10 +26,10 @@ def _accuracy(p, s, engine, model, args):
 
 
 def _dtypes(p, s, engine, model, args):
-    from kvdiag.cli.dtypes_cmd import check_cases
+    from kvdiag.cases import dtypes_cases
 
-    return check_cases(engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None,
-                       s.get("isolate", "case"), max_kl=p.max_kl, min_top1=p.min_top1)
+    return dtypes_cases(engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None,
+                        s.get("isolate", "case"), max_kl=p.max_kl, min_top1=p.min_top1)
 
 
 # the checks whose cases are a sweep against a baseline dtype; every other check: one case per dtype and variant
@@ -38,8 +38,8 @@ SWEEPS = {"accuracy": _accuracy, "dtypes": _dtypes}
 
 def _build(name: str, s: dict, engine: str, model, args) -> tuple:
     """(cases, analyze) of one check for one engine and model, its options from the config (defaults: its params)."""
+    from kvdiag.cases import check_cases
     from kvdiag.checks.registry import get
-    from kvdiag.cli.common import check_cases
 
     p = get(name).make(s)
     if name in SWEEPS:
@@ -50,7 +50,7 @@ def _build(name: str, s: dict, engine: str, model, args) -> tuple:
 
 def _model(cfg, name: str) -> str | None:
     """The shipped model by its name, a folder relative to the config file, or as given (a hub id)."""
-    from kvdiag.cli.common import SHIPPED_MODEL
+    from kvdiag.cases import SHIPPED_MODEL
 
     if name == SHIPPED_MODEL:
         return None
