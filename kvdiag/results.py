@@ -177,7 +177,8 @@ def load_run(run_dir: Path) -> RunRecord:
         if not cases:
             raise UserError(f"{run_dir} holds no run.json and no readable results.jsonl")
         run = RunRecord(command="?", started="?", cases=[], environment={})
-    if cases:
-        run.cases = list(cases.values())
+    if cases:  # results.jsonl's records (the newest per case), in run.json's order (the command's), then the rest
+        order = {c.id: i for i, c in enumerate(run.cases)}
+        run.cases = sorted(cases.values(), key=lambda c: order.get(c.id, len(order)))
     run.summary = summarize(run.cases)
     return run

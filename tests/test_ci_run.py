@@ -76,6 +76,11 @@ def test_ci_run_writes_every_output(runs):
         assert cid in md
 
 
+def test_report_table_is_what_the_command_printed(runs):
+    again = kvdiag("report", runs["B"], "--format", "table", check=0)
+    assert again.stdout == runs["b"].stdout and "against baseline" in again.stdout, again.stdout
+
+
 def test_junit_validates_against_the_schema(runs):
     etree = pytest.importorskip("lxml.etree")
     doc = etree.parse(str(runs["A"] / "junit.xml"))

@@ -253,6 +253,9 @@ def test_cli_table_names_holders_and_exits_1(random_model, tmp_path):
     assert "after-shutdown" in out.stdout and "fp8_per_token_head" in out.stdout
     run = json.loads((tmp_path / "run.json").read_text())
     assert [(c["kv_dtype"], c["status"]) for c in run["cases"]] == [("fp8_per_token_head", "fail")]
+    again = subprocess.run([sys.executable, "-m", "kvdiag", "report", str(tmp_path), "--format", "table"],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stdout == out.stdout  # the same tables the command printed
 
 
 def test_cli_rejects_fault_for_other_engines_and_bad_dtype():

@@ -113,6 +113,8 @@ def test_selftest_catches_every_fault_with_its_intended_check(tmp_path):
     assert "gc_frozen" in finding["gc_freeze_not_undone"] and "lru_cache" in finding["lru_cache_bound_method"]
     assert finding["v_with_k_scales"].startswith("int8_per_token_head: drift")
     assert (tmp_path / "run" / "run.json").exists() and (tmp_path / "run" / "results.jsonl").exists()
+    table = kvdiag("report", str(tmp_path / "run"), "--format", "table").stdout
+    assert "selftest: fault x check" in table and "selftest passed" in table, table  # the command's own tables
 
 
 @pytest.mark.slow

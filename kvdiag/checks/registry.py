@@ -49,9 +49,6 @@ class Check:
         """The fields made with option(); other fields are the worker's own (selftest's sizes)."""
         return [f for f in fields(self.params) if "flags" in f.metadata]
 
-    def defaults(self):
-        return self.params()
-
     def make(self, values: dict):
         """The params from config or command-line values (missing keys keep their defaults)."""
         names = {f.name for f in fields(self.params)}
@@ -97,10 +94,6 @@ def get(name: str) -> Check | None:
     return checks().get(name)
 
 
-def hints(check: Check) -> dict:
-    return typing.get_type_hints(check.params)
-
-
 # ------------------------------------------------------------------ config values (kvdiag ci)
 
 def validator(f, hint):
@@ -116,7 +109,7 @@ def validator(f, hint):
 
 def toml_schema(check: Check) -> dict:
     """Config key -> validator of every option of ``check``."""
-    h = hints(check)
+    h = typing.get_type_hints(check.params)
     return {f.metadata.get("toml") or f.name: validator(f, h[f.name]) for f in check.option_fields()}
 
 

@@ -82,7 +82,7 @@ def ci(
         write_reports(run, run_dir)
 
     code = execute("ci", cases, run_dir, fmt=fmt, timeout=900.0, resume=resume is not None, quiet=quiet, jobs=jobs,
-                   env=worker_env(jobs), analyze=lambda run: [a(run) for a in analyzers], render=render, finish=finish)
+                   env=worker_env(jobs), analyze=lambda run: [a(run) for a in analyzers], finish=finish)
     raise typer.Exit(code)
 
 
@@ -110,16 +110,3 @@ def _check_writable(path: Path) -> None:
         raise UserError(f"cannot write baseline '{path}': {e.strerror or e}") from None
     if not os.access(parent, os.W_OK):
         raise UserError(f"cannot write baseline '{path}': folder not writable")
-
-
-def render(run, con) -> None:
-    """The cases, then the comparison with the baseline when there is one."""
-    from kvdiag.report.table import cases_table
-
-    con.print(cases_table(run.cases, "kvdiag ci"))
-    if run.analysis.get("baseline"):
-        from kvdiag.report.compare import render_table
-
-        render_table(run.analysis["baseline"], con, title=f"against baseline {run.analysis['baseline']['old']}")
-    for name in ("report.md", "report.html", "junit.xml"):
-        con.print(f"wrote {Path(run.run_dir) / name}")

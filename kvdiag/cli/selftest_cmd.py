@@ -60,7 +60,7 @@ def selftest(
     # OpenMP threads on a busy 2-core machine run many times slower
     env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
     raise typer.Exit(execute("selftest", cases, run_dir, fmt=fmt, timeout=timeout, quiet=quiet, jobs=jobs, env=env,
-                             analyze=lambda run: st.analyze(run, faults, checks), render=render,
+                             analyze=lambda run: st.analyze(run, faults, checks),
                              finish=_judge))
 
 
@@ -91,59 +91,3 @@ def _list(faults, checks, fmt) -> None:
                   r["what"])
     console().print(t)
     console().print(f"checks: {', '.join(plan.CHECKS)}")
-
-
-STYLE = {"caught": "green", "pass": "green", "missed": "bold red", "findings": "bold red", "n/a": "dim", "-": "dim"}
-
-
-def render(run, con) -> None:
-    """The matrix (intended checks marked *), then the finding behind each caught or missed cell."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from kvdiag.checks.selftest_plan import CHECKS
-
-    a = run.analysis.get("selftest")
-    if not a:
-        return
-    t = Table(title="selftest: fault x check (* = intended check)", title_justify="left")
-    t.add_column("fault")
-    t.add_column("class")
-    for c in CHECKS:
-        t.add_column(c)
-    t.add_column("verdict")
-    clean = a["clean"]
-    t.add_row("clean engine", "-", *[_mark(clean.get(c, {"mark": "-"})["mark"]) for c in CHECKS],
-              _mark("findings" if any(x["mark"] == "findings" for x in clean.values()) else "pass"), end_section=True)
-    for r in a["faults"]:
-        marks = [_mark(r["cells"][c]["mark"], c == r["intended"]) for c in CHECKS]
-        t.add_row(r["fault"], r["bug_class"], *marks, _mark("caught" if r["caught_by_intended"] else "missed"))
-    con.print(t)
-    f = Table(title="what each check reported", title_justify="left")
-    for col in ("fault", "check", "result", "finding"):
-        f.add_column(col, overflow="fold", max_width=110 if col == "finding" else None)
-    for c in CHECKS:
-        if clean.get(c, {}).get("finding"):
-            f.add_row("clean engine", c, _mark(clean[c]["mark"]), escape(clean[c]["finding"][:300]))
-    for r in a["faults"]:
-        for c in CHECKS:
-            cell = r["cells"][c]
-            if cell["mark"] in ("caught", "missed"):
-                f.add_row(r["fault"], c + ("*" if c == r["intended"] else ""), _mark(cell["mark"]),
-                          escape(cell.get("finding", "")[:300]))
-    con.print(f)
-    missed = [r["fault"] for r in a["faults"] if not r["caught_by_intended"]]
-    dirty = [c for c, x in clean.items() if x["mark"] == "findings"]
-    if a["ok"]:
-        con.print(f"[green]selftest passed[/]: {len(a['faults'])} fault(s) caught by their intended check; "
-                  "the clean engine has no findings")
-    else:
-        con.print("[bold red]selftest failed[/]: " + "; ".join(
-            ([f"missed by the intended check: {', '.join(missed)}"] if missed else [])
-            + ([f"clean engine not clean in: {', '.join(dirty)}"] if dirty else [])))
-
-
-def _mark(mark: str, intended: bool = False) -> str:
-    text = mark + ("*" if intended else "")
-    style = STYLE.get(mark, "")
-    return f"[{style}]{text}[/]" if style else text

@@ -53,9 +53,15 @@ def cases_table(cases, title: str = "cases", metrics: list[str] | None = None):
 
 
 def view_for(run) -> Callable | None:
-    """The terminal table of the run's check (its registry entry's ``render``) when all its cases are of one check."""
+    """The tables the command printed: selftest's matrix, ci's cases and baseline, else the check's own table (its
+    registry entry's ``render``) when all the cases are of one check."""
     from kvdiag.checks.registry import get, load
+    from kvdiag.report import views
 
+    if run.analysis.get("selftest"):
+        return views.selftest
+    if run.command.split()[1:2] == ["ci"]:
+        return views.ci
     names = {c.check for c in run.cases}
     check = get(next(iter(names))) if len(names) == 1 else None
     return load(check.render) if check is not None and check.render else None

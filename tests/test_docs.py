@@ -1,0 +1,38 @@
+"""The docs name only files that exist: every path in docs/DESIGN.md and the README, written as `path`, is a file
+or folder of the repository (a bare name, `engine.py`, must be some file's name; `checks/memleak.py` some file's
+path ending)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PATHLIKE = re.compile(r"`([\w./-]+(?:\.(?:py|md|toml|sh|json|jsonl|yaml|txt|html|xml)|/))`")
+MADE_BY_A_RUN = {"results.jsonl", "run.json", "report.md", "report.html", "junit.xml", "summary.md", "artifacts/",
+                 "logs/"}  # inside a run directory
+
+
+def repository_paths() -> set[str]:
+    out = set()
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"
+                   and not d.endswith(".egg-info")]
+        rel = Path(top).relative_to(ROOT).as_posix()
+        for name in files + [d + "/" for d in dirs]:
+            out.add(name if rel == "." else f"{rel}/{name}")
+    return out
+
+
+@pytest.mark.parametrize("doc", ["docs/DESIGN.md", "README.md"])
+def test_every_path_the_doc_names_exists(doc):
+    paths = repository_paths()
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    named = set(PATHLIKE.findall(text)) - MADE_BY_A_RUN
+    assert len(named) >= 5, named  # the pattern still finds the doc's paths
+    missing = [p for p in sorted(named) if not any(x == p.lstrip("./") or x.endswith("/" + p.lstrip("./"))
+                                                   for x in paths)]
+    assert not missing, f"{doc} names files that do not exist: {missing}"
