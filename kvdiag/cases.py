@@ -1,6 +1,7 @@
-"""Inputs -> cases, validated before any worker starts (bad input: UserError, exit 2): the model, engine arguments,
-kv dtypes and faults; one case per kv dtype and variant of a registered check (``check_cases``), or a sweep against
-a baseline dtype (accuracy, dtypes --check). The commands and `kvdiag ci` build their cases here."""
+"""Inputs -> cases, validated before any worker starts (bad input: UserError, exit 2). ``check_cases(name, target,
+params)`` is the one entry: a ``Target`` (engine, model, kv dtypes, device, engine arguments, faults, isolation) and
+the check's params give one case per kv dtype and variant, or, for accuracy and dtypes --check, a sweep against a
+baseline dtype. The commands and `kvdiag ci` build their cases here."""
 
 from __future__ import annotations
 
@@ -84,62 +85,69 @@ def resolve_faults(engine: str, names: list[str] | None) -> list[str]:
     return list(Faults.parse(names).enabled)
 
 
-def dtype_cases(check, target, engine, model, kv_dtype, device, engine_arg, fault, params, *, seed=None,
-                isolate="case", variants=({"suffix": None},)) -> list:
-    """One case per kv dtype and variant, validated before any worker starts (bad input: exit 2).
+@dataclass
+class Target:
+    """What a check's cases run on, as the user gave it (validated by the builders): the engine, the model (None:
+    the shipped one), the kv dtypes (None: every dtype the engine supports), the device, ``key=value`` engine
+    arguments, builtin-engine faults, and whether the cases share one worker (``isolate="run"``)."""
 
-    ``isolate="run"`` puts all cases in one worker; ``seed`` (when given) goes into every case's params.
-    """
+    engine: str = "builtin"
+    model: str | None = None
+    kv_dtypes: list[str] | None = None
+    device: str = "auto"
+    engine_args: list[str] | None = None
+    faults: list[str] | None = None
+    isolate: str = "case"
+
+    def __post_init__(self):
+        self.isolate = getattr(self.isolate, "value", self.isolate)  # the CLI's Isolate enum
+
+
+def check_cases(name: str, target: Target, p) -> tuple:
+    """(cases, analyze) of a registered check (kvdiag.checks.registry) with params ``p``: the check's own builder
+    (``Check.cases``: accuracy, dtypes), else one case per kv dtype and variant, each carrying the options in ``p``;
+    ``analyze`` is the check's verdict across cases, or None."""
+    from kvdiag.checks.registry import get, load
+
+    check = get(name)
+    if check.cases:
+        return load(check.cases)(target, p)
     from kvdiag.engines.base import resolve_engine
     from kvdiag.models import label as model_label
     from kvdiag.runner import Case
 
-    engine = resolve_engine(engine)
-    model = resolve_model(model)
-    faults = resolve_faults(engine, fault)
-    base = {"device": device, "engine_args": parse_engine_args(engine_arg), "faults": faults, **params}
-    if seed is not None:
-        base["seed"] = seed
-    label = model_label(model)
-    group = check if isolate == "run" else None
+    engine = resolve_engine(target.engine)
+    model = resolve_model(target.model)
+    base = {"device": target.device, "engine_args": parse_engine_args(target.engine_args),
+            "faults": resolve_faults(engine, target.faults),
+            **{f.name: getattr(p, f.name) for f in check.option_fields()}}
+    variants = load(check.variants)(p) if check.variants else ({"suffix": None},)
+    group = name if check.isolate and target.isolate == "run" else None
     cases = []
-    for d in resolve_kv_dtypes(engine, kv_dtype):
+    for d in resolve_kv_dtypes(engine, target.kv_dtypes):
         for v in variants:
             v = dict(v)
             suffix = v.pop("suffix")
-            cid = f"{check}/{engine}/{label}/{d}" + (f"/{suffix}" if suffix else "")
-            cases.append(Case(check, engine, model, d, target, params={**base, **v}, id=cid, group=group))
-    return cases
-
-
-def check_cases(name: str, p, engine, model, kv_dtype, device, engine_arg, fault, isolate="case") -> tuple:
-    """(cases, analyze) of a registered check (kvdiag.checks.registry): one case per kv dtype and variant, each
-    carrying the options in ``p`` (the check's params); ``analyze`` is the check's verdict across cases, or None."""
-    from kvdiag.checks.registry import get, load
-
-    check = get(name)
-    params = {f.name: getattr(p, f.name) for f in check.option_fields()}
-    variants = load(check.variants)(p) if check.variants else ({"suffix": None},)
-    isolate = getattr(isolate, "value", isolate) if check.isolate else "case"
-    cases = dtype_cases(name, check.target, engine, model, kv_dtype, device, engine_arg, fault, params,
-                        isolate=isolate, variants=variants)
+            cid = f"{name}/{engine}/{model_label(model)}/{d}" + (f"/{suffix}" if suffix else "")
+            cases.append(Case(name, engine, model, d, check.target, params={**base, **v}, id=cid, group=group))
     analyze = (lambda run: load(check.analyze)(run, p)) if check.analyze else None
     return cases, analyze
 
 
-def accuracy_cases(engine, model, kv_dtype, baseline, tasks, include_path, limit, num_fewshot, seed, engine_arg,
-                   device, fault, isolate, *, max_drop, alpha, max_kl=None, min_top1=None):
-    """(cases, analyze): the accuracy cases, baseline dtype first, and the analysis that judges them against it
-    (also used by `kvdiag ci`)."""
+def accuracy_cases(target: Target, p) -> tuple:
+    """(cases, analyze) of ``kvdiag accuracy`` with AccuracyParams ``p``: one case per dtype, the baseline first,
+    and the analysis that judges them against it."""
     from kvdiag.checks.accuracy import analyze
+    from kvdiag.lm_eval_options import lm_eval_params
 
-    sweep = resolve_sweep(engine, model, kv_dtype, baseline, engine_arg, device, fault)
-    task_names, need_defaults = _tasks(tasks, include_path)
-    params = {"tasks": task_names, "include_paths": [str(p) for p in include_path or ()],
-              "include_defaults": need_defaults, "limit": _limit(limit), "num_fewshot": num_fewshot, "seed": seed}
-    cases = sweep_cases("accuracy", "kvdiag.checks.accuracy:run_case", sweep, params, isolate)
-    return cases, lambda run: analyze(run, baseline=sweep.baseline, max_drop=max_drop, alpha=alpha, max_kl=max_kl,
-                                      min_top1=min_top1)
+    sweep = resolve_sweep(target, p.baseline)
+    task_names, need_defaults = _tasks(p.tasks, p.include_paths)
+    params = {"tasks": task_names, "include_paths": [str(x) for x in p.include_paths or ()],
+              "include_defaults": need_defaults, "limit": _limit(p.limit), "num_fewshot": p.num_fewshot, "seed": p.seed,
+              **lm_eval_params(p, sweep.model, sweep.spec["engine_args"])}
+    cases = sweep_cases("accuracy", "kvdiag.checks.accuracy:run_case", sweep, params, target.isolate)
+    return cases, lambda run: analyze(run, baseline=sweep.baseline, max_drop=p.max_drop, alpha=p.alpha,
+                                      max_kl=p.max_kl, min_top1=p.min_top1)
 
 
 def _tasks(tasks, include_path) -> tuple[list[str], bool]:
@@ -178,22 +186,22 @@ class Sweep:
     spec: dict  # EngineSpec fields for case.params
 
 
-def resolve_sweep(engine, model, kv_dtype, baseline, engine_arg, device, fault, *, all_names=False) -> Sweep:
+def resolve_sweep(target: Target, baseline: str, *, all_names=False) -> Sweep:
     """Validate everything a sweep needs before any worker starts (bad input: UserError, exit 2)."""
     from kvdiag import dtypes
     from kvdiag.engines.base import engine_dtypes, resolve_engine
     from kvdiag.errors import UserError
 
-    engine = resolve_engine(engine)
-    engine_args = parse_engine_args(engine_arg)
-    model = resolve_model(model)
+    engine = resolve_engine(target.engine)
+    engine_args = parse_engine_args(target.engine_args)
+    model = resolve_model(target.model)
     valid = engine_dtypes(engine)
-    names = resolve_kv_dtypes(engine, kv_dtype) if kv_dtype or not all_names else list(valid)
+    names = resolve_kv_dtypes(engine, target.kv_dtypes) if target.kv_dtypes or not all_names else list(valid)
     try:
         base = dtypes.resolve(baseline, valid, engine)
     except UserError as e:
         raise UserError(f"--baseline: {e}") from None
-    spec = {"device": device, "engine_args": engine_args, "faults": resolve_faults(engine, fault)}
+    spec = {"device": target.device, "engine_args": engine_args, "faults": resolve_faults(engine, target.faults)}
     return Sweep(engine, model, [base] + [d for d in names if d != base], base, spec)
 
 
@@ -202,17 +210,18 @@ def sweep_cases(check: str, target: str, sweep: Sweep, params: dict, isolate) ->
     from kvdiag.models import label
     from kvdiag.runner import Case
 
-    group = check if getattr(isolate, "value", isolate) == "run" else None
+    group = check if isolate == "run" else None
     name = label(sweep.model)  # a hub snapshot's repo name, not its commit hash
     return [Case(check, sweep.engine, sweep.model, d, target, group=group, id=f"{check}/{sweep.engine}/{name}/{d}",
                  params={**sweep.spec, **params, "role": "baseline" if d == sweep.baseline else "test"})
             for d in sweep.kv_dtypes]
 
 
-def dtypes_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, *, max_kl=None, min_top1=None):
-    """(cases, analyze) of the support matrix (also used by `kvdiag ci`)."""
+def dtypes_cases(target: Target, p) -> tuple:
+    """(cases, analyze) of the support matrix (``kvdiag dtypes --check``) with DtypesParams ``p``: every dtype
+    against 'auto'."""
     from kvdiag.checks.dtypes_matrix import analyze
 
-    sweep = resolve_sweep(engine, model, kv_dtype, "auto", engine_arg, device, fault, all_names=True)
-    cases = sweep_cases("dtypes", "kvdiag.checks.dtypes_matrix:run_case", sweep, {}, isolate)
-    return cases, lambda run: analyze(run, max_kl=max_kl, min_top1=min_top1)
+    sweep = resolve_sweep(target, "auto", all_names=True)
+    cases = sweep_cases("dtypes", "kvdiag.checks.dtypes_matrix:run_case", sweep, {}, target.isolate)
+    return cases, lambda run: analyze(run, max_kl=p.max_kl, min_top1=p.min_top1)

@@ -16,36 +16,13 @@ def _engine_args(settings: dict) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in (settings.get("engine_args") or {}).items()]
 
 
-def _accuracy(p, s, engine, model, args):
-    from kvdiag.cases import accuracy_cases
-
-    return accuracy_cases(engine, model, s.get("kv_dtypes"), p.baseline, p.tasks or None,
-                          [Path(x) for x in p.include_paths], p.limit, p.num_fewshot, p.seed, args,
-                          s.get("device", "auto"), None, s.get("isolate", "case"), max_drop=p.max_drop, alpha=p.alpha,
-                          max_kl=p.max_kl, min_top1=p.min_top1)
-
-
-def _dtypes(p, s, engine, model, args):
-    from kvdiag.cases import dtypes_cases
-
-    return dtypes_cases(engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None,
-                        s.get("isolate", "case"), max_kl=p.max_kl, min_top1=p.min_top1)
-
-
-# the checks whose cases are a sweep against a baseline dtype; every other check: one case per dtype and variant
-SWEEPS = {"accuracy": _accuracy, "dtypes": _dtypes}
-
-
 def _build(name: str, s: dict, engine: str, model, args) -> tuple:
     """(cases, analyze) of one check for one engine and model, its options from the config (defaults: its params)."""
-    from kvdiag.cases import check_cases
+    from kvdiag.cases import Target, check_cases
     from kvdiag.checks.registry import get
 
-    p = get(name).make(s)
-    if name in SWEEPS:
-        return SWEEPS[name](p, s, engine, model, args)
-    return check_cases(name, p, engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None,
-                       s.get("isolate", "case"))
+    target = Target(engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None, s.get("isolate", "case"))
+    return check_cases(name, target, get(name).make(s))
 
 
 def _model(cfg, name: str) -> str | None:

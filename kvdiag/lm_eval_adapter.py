@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import threading
 import time
 from itertools import groupby
@@ -22,14 +23,16 @@ from kvdiag.errors import UserError
 
 class EngineLM(TemplateLM):
     def __init__(self, engine, *, max_length: int = 2048, batch_size: int = 1024, max_gen_toks: int = 256,
-                 seed: int = 0):
+                 seed: int = 0, chat_tokenizer=None):
         super().__init__()
         self.engine = engine
+        self.tokenizer = chat_tokenizer  # a Hugging Face tokenizer: its chat template (lm_eval's chat_template())
         self._max_length = max_length
         self.batch_size = batch_size
         self.max_gen_toks = max_gen_toks
         self.seed = seed
         self.engine_seconds = 0.0  # time spent inside the engine's score/generate
+        self.engine_calls = 0
         self._encode = functools.lru_cache(maxsize=8192)(lambda text: tuple(engine.encode(text)))
         bos = engine.encode("")
         self._bos = bos[0] if len(bos) == 1 else None
@@ -56,9 +59,22 @@ class EngineLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         ids = list(self._encode(string))
-        if add_special_tokens is False and self._bos is not None and ids[:1] == [self._bos]:
-            ids = ids[1:]
+        if self._bos is not None and ids[:1] == [self._bos] and (add_special_tokens is False or ids[1:2] == ids[:1]):
+            ids = ids[1:]  # a chat template writes the BOS itself: not twice (as lm_eval's vllm model)
         return ids
+
+    # ---- chat template (lm_eval calls it with --apply-chat-template)
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """As lm_eval's HFLM and vLLM models: the tokenizer's template; a template that refuses a system role gets
+        the history without it."""
+        import jinja2
+
+        kw = {"tokenize": False, "add_generation_prompt": add_generation_prompt,
+              "continue_final_message": not add_generation_prompt}
+        try:
+            return self.tokenizer.apply_chat_template(chat_history, **kw)
+        except jinja2.exceptions.TemplateError:
+            return self.tokenizer.apply_chat_template([m for m in chat_history if m["role"] != "system"], **kw)
 
     # ---- loglikelihood
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
@@ -77,6 +93,7 @@ class EngineLM(TemplateLM):
 
     @contextlib.contextmanager
     def _timed(self):
+        self.engine_calls += 1
         t0 = time.perf_counter()
         try:
             yield
@@ -158,12 +175,12 @@ def cut_at_stop(text: str, until) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def task_manager(include_paths: tuple[str, ...] = (), include_defaults: bool = False):
+def task_manager(include_paths: tuple[str, ...] = (), include_defaults: bool = False, metadata: str | None = None):
     """:func:`kvdiag.tasks.task_manager`, built once per arguments; lm_eval's own ~15k tasks only when asked
-    (indexing them takes ~7 s)."""
+    (indexing them takes ~7 s). ``metadata``: a JSON object for every task (--metadata)."""
     from kvdiag.tasks import task_manager as build
 
-    return build(include_paths, include_defaults)
+    return build(include_paths, include_defaults, json.loads(metadata) if metadata else None)
 
 
 def resolve_tasks(names: list[str], include_paths: tuple[str, ...] = ()) -> tuple[list[str], bool]:
@@ -201,17 +218,59 @@ def _match(name: str, tm) -> list[str]:
 
 def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), include_defaults: bool = False,
               limit: float | None = None, num_fewshot: int | None = None, seed: int = 0,
-              bootstrap_iters: int = 1000) -> dict:
-    """``lm_eval.simple_evaluate`` with per-sample logging; returns ``{"scores": .., "samples": ..}``
-    (``summarize``)."""
+              bootstrap_iters: int = 1000, apply_chat_template: str | None = None,
+              fewshot_as_multiturn: bool = False, system_instruction: str | None = None, gen_kwargs: dict | None = None,
+              metadata: dict | None = None) -> dict:
+    """``lm_eval.simple_evaluate`` with per-sample logging; returns ``{"scores": .., "samples": .., "settings": ..}``
+    (``summarize``). ``apply_chat_template``: a template name ('default': the tokenizer's), as lm_eval's option."""
     from lm_eval import simple_evaluate
 
+    from kvdiag.lm_eval_options import CHAT_TEMPLATE_DEFAULT
+
+    template = True if apply_chat_template == CHAT_TEMPLATE_DEFAULT else (apply_chat_template or False)
+    meta = json.dumps(metadata, sort_keys=True, default=str) if metadata else None
     with _without_env_probe():
-        res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(include_paths, include_defaults),
-                              log_samples=True, limit=limit, num_fewshot=num_fewshot,
-                              bootstrap_iters=bootstrap_iters, random_seed=seed, numpy_random_seed=seed,
-                              torch_random_seed=seed, fewshot_random_seed=seed)
-    return summarize(res)
+        res = simple_evaluate(model=lm, tasks=list(tasks),
+                              task_manager=task_manager(include_paths, include_defaults, meta),
+                              log_samples=True, limit=limit, num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
+                              random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                              fewshot_random_seed=seed, apply_chat_template=template,
+                              fewshot_as_multiturn=bool(fewshot_as_multiturn), system_instruction=system_instruction,
+                              gen_kwargs=dict(gen_kwargs) if gen_kwargs else None)
+    out = summarize(res)
+    cfg = res.get("config") or {}
+    out["settings"] = {"batch_size": lm.batch_size, "engine_calls": lm.engine_calls,
+                       "chat_template": apply_chat_template,
+                       "fewshot_as_multiturn": bool(fewshot_as_multiturn), "system_instruction": system_instruction,
+                       "gen_kwargs": cfg.get("gen_kwargs"), "examples": examples(res),
+                       "groups": task_groups(res.get("group_subtasks") or {})}
+    return out
+
+
+def task_groups(subtasks: dict) -> dict:
+    """{top-level group: [its leaf tasks]} from lm_eval's ``group_subtasks`` (mmlu -> mmlu_stem -> mmlu_anatomy):
+    the terminal table shows a group as one row."""
+    children = {c for kids in subtasks.values() for c in kids}
+
+    def leaves(name, seen=()):
+        kids = subtasks.get(name) or []
+        return [name] if not kids else [x for k in kids if k not in seen for x in leaves(k, (*seen, name))]
+
+    return {g: leaves(g) for g, kids in subtasks.items() if kids and g not in children}
+
+
+def examples(res: dict) -> dict:
+    """{task: {"prompt", "response"}} of each task's first document: what the model was given and answered."""
+    out = {}
+    for task, rows in (res.get("samples") or {}).items():
+        if not rows:
+            continue
+        row = min(rows, key=lambda r: r.get("doc_id", 0))
+        args = (row.get("arguments") or [[None]])[0]
+        resp = (row.get("resps") or [[None]])[0]
+        out[task] = {"prompt": args[0] if args else None,
+                     "response": _json_value(resp[0] if isinstance(resp, (list, tuple)) and resp else resp)}
+    return out
 
 
 _PROBE_LOCK = threading.Lock()

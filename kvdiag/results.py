@@ -181,4 +181,89 @@ def load_run(run_dir: Path) -> RunRecord:
         order = {c.id: i for i, c in enumerate(run.cases)}
         run.cases = sorted(cases.values(), key=lambda c: order.get(c.id, len(order)))
     run.summary = summarize(run.cases)
+    run.run_dir = str(run_dir)  # where it is now (a copied or moved run finds its artifacts)
     return run
+
+
+# ------------------------------------------------------------------ as pandas DataFrames
+
+CASE_COLUMNS = ("id", "check", "engine", "model", "kv_dtype", "status")
+NOT_FLAT = ("scores", "artifacts", "lm_eval")  # scores: scores_frame; lm_eval: prompts and settings, not numbers
+
+
+def _run(run) -> RunRecord:
+    return run if isinstance(run, RunRecord) else load_run(Path(run))
+
+
+def cases_frame(run):
+    """One row per case of a run (a RunRecord or a run directory): its id, check, engine, model, kv dtype, status,
+    verdict, duration, error count and first error, and every scalar metric flattened (``timings.drift``)."""
+    import pandas as pd
+
+    rows = []
+    for c in _run(run).cases:
+        errors = [f.message for f in c.findings if f.severity == "error"]
+        rows.append({**{k: getattr(c, k) for k in CASE_COLUMNS}, "verdict": c.metrics.get("verdict"),
+                     "duration_s": c.duration_s, "errors": len(errors), "first_error": errors[0] if errors else None,
+                     **_scalars(c.metrics)})
+    return pd.DataFrame(rows)
+
+
+def _scalars(metrics: dict, prefix: str = "") -> dict:
+    """The metrics' numbers, strings and booleans, nested keys joined by dots (``timings.drift``)."""
+    out = {}
+    for k, v in metrics.items():
+        if not prefix and k in NOT_FLAT:
+            continue
+        if isinstance(v, dict):
+            out.update(_scalars(v, f"{prefix}{k}."))
+        elif isinstance(v, (int, float, str, bool)):
+            out[prefix + k] = v
+    return out
+
+
+def scores_frame(run):
+    """One row per case x task x metric: score, stderr, documents, and, for accuracy, the comparison with the
+    baseline dtype (delta, 95% interval, p-value, test, drift, verdict). A case without task scores (memleak,
+    wake-cycle, ...) gives one row per scalar metric, task empty."""
+    import pandas as pd
+
+    run = _run(run)
+    judged = {(r["kv_dtype"], r["task"], r["metric"]): r for a in run.analysis.values() if isinstance(a, dict)
+              for r in a.get("rows") or () if isinstance(r, dict) and "task" in r and "metric" in r}
+    keep = ("baseline", "delta", "ci_low", "ci_high", "p_value", "test", "mean_kl", "max_kl", "top1_agreement",
+            "verdict")
+    rows = []
+    for c in run.cases:
+        head = {k: getattr(c, k) for k in CASE_COLUMNS}
+        for task, per in (c.metrics.get("scores") or {}).items():
+            for metric, sc in per.items():
+                r = judged.get((c.kv_dtype, task, metric), {})
+                rows.append({**head, "task": task, "metric": metric, "value": sc.get("score"),
+                             "stderr": sc.get("stderr"), "n": sc.get("n"), **{k: r.get(k) for k in keep}})
+        if "scores" not in c.metrics:
+            for metric, value in _scalars(c.metrics).items():
+                if metric != "verdict" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    rows.append({**head, "task": "", "metric": metric, "value": value,
+                                 "verdict": c.metrics.get("verdict")})
+    return pd.DataFrame(rows, columns=[*CASE_COLUMNS, "task", "metric", "value", "stderr", "n", *keep])
+
+
+def samples_frame(run):
+    """One row per case x task x metric x document of an accuracy run: the document's value (0/1 for acc), read
+    from each case's samples artifact in turn."""
+    import pandas as pd
+
+    run = _run(run)
+    parts = []
+    for c in run.cases:
+        name = (c.metrics.get("artifacts") or {}).get("samples")
+        path = Path(run.run_dir or ".") / "artifacts" / name if name else None
+        if path is None or not path.is_file():
+            continue
+        for task, per in json.loads(path.read_text()).items():
+            for metric, docs in per.items():
+                parts.append(pd.DataFrame({"id": c.id, "kv_dtype": c.kv_dtype, "task": task, "metric": metric,
+                                           "doc_id": list(docs), "value": list(docs.values())}))
+    cols = ["id", "kv_dtype", "task", "metric", "doc_id", "value"]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=cols)

@@ -19,6 +19,7 @@ from kvdiag.checks.registry import Check, option
 from kvdiag.errors import EngineUnsupported, resource_failure
 
 SAMPLES = ".samples.json"
+AUTO_BATCH = 1024  # requests per engine call with --batch-size auto
 DRIFT = ".drift.npz"
 _SHARED: dict = {}  # --isolate run: (group, thread) -> the engine object that thread's cases share
 _SHARED_LOCK = threading.Lock()  # cases starting at once on threads: one loads the weights, the others share them
@@ -49,6 +50,22 @@ class AccuracyParams:
                                  "task when < 1 (as in lm_eval).")
     num_fewshot: int | None = option(None, "--num-fewshot", min=0, help="Few-shot examples (lm_eval).")
     seed: int = option(0, "--seed", help="Random seed for sampling and for lm_eval.")
+    batch_size: str = option("auto", "--batch-size", "-b", help="Requests per engine call: an integer, or auto "
+                             f"({AUTO_BATCH}: the engine schedules them).")
+    apply_chat_template: str | None = option(None, "--apply-chat-template", help="Format prompts with the "
+                                             "model's chat template, as lm_eval: alone, the tokenizer's template; "
+                                             "--apply-chat-template NAME, that one of its templates.")
+    fewshot_as_multiturn: bool | None = option(None, "--fewshot-as-multiturn/--no-fewshot-as-multiturn",
+                                               help="Few-shot examples as a multi-turn conversation (default: on "
+                                               "with --apply-chat-template, as lm_eval).")
+    system_instruction: str | None = option(None, "--system-instruction", help="A system instruction before "
+                                            "every prompt (lm_eval).")
+    gen_kwargs: str | None = option(None, "--gen-kwargs", help="Generation arguments for every generating task, "
+                                    "key=value,key=value or a JSON object (e.g. max_gen_toks=512,temperature=0); "
+                                    "they update each task's own.")
+    metadata: str | None = option(None, "--metadata", help="Task metadata, key=value,key=value or a JSON object "
+                                  "(e.g. '{\"max_seq_lengths\": [4096]}' for RULER); kvdiag adds pretrained=MODEL "
+                                  "and the --engine-arg values, as lm_eval merges model_args.")
     max_drop: float = option(0.02, "--max-drop", min=0, help="A drop (in the metric's units, e.g. 0.02 = 2 points "
                              "of acc) larger than this and significant at --alpha is a regression.")
     alpha: float = option(0.05, "--alpha", min=0, max=1, help="Significance level of the paired test.")
@@ -77,18 +94,32 @@ def run_case(case, ctx):
     drift.save(probe, ctx.artifact(case, DRIFT))
     times["drift"] = _lap(t)
     t = time.perf_counter()
-    lm = EngineLM(engine, max_length=_max_len(engine, p), seed=p.get("seed", 0))
+    lm = EngineLM(engine, max_length=_max_len(engine, p), seed=p.get("seed", 0),
+                  batch_size=p.get("batch_size") or AUTO_BATCH,
+                  chat_tokenizer=chat_tokenizer(case.model) if p.get("apply_chat_template") else None)
     out = run_tasks(lm, p["tasks"], include_paths=tuple(p.get("include_paths") or ()),
                     include_defaults=bool(p.get("include_defaults")), limit=p.get("limit"),
-                    num_fewshot=p.get("num_fewshot"), seed=p.get("seed", 0))
+                    num_fewshot=p.get("num_fewshot"), seed=p.get("seed", 0),
+                    **{k: p.get(k) for k in LM_EVAL_KEYS if p.get(k) is not None})
     ctx.artifact(case, SAMPLES).write_text(json.dumps(out["samples"]))
     times["lm_eval"], times["lm_eval_in_engine"] = _lap(t), round(lm.engine_seconds, 3)
     times["cpu"] = round(_cpu_time() - cpu, 3)
-    metrics = {"scores": out["scores"], "model_dtype": model_dtype(engine, case), "finite": drift.finite(probe),
-               "drift_over": probe["over"], "timings": times, "worker": _worker_info(engine),
+    metrics = {"scores": out["scores"], "lm_eval": out["settings"], "model_dtype": model_dtype(engine, case),
+               "finite": drift.finite(probe), "drift_over": probe["over"], "timings": times,
+               "worker": _worker_info(engine),
                "artifacts": {"samples": ctx.artifact(case, SAMPLES).name, "drift": ctx.artifact(case, DRIFT).name}}
     release_engine(case, engine)
     return case.result("pass", metrics=metrics)
+
+
+LM_EVAL_KEYS = ("apply_chat_template", "fewshot_as_multiturn", "system_instruction", "gen_kwargs", "metadata")
+
+
+def chat_tokenizer(model: str):
+    """The model's Hugging Face tokenizer, for its chat template (--apply-chat-template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
 
 
 def acquire_engine(case):
@@ -199,6 +230,7 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
     for rec in run.cases:
         if rec is base:
             rows += verdicts.baseline_rows(rec)
+            changed.append(rec)  # its verdict 'baseline' goes into results.jsonl too
         elif rec.status != "pass":
             rows += verdicts.failed_rows(rec)
         elif not base_ok:
@@ -231,7 +263,7 @@ CHECK = Check(
     "accuracy", "kvdiag.checks.accuracy:run_case", AccuracyParams,
     help="Score lm_eval tasks and token-level drift for each kv dtype against a baseline dtype.",
     render="kvdiag.report.views:accuracy", plots="kvdiag.report.plots:accuracy_plots",
-    compare="kvdiag.report.compare:score_rows",
+    compare="kvdiag.report.compare:score_rows", cases="kvdiag.cases:accuracy_cases",
     # 10 documents of kv_recall: enough for a collapse; drift (measured in every case) catches what they cannot
     selftest={"tasks": ["kv_recall"], "include_paths": [], "include_defaults": False, "limit": 10,
               "num_fewshot": None, "seed": 0, "num_prompts": 2})

@@ -41,6 +41,8 @@ class Check:
     render: str | None = None  # "module:function(run, console)": the terminal table (default: the cases table)
     plots: str | None = None  # "module:function(cases, title_suffix) -> [svg]" for report.html
     compare: str | None = None  # "module:function(old_case, new_case, settings) -> [row]" for kvdiag compare
+    cases: str | None = None  # "module:function(target, params) -> (cases, analyze)" when not one case per dtype and
+    # variant (accuracy, dtypes: a sweep against a baseline dtype; kvdiag.cases)
     isolate: bool = True  # takes --isolate (memleak: every dtype always in its own worker)
     timeout: float = 900.0  # seconds a case may run
     selftest: dict | None = None  # the params of its `kvdiag selftest` cases: small sizes that keep it short

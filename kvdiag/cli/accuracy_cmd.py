@@ -37,6 +37,12 @@ MaxDropOpt = field_option(A, "max_drop")
 AlphaOpt = field_option(A, "alpha")
 MaxKLOpt = field_option(A, "max_kl")
 MinTop1Opt = field_option(A, "min_top1")
+BatchOpt = field_option(A, "batch_size")
+ChatOpt = field_option(A, "apply_chat_template")
+MultiturnOpt = field_option(A, "fewshot_as_multiturn")
+SystemOpt = field_option(A, "system_instruction")
+GenKwargsOpt = field_option(A, "gen_kwargs")
+MetadataOpt = field_option(A, "metadata")
 
 
 LM_EVAL_MODULES = ("kvdiag.lm_eval_adapter", "lm_eval.evaluator")  # what the workers' fork server pre-imports
@@ -52,6 +58,12 @@ def accuracy(
     limit: LimitOpt = None,
     num_fewshot: FewshotOpt = None,
     seed: SeedOpt = A.seed,
+    batch_size: BatchOpt = A.batch_size,
+    apply_chat_template: ChatOpt = None,
+    fewshot_as_multiturn: MultiturnOpt = None,
+    system_instruction: SystemOpt = None,
+    gen_kwargs: GenKwargsOpt = None,
+    metadata: MetadataOpt = None,
     max_drop: MaxDropOpt = A.max_drop,
     alpha: AlphaOpt = A.alpha,
     max_kl: MaxKLOpt = None,
@@ -74,24 +86,21 @@ def accuracy(
     interval and p-value, and a verdict: ok, regression, collapse or drift. Exit code 1 when
     any dtype regressed, collapsed, drifted or crashed.
     """
-    from kvdiag.cases import accuracy_cases
+    from kvdiag.cases import Target, check_cases
     from kvdiag.orchestrate import execute, make_run_dir
     from kvdiag.scheduling import case_threads, default_jobs, preload, worker_env
 
-    cases, analyze = accuracy_cases(engine, model, kv_dtype, baseline, tasks, include_path, limit, num_fewshot, seed,
-                                    engine_arg, device, fault, isolate, max_drop=max_drop, alpha=alpha, max_kl=max_kl,
-                                    min_top1=min_top1)
+    p = A(tasks=tasks or [], include_paths=include_path or [], baseline=baseline, limit=limit,
+          num_fewshot=num_fewshot, seed=seed, batch_size=batch_size, apply_chat_template=apply_chat_template,
+          fewshot_as_multiturn=fewshot_as_multiturn, system_instruction=system_instruction, gen_kwargs=gen_kwargs,
+          metadata=metadata, max_drop=max_drop, alpha=alpha, max_kl=max_kl, min_top1=min_top1)
+    target = Target(engine, model, kv_dtype, device, engine_arg, fault, isolate)
+    cases, analyze = check_cases("accuracy", target, p)
     run_dir = make_run_dir(output_dir, "accuracy", resume)
     jobs = jobs or default_jobs(cases)
     code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
                    jobs=jobs, env=worker_env(jobs), preload=preload(cases, *LM_EVAL_MODULES), analyze=analyze,
                    threads=case_threads(cases, isolate, jobs))
     raise typer.Exit(code)
-
-
-# ------------------------------------------------------------------ shared with `kvdiag dtypes --check`
-
-
-# ------------------------------------------------------------------ table
 
 

@@ -79,6 +79,22 @@ def _register() -> None:
 _register()
 
 
+OPTIONAL_VALUE = {"--apply-chat-template": "default"}  # options whose value may be left out (as in lm_eval)
+
+
+def optional_values(args: list[str]) -> list[str]:
+    """``--apply-chat-template`` alone (last, or before another option) means its default value: click's options
+    take a value or none, not either."""
+    out = []
+    for i, a in enumerate(args):
+        out.append(a)
+        if a in OPTIONAL_VALUE and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out[-1] = f"{a}={OPTIONAL_VALUE[a]}"
+        if a == "--":
+            return out + args[i + 1:]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one line on stderr for bad input (exit 2) or an internal failure (exit 3)."""
     try:  # typer >= 0.20 vendors click
@@ -93,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         from typer.exceptions import Abort as abort
 
     try:
-        rv = app(args=argv, standalone_mode=False, prog_name="kvdiag")
+        rv = app(args=optional_values(sys.argv[1:] if argv is None else list(argv)), standalone_mode=False,
+                 prog_name="kvdiag")
     except UserError as e:
         print(f"kvdiag: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

@@ -63,13 +63,14 @@ def command_for(check):
         raise ValueError(f"check '{check.name}': option {clash[0]} is one every check takes")
 
     def command(**kw) -> None:
-        from kvdiag.cases import check_cases
+        from kvdiag.cases import Target, check_cases
         from kvdiag.orchestrate import execute, make_run_dir
 
         values = {n: getattr(kw[n], "value", kw[n]) for n, _, _ in own if kw[n] is not None}
         p = check.make(values)
-        cases, analyze = check_cases(check.name, p, kw["engine"], kw["model"], kw["kv_dtype"], kw["device"],
-                                     kw["engine_arg"], kw["fault"], kw.get("isolate", "case"))
+        target = Target(kw["engine"], kw["model"], kw["kv_dtype"], kw["device"], kw["engine_arg"], kw["fault"],
+                        kw.get("isolate", "case"))
+        cases, analyze = check_cases(check.name, target, p)
         run_dir = make_run_dir(kw["output_dir"], check.name, kw["resume"])
         raise typer.Exit(execute(check.name, cases, run_dir, fmt=kw["fmt"], timeout=kw["timeout"],
                                  resume=kw["resume"] is not None, quiet=kw["quiet"], jobs=kw["jobs"], analyze=analyze))

@@ -95,12 +95,12 @@ def _list(engine, kv_dtype, fmt) -> None:
 
 def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs, output_dir, timeout,
            resume, quiet, fault) -> int:
-    from kvdiag.cases import dtypes_cases
+    from kvdiag.cases import Target, check_cases
     from kvdiag.orchestrate import execute, make_run_dir
     from kvdiag.scheduling import default_jobs, preload, worker_env
 
-    cases, analyze = dtypes_cases(engine, model, kv_dtype, device, engine_arg, fault, isolate, max_kl=max_kl,
-                                 min_top1=min_top1)
+    target = Target(engine, model, kv_dtype, device, engine_arg, fault, isolate)
+    cases, analyze = check_cases("dtypes", target, CHECK.params(max_kl=max_kl, min_top1=min_top1))
     jobs = jobs or default_jobs(cases)
     run_dir = make_run_dir(output_dir, "dtypes", resume)
     return execute("dtypes --check", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,

@@ -15,18 +15,24 @@ class ReportFormat(str, Enum):
     junit = "junit"
     json = "json"
     table = "table"
+    csv = "csv"
+    parquet = "parquet"
 
 
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (holds results.jsonl and run.json).")],
-    fmt: Annotated[ReportFormat, typer.Option("--format", "-f", help="md, html, junit, json, or table.")]
+    fmt: Annotated[ReportFormat, typer.Option(
+        "--format", "-f", help="md, html, junit, json, table (the command's own tables), csv (one row per case x "
+        "task x metric; in Python: kvdiag.results.scores_frame(RUN_DIR)), or parquet (the same rows; written to "
+        "--out, default RUN_DIR/scores.parquet).")]
     = ReportFormat.md,
     out: Annotated[Optional[Path], typer.Option(
         "--out", help="Write to this file instead of stdout ('-' for stdout). "
         "--write writes report.md, report.html, junit.xml and run.json into RUN_DIR.")] = None,
     write: Annotated[bool, typer.Option("--write", help="Write every report file into RUN_DIR.")] = False,
 ) -> None:
-    """Render a finished (or interrupted) run again: as markdown, HTML with plots, JUnit XML or JSON."""
+    """Render a finished (or interrupted) run again: as markdown, HTML with plots, JUnit XML, JSON, the
+    command's tables, or its scores as CSV or Parquet for pandas, a notebook or a spreadsheet."""
     from kvdiag.report import render, write_reports
     from kvdiag.results import exit_code_for, load_run
 
@@ -42,7 +48,15 @@ def report(
 
         print_run(run)
         raise typer.Exit(0)
-    text = render(run, fmt.value)
+    if fmt == ReportFormat.parquet:
+        _parquet(run, out or run_dir / "scores.parquet")
+        raise typer.Exit(0)
+    if fmt == ReportFormat.csv:
+        from kvdiag.results import scores_frame
+
+        text = scores_frame(run).to_csv(index=False)
+    else:
+        text = render(run, fmt.value)
     if out is None or str(out) == "-":
         typer.echo(text, nl=False)
     else:
@@ -54,3 +68,18 @@ def report(
             raise UserError(f"cannot write '{out}': {e.strerror or e}") from None
         typer.echo(str(out))
 
+
+
+def _parquet(run, path: Path) -> None:
+    from kvdiag.errors import UserError
+    from kvdiag.results import scores_frame
+
+    try:
+        import pyarrow  # noqa: F401 - pandas writes parquet through it
+    except ImportError:
+        raise UserError("--format parquet needs pyarrow (pip install pyarrow); --format csv needs nothing") from None
+    try:
+        scores_frame(run).to_parquet(path, index=False)
+    except OSError as e:
+        raise UserError(f"cannot write '{path}': {e.strerror or e}") from None
+    typer.echo(str(path))
