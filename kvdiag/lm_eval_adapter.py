@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import threading
 import time
 from itertools import groupby
@@ -20,11 +21,15 @@ from lm_eval.api.model import TemplateLM
 
 from kvdiag.errors import UserError
 
+PROGRESS_S = float(os.environ.get("KVDIAG_PROGRESS_S", "10"))  # seconds between progress lines of a case
+
 
 class EngineLM(TemplateLM):
     def __init__(self, engine, *, max_length: int = 2048, batch_size: int = 1024, max_gen_toks: int = 256,
-                 seed: int = 0, chat_tokenizer=None):
+                 seed: int = 0, chat_tokenizer=None, on_progress=None):
         super().__init__()
+        self.on_progress = on_progress  # called with a line ("120/400 documents, 35.2 doc/s") every PROGRESS_S
+        self._docs, self._units, self._done, self._t0, self._shown = 0, 0, 0, 0.0, 0.0
         self.engine = engine
         self.tokenizer = chat_tokenizer  # a Hugging Face tokenizer: its chat template (lm_eval's chat_template())
         self._max_length = max_length
@@ -76,16 +81,36 @@ class EngineLM(TemplateLM):
         except jinja2.exceptions.TemplateError:
             return self.tokenizer.apply_chat_template([m for m in chat_history if m["role"] != "system"], **kw)
 
+    # ---- progress: documents done of one lm_eval call (requests scale to documents)
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self._begin(requests)
+        return super().loglikelihood(requests, disable_tqdm)
+
+    def _begin(self, requests) -> None:
+        self._docs = len({(getattr(r, "task_name", None), getattr(r, "doc_id", i)) for i, r in enumerate(requests)})
+        self._t0 = self._shown = time.perf_counter()
+
+    def _advance(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if self.on_progress is None or (now - self._shown < PROGRESS_S and done < total) or not total:
+            return
+        self._shown = now
+        docs = round(self._docs * done / total)
+        self.on_progress(f"{docs:,}/{self._docs:,} documents, {docs / max(now - self._t0, 1e-9):.1f} doc/s")
+
     # ---- loglikelihood
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         items = [self._fit(ctx, cont) for _, ctx, cont in requests]
         order = sorted(range(len(items)), key=lambda i: (len(items[i][0]), items[i][0]))  # similar lengths together
         out: list = [None] * len(items)
+        done = 0
         for batch in self._batches(order, key=lambda i: items[i][0]):
             with self._timed():
                 scored = self.engine.score([items[i][0] for i in batch], [items[i][1] for i in batch], top_k=0)
             for i, s in zip(batch, scored):
                 out[i] = (float(sum(s.logprobs)), bool(s.is_greedy))
+            done += len(batch)
+            self._advance(done, len(items))
         for (pair, _, _), answer in zip(requests, out):
             if pair is not None:
                 self.cache_hook.add_partial("loglikelihood", pair, answer)
@@ -121,6 +146,7 @@ class EngineLM(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from lm_eval import utils
 
+        self._begin(requests)
         windows, owner = [], []
         for r, req in enumerate(requests):
             tokens = self.tok_encode(req.args[0], add_special_tokens=False)
@@ -140,6 +166,7 @@ class EngineLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from lm_eval.models.utils import normalize_gen_kwargs
 
+        self._begin(requests)
         jobs = []
         for req in requests:
             context, gen_kwargs = req.args
@@ -148,6 +175,7 @@ class EngineLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             jobs.append((context, tuple(until), int(kw["max_gen_toks"]), bool(kw.get("do_sample"))))
         out: list = [None] * len(jobs)
+        finished = 0
         order = sorted(range(len(jobs)), key=lambda i: jobs[i][1:])
         for (until, max_toks, sample), idx in groupby(order, key=lambda i: jobs[i][1:]):
             idx = list(idx)
@@ -161,6 +189,8 @@ class EngineLM(TemplateLM):
                 for i, c in zip(chunk, done):
                     out[i] = cut_at_stop(c.text or self.engine.decode(c.token_ids), until)
                     self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
+                finished += len(chunk)
+                self._advance(finished, len(jobs))
         return out
 
 

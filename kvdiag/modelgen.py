@@ -139,12 +139,13 @@ def make_random_model(
     max_position_embeddings: int = 2048,
     vocab_size: int | None = None,
     init_std: float = 0.05,
+    device: str = "cpu",
     **extra_config: Any,
 ) -> Path:
     """Write a random-weight HF checkpoint (config, safetensors, tokenizer) to ``path``.
 
     Weights are N(0, init_std) (norm weights 1, biases N(0, init_std)), deterministic
-    from ``seed``. Returns ``path``.
+    from ``seed`` on a given ``device`` (``cuda`` draws a multi-GB model in seconds). Returns ``path``.
     """
     import torch
     from safetensors.torch import save_file
@@ -185,14 +186,14 @@ def make_random_model(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     config.dtype = getattr(torch, dtype)  # after from_config, which overwrites it
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for name, p in model.state_dict().items():
         if "norm" in name and name.endswith("weight"):
-            t = torch.ones(p.shape)
+            t = torch.ones(p.shape, device=device)
         else:
-            t = torch.randn(p.shape, generator=gen) * init_std
-        state[name] = t.to(getattr(torch, dtype)).contiguous()
+            t = torch.randn(p.shape, generator=gen, device=device) * init_std
+        state[name] = t.to(getattr(torch, dtype)).contiguous().cpu()
     if tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -202,3 +203,31 @@ def make_random_model(
     gen_cfg = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "do_sample": False}
     (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     return path
+
+
+# Llama-3.1-8B's shapes (hidden 4096, 32 layers, 32 heads, 8 kv heads, 14336 MLP, 128,256 ids, llama3 rope), bf16:
+# ~16 GB of random weights, for real-size runs of the builtin engine (README, "Timings").
+LLAMA31_8B: dict[str, Any] = dict(
+    arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+    intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+    rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="bfloat16",
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192})
+PRESETS = {"qwen2-0.5b": QWEN2_05B, "llama-3.1-8b": LLAMA31_8B}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvdiag.modelgen PRESET OUT [--device cuda]``: write a preset's random-weight checkpoint."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvdiag.modelgen", description=main.__doc__)
+    ap.add_argument("preset", choices=sorted(PRESETS))
+    ap.add_argument("out")
+    ap.add_argument("--device", default="cpu", help="where to draw the weights (cpu, cuda)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    print(make_random_model(a.out, seed=a.seed, device=a.device, **PRESETS[a.preset]))
+
+
+if __name__ == "__main__":
+    main()

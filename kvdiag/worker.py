@@ -56,13 +56,21 @@ def worker_main(cases: list[dict], run_dir: str, log_path: str, conn, parent_pid
     if "torch" in sys.modules and env.get("OMP_NUM_THREADS"):  # preloaded by a fork server: set what it read
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     _watch_parent(parent_pid)
-    ctx = WorkerContext(Path(run_dir), Path(run_dir) / "artifacts")
+    import threading
+
+    lock = threading.Lock()
+
+    def send(msg) -> None:
+        with lock:
+            conn.send(msg)
+
+    ctx = WorkerContext(Path(run_dir), Path(run_dir) / "artifacts", send)
     if threads > 1 and len(cases) > 1:
-        _run_on_threads(cases, ctx, conn, threads, env)
+        _run_on_threads(cases, ctx, send, threads, env)
     else:
         for cd in cases:
-            conn.send(_started(cd))
-            conn.send(("done", _run_one(Case(**cd), ctx)))
+            send(_started(cd))
+            send(("done", _run_one(Case(**cd), ctx)))
     conn.close()
 
 
@@ -92,16 +100,12 @@ def _run_one(case: Case, ctx: WorkerContext) -> str:
     return rec.to_json()
 
 
-def _run_on_threads(cases: list[dict], ctx: WorkerContext, conn, threads: int, env: dict) -> None:
+def _run_on_threads(cases: list[dict], ctx: WorkerContext, send, threads: int, env: dict) -> None:
     """Up to ``threads`` cases of the group at once, each on its own thread (``run_cases(threads=...)``). With
     KVDIAG_SHARE_CORES each thread sets its own torch threads (per-thread in OpenMP) as workers would."""
     import threading
 
     todo, lock = list(cases), threading.Lock()
-
-    def send(msg):
-        with lock:
-            conn.send(msg)
 
     def loop():
         while True:

@@ -199,3 +199,27 @@ def test_apply_chat_template_takes_an_optional_name():
     assert optional_values(["accuracy", "--apply-chat-template", "--limit", "3"])[1] == "--apply-chat-template=default"
     assert optional_values(["accuracy", "--apply-chat-template", "chatml"]) == [
         "accuracy", "--apply-chat-template", "chatml"]
+
+
+def test_progress_shows_documents_and_their_rate_and_the_case_records_them(tmp_path):
+    import os
+
+    env = {**os.environ, "KVDIAG_PROGRESS_S": "0"}  # a line after every engine call
+    r = subprocess.run([sys.executable, "-m", "kvdiag", "accuracy", "-d", "auto", "-t", "kv_recall,kv_recall_long",
+                        "--limit", "7", "--batch-size", "8", "-o", str(tmp_path / "p")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300, env={k: str(v) for k, v in env.items()})
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if "documents, " in x and "doc/s" in x]
+    assert any("/14 documents" in x for x in lines) and any(" 14/14 documents" in x for x in lines), r.stderr
+    assert "14 documents at " in r.stderr  # the case's end line
+    rec = json.loads((tmp_path / "p" / "results.jsonl").read_text().splitlines()[0])["metrics"]
+    assert rec["documents"] == 14 and rec["documents_per_s"] > 0
+    assert rec["peak_mib"]["gpu"] is None and rec["peak_mib"]["rss"] > 100  # a worker with torch imported
+
+
+def test_engine_args_naming_spec_fields_reach_the_builtin_engine(tmp_path):
+    r = kvdiag("accuracy", "-d", "auto", "-t", "kv_recall", "--limit", 2, "-a", "kv_cache_memory=1000", "-o",
+               tmp_path / "k", "-q")
+    assert r.returncode == 1
+    rec = json.loads((tmp_path / "k" / "results.jsonl").read_text().splitlines()[0])
+    assert "kv_cache_memory 1000 B holds no block" in rec["findings"][0]["message"]

@@ -118,3 +118,37 @@ def test_qwen2_05b_shape():
     n = sum(p.numel() for p in model.parameters())
     assert 0.3e9 < n < 0.6e9
     assert cfg.num_attention_heads * cfg.head_dim == cfg.hidden_size == 896
+
+
+def test_llama_31_8b_preset_has_the_published_parameter_count_and_rope():
+    """Llama-3.1-8B has 8,030,261,248 parameters (its model card's safetensors total); the preset's config, built on
+    the meta device, has the same."""
+    from transformers import AutoModelForCausalLM
+
+    kw = dict(modelgen.LLAMA31_8B)
+    cfg = modelgen._config(kw["arch"], hidden_size=kw["hidden_size"], num_hidden_layers=kw["num_layers"],
+                           num_attention_heads=kw["num_heads"], num_key_value_heads=kw["num_kv_heads"],
+                           head_dim=kw["head_dim"], intermediate_size=kw["intermediate_size"],
+                           vocab_size=kw["vocab_size"], tie_word_embeddings=kw["tie_word_embeddings"],
+                           rope_scaling=kw["rope_scaling"], rope_theta=kw["rope_theta"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    assert modelgen.PRESETS["llama-3.1-8b"] is modelgen.LLAMA31_8B
+
+
+def test_a_preset_is_written_from_the_command_line(tmp_path, monkeypatch):
+    """`python -m kvdiag.modelgen PRESET OUT` (the 8B preset, shrunk here to two thin layers) loads in transformers,
+    and the builtin engine reads its llama3 rope scaling."""
+    from transformers import AutoModelForCausalLM
+
+    from kvdiag.engines.builtin.config import ModelConfig
+
+    small = {**modelgen.LLAMA31_8B, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+             "head_dim": 16, "intermediate_size": 128, "vocab_size": 512}
+    monkeypatch.setitem(modelgen.PRESETS, "llama-3.1-8b", small)
+    modelgen.main(["llama-3.1-8b", str(tmp_path / "m")])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert model.config.rope_scaling["rope_type"] == "llama3" and model.config.num_hidden_layers == 2
+    assert model.dtype == torch.bfloat16
+    assert ModelConfig.from_path(tmp_path / "m").rope_scaling["factor"] == 8.0

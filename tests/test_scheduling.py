@@ -108,3 +108,63 @@ def test_visible_gpus_honour_cuda_visible_devices(monkeypatch, env, expected):
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
     assert scheduling.visible_gpus() == expected
+
+
+GiB = 1 << 30
+
+
+def sweep(check, n=7, device="cuda", model="m"):
+    return [Case(check, "builtin", model, f"d{i}", "case_fns:gpu_slot", params={"device": device, "sleep": 1.0},
+                 id=f"{check}/builtin/{i}") for i in range(n)]
+
+
+@pytest.fixture
+def memory(monkeypatch):
+    """``memory(gpu_gib, weights_gib)``: the GPUs' memory and the model's weight files, as NVML and the disk would
+    tell."""
+
+    def fake(gpu_gib, weights_gib):
+        monkeypatch.setattr(scheduling, "gpu_memory", lambda: int(gpu_gib * GiB))
+        monkeypatch.setattr(scheduling, "weights_bytes", lambda model: int(weights_gib * GiB))
+
+    return fake
+
+
+def test_builtin_accuracy_cases_share_a_gpu_as_far_as_its_memory_holds(gpus, memory, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    gpus(1)
+    memory(80, 0.01)  # the shipped tiny model on an H100
+    assert scheduling.place(sweep("accuracy")).per_gpu == scheduling.SHARED_GPU_MAX
+    assert scheduling.default_jobs(sweep("accuracy")) == 7 and scheduling.default_jobs(sweep("dtypes")) == 7
+    assert scheduling.cap_jobs(sweep("accuracy"), 12, quiet=True) == (8, ())
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert scheduling.default_jobs(sweep("accuracy")) == 2  # at most the CPU cores
+    memory(80, 15)  # Llama-3.1-8B in bf16: 2.5 x 15 + 1 GiB each, 64 GiB usable: one at a time
+    assert scheduling.place(sweep("accuracy")).per_gpu == 1
+    memory(80, 5)  # 13.5 GiB each: four need 54 GiB of the 64
+    assert scheduling.place(sweep("accuracy")).per_gpu == 4
+    memory(80, 8)  # 21 GiB each: three
+    assert scheduling.place(sweep("accuracy")).per_gpu == 3
+    memory(0, 0.01)  # NVML cannot tell: one at a time
+    assert scheduling.place(sweep("accuracy")).per_gpu == 1
+
+
+def test_checks_that_measure_the_device_never_share_it(gpus, memory):
+    gpus(1)
+    memory(80, 0.01)
+    for check in ("memleak", "wake-cycle", "poison"):
+        assert scheduling.place(sweep(check)).per_gpu == 1, check
+    assert scheduling.place(sweep("accuracy") + sweep("memleak")).per_gpu == 1
+    vllm = [Case("accuracy", "vllm", "m", "auto", "case_fns:gpu_slot", params={"device": "cuda"}, id="v")]
+    assert scheduling.place(vllm).per_gpu == 1
+    assert scheduling.place(sweep("accuracy", device="cpu")).gpu is False
+
+
+def test_shared_gpus_are_pinned_slot_by_slot_and_cases_run_together(gpus, memory, tmp_path, capsys):
+    gpus(2)
+    memory(80, 0.01)
+    assert scheduling.place(sweep("accuracy")).pin == ("0", "1") * 8  # the GPUs in turn
+    recs, lines = execute(sweep("accuracy", n=6), tmp_path, capsys, jobs=6)
+    assert lines == [] and [r["status"] for r in recs] == ["pass"] * 6
+    assert 2 < most_at_once(recs) <= 6
+    assert {r["metrics"]["gpu"] for r in recs} == {"0", "1"}

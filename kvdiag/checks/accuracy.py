@@ -80,6 +80,7 @@ def run_case(case, ctx):
 
     p, times = case.params, {"startup": _startup_once()}
     t, cpu = time.perf_counter(), _cpu_time()
+    _reset_peak()
     try:
         engine = acquire_engine(case)
     except EngineUnsupported as e:
@@ -96,7 +97,8 @@ def run_case(case, ctx):
     t = time.perf_counter()
     lm = EngineLM(engine, max_length=_max_len(engine, p), seed=p.get("seed", 0),
                   batch_size=p.get("batch_size") or AUTO_BATCH,
-                  chat_tokenizer=chat_tokenizer(case.model) if p.get("apply_chat_template") else None)
+                  chat_tokenizer=chat_tokenizer(case.model) if p.get("apply_chat_template") else None,
+                  on_progress=lambda text: ctx.progress(case, text))
     out = run_tasks(lm, p["tasks"], include_paths=tuple(p.get("include_paths") or ()),
                     include_defaults=bool(p.get("include_defaults")), limit=p.get("limit"),
                     num_fewshot=p.get("num_fewshot"), seed=p.get("seed", 0),
@@ -106,7 +108,7 @@ def run_case(case, ctx):
     times["cpu"] = round(_cpu_time() - cpu, 3)
     metrics = {"scores": out["scores"], "lm_eval": out["settings"], "model_dtype": model_dtype(engine, case),
                "finite": drift.finite(probe), "drift_over": probe["over"], "timings": times,
-               "worker": _worker_info(engine),
+               "worker": _worker_info(engine), **documents(out["scores"], times["lm_eval"]), "peak_mib": peak_mib(),
                "artifacts": {"samples": ctx.artifact(case, SAMPLES).name, "drift": ctx.artifact(case, DRIFT).name}}
     release_engine(case, engine)
     return case.result("pass", metrics=metrics)
@@ -140,6 +142,32 @@ def acquire_engine(case):
         donors = (e for (g, _), e in _SHARED.items() if g == case.group and hasattr(e, "share_weights"))
         _SHARED[key] = start_engine(case, weights_from=next((e for e in donors if e.model is not None), None))
         return _SHARED[key]
+
+
+def _reset_peak() -> None:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_mib() -> dict:
+    """This case's peak of device memory torch allocated (None on the CPU), and the worker process's peak resident
+    memory (since it started: shared by the cases of an --isolate run worker)."""
+    import resource
+    import sys
+
+    torch = sys.modules.get("torch")
+    gpu = torch.cuda.max_memory_allocated() / 2**20 if torch is not None and torch.cuda.is_initialized() else None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"gpu": None if gpu is None else round(gpu, 1), "rss": round(rss, 1)}
+
+
+def documents(scores: dict, seconds: float) -> dict:
+    """Documents scored (each task's, counted once) and how many a second lm_eval took for them."""
+    n = sum(max((m.get("n") or 0 for m in per.values()), default=0) for per in scores.values())
+    return {"documents": n, "documents_per_s": round(n / seconds, 2) if seconds else None}
 
 
 def _worker_info(engine) -> dict:
@@ -263,7 +291,7 @@ CHECK = Check(
     "accuracy", "kvdiag.checks.accuracy:run_case", AccuracyParams,
     help="Score lm_eval tasks and token-level drift for each kv dtype against a baseline dtype.",
     render="kvdiag.report.views:accuracy", plots="kvdiag.report.plots:accuracy_plots",
-    compare="kvdiag.report.compare:score_rows", cases="kvdiag.cases:accuracy_cases",
+    compare="kvdiag.report.compare:score_rows", cases="kvdiag.cases:accuracy_cases", gpu_share=True,
     # 10 documents of kv_recall: enough for a collapse; drift (measured in every case) catches what they cannot
     selftest={"tasks": ["kv_recall"], "include_paths": [], "include_defaults": False, "limit": 10,
               "num_fewshot": None, "seed": 0, "num_prompts": 2})

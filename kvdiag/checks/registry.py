@@ -43,6 +43,7 @@ class Check:
     compare: str | None = None  # "module:function(old_case, new_case, settings) -> [row]" for kvdiag compare
     cases: str | None = None  # "module:function(target, params) -> (cases, analyze)" when not one case per dtype and
     # variant (accuracy, dtypes: a sweep against a baseline dtype; kvdiag.cases)
+    gpu_share: bool = False  # its builtin-engine cases may share a GPU (it measures no device memory; scheduling)
     isolate: bool = True  # takes --isolate (memleak: every dtype always in its own worker)
     timeout: float = 900.0  # seconds a case may run
     selftest: dict | None = None  # the params of its `kvdiag selftest` cases: small sizes that keep it short

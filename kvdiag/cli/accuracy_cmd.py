@@ -7,57 +7,39 @@ from pathlib import Path
 import typer
 
 from kvdiag.checks.accuracy import AccuracyParams
-from kvdiag.cli.options import (
-    DeviceOpt,
-    EngineArgOpt,
-    EngineOpt,
-    FaultOpt,
-    Format,
-    FormatOpt,
-    Isolate,
-    IsolateOpt,
-    KVDtypeOpt,
-    ModelOpt,
-    OutputDirOpt,
-    QuietOpt,
-    ResumeOpt,
-    SeedOpt,
-    SweepJobsOpt,
-    TimeoutOpt,
-    field_option,
-)
+from kvdiag.cli import options as o
 
 A = AccuracyParams
-TasksOpt = field_option(A, "tasks")
-IncludeOpt = field_option(A, "include_paths", list[Path])
-BaselineOpt = field_option(A, "baseline")
-LimitOpt = field_option(A, "limit")
-FewshotOpt = field_option(A, "num_fewshot")
-MaxDropOpt = field_option(A, "max_drop")
-AlphaOpt = field_option(A, "alpha")
-MaxKLOpt = field_option(A, "max_kl")
-MinTop1Opt = field_option(A, "min_top1")
-BatchOpt = field_option(A, "batch_size")
-ChatOpt = field_option(A, "apply_chat_template")
-MultiturnOpt = field_option(A, "fewshot_as_multiturn")
-SystemOpt = field_option(A, "system_instruction")
-GenKwargsOpt = field_option(A, "gen_kwargs")
-MetadataOpt = field_option(A, "metadata")
+TasksOpt = o.field_option(A, "tasks")
+IncludeOpt = o.field_option(A, "include_paths", list[Path])
+BaselineOpt = o.field_option(A, "baseline")
+LimitOpt = o.field_option(A, "limit")
+FewshotOpt = o.field_option(A, "num_fewshot")
+MaxDropOpt = o.field_option(A, "max_drop")
+AlphaOpt = o.field_option(A, "alpha")
+MaxKLOpt = o.field_option(A, "max_kl")
+MinTop1Opt = o.field_option(A, "min_top1")
+BatchOpt = o.field_option(A, "batch_size")
+ChatOpt = o.field_option(A, "apply_chat_template")
+MultiturnOpt = o.field_option(A, "fewshot_as_multiturn")
+SystemOpt = o.field_option(A, "system_instruction")
+GenKwargsOpt = o.field_option(A, "gen_kwargs")
+MetadataOpt = o.field_option(A, "metadata")
 
 
 LM_EVAL_MODULES = ("kvdiag.lm_eval_adapter", "lm_eval.evaluator")  # what the workers' fork server pre-imports
 
 
 def accuracy(
-    engine: EngineOpt = "builtin",
-    model: ModelOpt = None,
-    kv_dtype: KVDtypeOpt = None,
+    engine: o.EngineOpt = "builtin",
+    model: o.ModelOpt = None,
+    kv_dtype: o.KVDtypeOpt = None,
     baseline: BaselineOpt = A.baseline,
     tasks: TasksOpt = None,
     include_path: IncludeOpt = None,
     limit: LimitOpt = None,
     num_fewshot: FewshotOpt = None,
-    seed: SeedOpt = A.seed,
+    seed: o.SeedOpt = A.seed,
     batch_size: BatchOpt = A.batch_size,
     apply_chat_template: ChatOpt = None,
     fewshot_as_multiturn: MultiturnOpt = None,
@@ -68,16 +50,16 @@ def accuracy(
     alpha: AlphaOpt = A.alpha,
     max_kl: MaxKLOpt = None,
     min_top1: MinTop1Opt = None,
-    isolate: IsolateOpt = Isolate.case,
-    jobs: SweepJobsOpt = None,
-    device: DeviceOpt = "auto",
-    engine_arg: EngineArgOpt = None,
-    output_dir: OutputDirOpt = None,
-    fmt: FormatOpt = Format.table,
-    timeout: TimeoutOpt = 900.0,
-    resume: ResumeOpt = None,
-    quiet: QuietOpt = False,
-    fault: FaultOpt = None,
+    isolate: o.IsolateOpt = o.Isolate.case,
+    jobs: o.SweepJobsOpt = None,
+    device: o.DeviceOpt = "auto",
+    engine_arg: o.EngineArgOpt = None,
+    output_dir: o.OutputDirOpt = None,
+    fmt: o.FormatOpt = o.Format.table,
+    timeout: o.TimeoutOpt = 900.0,
+    resume: o.ResumeOpt = None,
+    quiet: o.QuietOpt = False,
+    fault: o.FaultOpt = None,
 ) -> None:
     """Score lm_eval tasks and token-level drift for each kv dtype against a baseline dtype.
 

@@ -10,32 +10,16 @@ from enum import Enum
 
 import typer
 
-from kvdiag.cli.options import (
-    DeviceOpt,
-    EngineArgOpt,
-    EngineOpt,
-    FaultOpt,
-    Format,
-    FormatOpt,
-    Isolate,
-    IsolateOpt,
-    JobsOpt,
-    KVDtypeOpt,
-    ModelOpt,
-    OutputDirOpt,
-    QuietOpt,
-    ResumeOpt,
-    TimeoutOpt,
-    field_option,
-)
+from kvdiag.cli import options as o
 
 
 def common_options(check) -> list[tuple[str, object, object]]:
     """(name, annotation, default) of the options every check command takes."""
-    out = [("engine", EngineOpt, "builtin"), ("model", ModelOpt, None), ("kv_dtype", KVDtypeOpt, None),
-           ("jobs", JobsOpt, 1), ("device", DeviceOpt, "auto"), ("engine_arg", EngineArgOpt, None),
-           ("output_dir", OutputDirOpt, None), ("fmt", FormatOpt, Format.table), ("timeout", TimeoutOpt, check.timeout),
-           ("resume", ResumeOpt, None), ("quiet", QuietOpt, False), ("fault", FaultOpt, None)]
+    out = [("engine", o.EngineOpt, "builtin"), ("model", o.ModelOpt, None), ("kv_dtype", o.KVDtypeOpt, None),
+           ("jobs", o.JobsOpt, 1), ("device", o.DeviceOpt, "auto"), ("engine_arg", o.EngineArgOpt, None),
+           ("output_dir", o.OutputDirOpt, None), ("fmt", o.FormatOpt, o.Format.table),
+           ("timeout", o.TimeoutOpt, check.timeout),
+           ("resume", o.ResumeOpt, None), ("quiet", o.QuietOpt, False), ("fault", o.FaultOpt, None)]
     return out
 
 
@@ -49,9 +33,9 @@ def own_options(check) -> list[tuple[str, object, object]]:
         default = default_of(f)
         if choices and all(isinstance(c, str) for c in choices):
             kind = Enum(f"{f.name}_choice", {c: c for c in choices}, type=str)
-            out.append((f.name, field_option(check.params, f.name, kind), None if default is None else kind(default)))
+            out.append((f.name, o.field_option(check.params, f.name, kind), None if default is None else kind(default)))
         else:
-            out.append((f.name, field_option(check.params, f.name), None if isinstance(default, list) else default))
+            out.append((f.name, o.field_option(check.params, f.name), None if isinstance(default, list) else default))
     return out
 
 
@@ -75,7 +59,7 @@ def command_for(check):
         raise typer.Exit(execute(check.name, cases, run_dir, fmt=kw["fmt"], timeout=kw["timeout"],
                                  resume=kw["resume"] is not None, quiet=kw["quiet"], jobs=kw["jobs"], analyze=analyze))
 
-    isolate = [("isolate", IsolateOpt, Isolate.case)] if check.isolate else []
+    isolate = [("isolate", o.IsolateOpt, o.Isolate.case)] if check.isolate else []
     params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
               for n, a, d in common[:3] + own + isolate + common[3:]]
     command.__signature__ = inspect.Signature(params)

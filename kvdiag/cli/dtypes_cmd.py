@@ -8,24 +8,8 @@ from typing import Annotated
 import typer
 
 from kvdiag.checks.dtypes_matrix import CHECK
+from kvdiag.cli import options as o
 from kvdiag.cli.accuracy_cmd import MaxKLOpt, MinTop1Opt
-from kvdiag.cli.options import (
-    DeviceOpt,
-    EngineArgOpt,
-    EngineOpt,
-    FaultOpt,
-    Format,
-    FormatOpt,
-    Isolate,
-    IsolateOpt,
-    KVDtypeOpt,
-    ModelOpt,
-    OutputDirOpt,
-    QuietOpt,
-    ResumeOpt,
-    SweepJobsOpt,
-    TimeoutOpt,
-)
 
 CheckOpt = Annotated[bool, typer.Option(
     "--check", help="Run the support matrix: for each dtype, does the engine start, is a short greedy generation "
@@ -36,22 +20,22 @@ CheckOpt = Annotated[bool, typer.Option(
 
 
 def dtypes(
-    engine: EngineOpt = "builtin",
-    kv_dtype: KVDtypeOpt = None,
-    fmt: FormatOpt = Format.table,
+    engine: o.EngineOpt = "builtin",
+    kv_dtype: o.KVDtypeOpt = None,
+    fmt: o.FormatOpt = o.Format.table,
     check: CheckOpt = False,
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    engine_arg: EngineArgOpt = None,
+    model: o.ModelOpt = None,
+    device: o.DeviceOpt = "auto",
+    engine_arg: o.EngineArgOpt = None,
     max_kl: MaxKLOpt = None,
     min_top1: MinTop1Opt = None,
-    isolate: IsolateOpt = Isolate.case,
-    jobs: SweepJobsOpt = None,
-    output_dir: OutputDirOpt = None,
-    timeout: TimeoutOpt = CHECK.timeout,
-    resume: ResumeOpt = None,
-    quiet: QuietOpt = False,
-    fault: FaultOpt = None,
+    isolate: o.IsolateOpt = o.Isolate.case,
+    jobs: o.SweepJobsOpt = None,
+    output_dir: o.OutputDirOpt = None,
+    timeout: o.TimeoutOpt = CHECK.timeout,
+    resume: o.ResumeOpt = None,
+    quiet: o.QuietOpt = False,
+    fault: o.FaultOpt = None,
 ) -> None:
     """List the kv-cache dtypes an engine supports: storage, scale rule, bytes per element.
 
@@ -76,7 +60,7 @@ def _list(engine, kv_dtype, fmt) -> None:
         d = registry.get(name)
         rows.append(d.to_json() if d else {"name": name, "storage": "?", "quant": "?", "scale_rule": "(engine-defined)",
                                            "bytes_per_element": None, "same_as": None, "aliases": []})
-    if fmt == Format.json:
+    if fmt == o.Format.json:
         typer.echo(json.dumps({"engine": engine, "kv_dtypes": rows}, indent=2))
         return
     from rich.table import Table

@@ -170,6 +170,11 @@ def accuracy(run, con) -> None:
     if len(rows) < len(a.get("rows", [])):
         con.print(f"{len(a['rows'])} rows (every task and metric) in report.md, report.html and "
                   "`kvdiag report RUN --format csv`")
+    peaks = [c.metrics.get("peak_mib") or {} for c in run.cases]
+    gpu, rss = (max((x.get(k) or 0 for x in peaks), default=0) for k in ("gpu", "rss"))
+    if gpu or rss:
+        con.print("peak memory of a case: " + (f"GPU {gpu:,.0f} MiB allocated, " if gpu else "")
+                  + f"worker process {rss:,.0f} MiB resident")
     times = a.get("timings")
     if times:
         con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))

@@ -31,6 +31,7 @@ from kvdiag.errors import UserError
 _WEIGHT_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                   "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 TAGS = ("weights", "kv_cache")
+SPEC_ARGS = ("max_model_len", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "dtype")  # -a sets them
 TOKEN_BUDGET, CPU_TOKEN_BUDGET = 8192, 2048  # default new tokens per forward pass (_token_budget)
 
 
@@ -68,6 +69,8 @@ class BuiltinEngine:
 
     # ----- lifecycle -------------------------------------------------------------------------
     def start(self, spec: EngineSpec) -> None:
+        if own := {k: v for k, v in spec.engine_args.items() if k in SPEC_ARGS}:  # -a kv_cache_memory=8589934592
+            spec = replace(spec, **own)
         kv_dtype = dtypes.resolve(spec.kv_cache_dtype, self.supported_kv_dtypes())
         faults = Faults.parse(spec.faults)
         faults.check_kv_dtype(kv_dtype)  # fault explicit_bf16_rejected; nothing otherwise
