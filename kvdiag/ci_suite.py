@@ -86,4 +86,5 @@ def _scoped(analyze, key: str, ids: set):
         analyze(sub)
         for name, value in sub.analysis.items():
             run.analysis[key if name == key.split("/")[0] else f"{name}:{key}"] = value
+    run_it.ids = ids  # the cases it judges together: one shard runs them all (kvdiag.shards)
     return run_it

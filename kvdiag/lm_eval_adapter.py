@@ -277,6 +277,16 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
     return out
 
 
+EXAMPLE_CHARS = 4000  # of a prompt kept in the record (a long-context task's would fill results.jsonl)
+
+
+def _clip(text):
+    if not isinstance(text, str) or len(text) <= EXAMPLE_CHARS:
+        return text
+    half = EXAMPLE_CHARS // 2
+    return text[:half] + f" ...[{len(text) - EXAMPLE_CHARS:,} characters]... " + text[-half:]
+
+
 def task_groups(subtasks: dict) -> dict:
     """{top-level group: [its leaf tasks]} from lm_eval's ``group_subtasks`` (mmlu -> mmlu_stem -> mmlu_anatomy):
     the terminal table shows a group as one row."""
@@ -298,7 +308,7 @@ def examples(res: dict) -> dict:
         row = min(rows, key=lambda r: r.get("doc_id", 0))
         args = (row.get("arguments") or [[None]])[0]
         resp = (row.get("resps") or [[None]])[0]
-        out[task] = {"prompt": args[0] if args else None,
+        out[task] = {"prompt": _clip(args[0]) if args else None,
                      "response": _json_value(resp[0] if isinstance(resp, (list, tuple)) and resp else resp)}
     return out
 

@@ -17,6 +17,8 @@ import gc
 import os
 from dataclasses import asdict, dataclass, field
 
+from kvdiag.engine_processes import children, gpu_view
+
 MiB = 1 << 20
 SMALL_TENSOR_BYTES = 4096  # survivors below this are counted, not attributed
 
@@ -134,8 +136,10 @@ class Snapshot:
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
     cuda_peak: int | None = None  # max_memory_allocated since the last reset
-    driver_used: int | None = None  # device-wide used memory, the driver's view
-    nvml_process: int | None = None  # this process's GPU memory, NVML's view
+    driver_used: int | None = None  # used memory of the engine's GPUs, the driver's view (engine_processes.py)
+    nvml_process: int | None = None  # GPU memory of this process and every process it started, NVML's view
+    gpus: dict | None = None  # GPU -> {"used_mib", "engine_mib"} (NVML)
+    processes: dict | None = None  # pid -> {"cmd", "gpu_mib"}: the live processes this process started
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -147,7 +151,7 @@ class Snapshot:
                 "tensor_mib": mib(self.tensor_bytes), "rss_mib": mib(self.rss),
                 "cuda_allocated_mib": mib(self.cuda_allocated), "cuda_reserved_mib": mib(self.cuda_reserved),
                 "driver_used_mib": mib(self.driver_used), "nvml_process_mib": mib(self.nvml_process),
-                "frozen": self.frozen}
+                "processes": None if self.processes is None else len(self.processes), "frozen": self.frozen}
 
 
 def rss_bytes() -> int:
@@ -183,6 +187,8 @@ def snapshot(stage: str, cycle: int, cuda: bool = False, census: Census | None =
     census = census if census is not None else take_census()
     snap = Snapshot(stage, cycle, rss_bytes(), gc.get_freeze_count(), census.count, census.bytes,
                     census.by_device())
+    kids = children()
+    snap.processes = {pid: {"cmd": cmd, "gpu_mib": None} for pid, cmd in kids.items()}
     if cuda:
         import torch
 
@@ -191,8 +197,27 @@ def snapshot(stage: str, cycle: int, cuda: bool = False, census: Census | None =
         snap.cuda_reserved = torch.cuda.memory_reserved()
         snap.cuda_peak = torch.cuda.max_memory_allocated()
         snap.driver_used = total - free
-        snap.nvml_process = nvml_process_bytes(torch.cuda.current_device())
+        view = gpu_view([os.getpid(), *kids])
+        if view is not None:
+            for pid, p in snap.processes.items():
+                p["gpu_mib"] = round(view.by_pid.get(pid, 0) / MiB, 2) if view.matched and view.engine else None
+            gpus = view.measured(current_gpu())
+            if gpus:  # else NVML and CUDA disagree on the device: the driver's view of the current one stays
+                snap.driver_used = sum(view.used[g] for g in gpus)
+            snap.nvml_process = view.engine_bytes()
+            snap.gpus = {g: {"used_mib": round(n / MiB, 2), "engine_mib": round(view.engine.get(g, 0) / MiB, 2)}
+                         for g, n in view.used.items()}
     return snap
+
+
+def current_gpu() -> str | None:
+    """The CUDA_VISIBLE_DEVICES entry of torch's current device (its index when the variable is not set)."""
+    import torch
+
+    i = torch.cuda.current_device()
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in env.split(",") if x.strip()] if env is not None else None
+    return str(i) if ids is None else ids[i] if i < len(ids) else None
 
 
 def release_cublas_workspaces() -> int | None:
@@ -219,43 +244,3 @@ def private_pool_bytes() -> int:
 
     return sum(int(seg.get("total_size", 0)) for seg in torch.cuda.memory_snapshot()
                if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0))
-
-
-def nvml_process_bytes(device_index: int) -> int | None:
-    """This process's GPU memory as NVML reports it; None where NVML cannot say.
-
-    In a container NVML lists host pids: when no pid matches and the device runs exactly
-    one compute process, that process is taken to be this one.
-    """
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no NVIDIA driver
-        return None
-    try:
-        handle = _nvml_handle(pynvml, device_index)
-        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        mine = [p for p in procs if p.pid == os.getpid()] or (procs if len(procs) == 1 else [])
-        used = [p.usedGpuMemory for p in mine if p.usedGpuMemory is not None]
-        return sum(used) if used else None
-    except Exception:  # noqa: BLE001 - NVML not supported on this device / driver
-        return None
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _nvml_handle(pynvml, device_index: int):
-    import torch
-
-    props = torch.cuda.get_device_properties(device_index)
-    if hasattr(props, "pci_bus_id"):
-        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        try:
-            return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
-        except Exception:  # noqa: BLE001 - fall back to the index
-            pass
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    ids = [x.strip() for x in visible.split(",") if x.strip()]
-    index = int(ids[device_index]) if ids and ids[device_index].isdigit() else device_index
-    return pynvml.nvmlDeviceGetHandleByIndex(index)

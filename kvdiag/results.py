@@ -125,6 +125,7 @@ class RunRecord:
     run_dir: str | None = None
     summary: dict = field(default_factory=dict)
     analysis: dict = field(default_factory=dict)  # cross-case results (comparisons, matrices)
+    shard: dict = field(default_factory=dict)  # kvdiag ci --shard: suite, index, count (kvdiag.shards)
 
     def to_json(self) -> dict:
         d = _clean(asdict(self))

@@ -311,6 +311,8 @@ def run_cases(
                     progress.note(case_id, text)
                 w.notes.clear()
                 for rec in ended:
+                    if w.gpu is not None:  # the GPU its worker was pinned to (CUDA_VISIBLE_DEVICES)
+                        rec.environment = {**rec.environment, "gpu": w.gpu}
                     append_jsonl(results_path, rec)
                     done[rec.id] = rec
                     progress.finish(rec)

@@ -75,25 +75,33 @@ class Placement:
     gpus: tuple[str, ...]  # the visible GPUs
     device: str | None = None  # the one GPU every GPU case names (cuda:N), if any does
     per_gpu: int = 1  # cases at once on one GPU (per_gpu)
+    per_case: int = 1  # GPUs one case's engine spans (gpus_per_case)
 
     @property
     def slots(self) -> int | None:
-        """Cases at once at most: per_gpu per GPU they can use; None (no limit) when none runs on a GPU."""
+        """Cases at once at most: per_gpu per GPU (or group of per_case GPUs) they can use; None (no limit) when none
+        runs on a GPU."""
         if not self.gpu:
             return None
-        return self.per_gpu * (1 if self.device else max(1, len(self.gpus)))
+        return self.per_gpu * (1 if self.device else max(1, len(self.gpus) // self.per_case))
 
     @property
     def pin(self) -> tuple[str, ...]:
-        """The GPU of each worker slot (CUDA_VISIBLE_DEVICES), per_gpu slots a GPU, taken in turn; empty when only one
-        GPU is there to use (or the cases name theirs)."""
-        return tuple(g for _ in range(self.per_gpu) for g in self.gpus) if self.gpu and len(self.gpus) > 1 \
-            and not self.device else ()
+        """The GPUs of each worker slot (a CUDA_VISIBLE_DEVICES value: one GPU, or per_case GPUs for an engine that
+        spans several), per_gpu slots a GPU, taken in turn; empty when the cases can use every visible GPU anyway
+        (or name theirs)."""
+        if not self.gpu or self.device or len(self.gpus) <= self.per_case:
+            return ()
+        k = self.per_case
+        groups = [",".join(self.gpus[i:i + k]) for i in range(0, len(self.gpus) - k + 1, k)]
+        return tuple(g for _ in range(self.per_gpu) for g in groups)
 
     def why(self) -> str:
         each = "one case" if self.per_gpu == 1 else f"{self.per_gpu} cases (as many as its memory holds)"
         if self.device:
             return f"the GPU cases all run on {self.device}, {each} at a time"
+        if self.per_case > 1:
+            return f"{each} per {self.per_case} visible GPUs at a time (its engine spans {self.per_case})"
         return f"{each} per visible GPU at a time"
 
 
@@ -102,7 +110,22 @@ def place(cases: list, gpus: list[str] | None = None) -> Placement:
     gpus = visible_gpus() if gpus is None else list(gpus)
     mine = [c for c in cases if on_gpu(c, gpus)]
     named = next((str(c.params["device"]) for c in mine if str(c.params.get("device")).startswith("cuda:")), None)
-    return Placement(bool(mine), tuple(gpus), named, per_gpu(mine))
+    return Placement(bool(mine), tuple(gpus), named, per_gpu(mine), max((gpus_per_case(c) for c in mine), default=1))
+
+
+SPANS = ("tensor_parallel_size", "pipeline_parallel_size")  # engine args whose product is the GPUs a case spans
+
+
+def gpus_per_case(case) -> int:
+    """The GPUs one case's engine uses: tensor_parallel_size x pipeline_parallel_size of its engine args (``-a``)."""
+    args = case.params.get("engine_args") or {}
+    n = 1
+    for key in SPANS:
+        try:
+            n *= max(1, int(args.get(key) or 1))
+        except (TypeError, ValueError):  # the engine says what is wrong with it
+            pass
+    return n
 
 
 SHARED_GPU_MAX = 8  # builtin-engine cases at once on one GPU, at most
@@ -158,6 +181,11 @@ def cap_jobs(cases: list, jobs: int, *, quiet: bool = False) -> tuple[int, tuple
     import sys
 
     where = place(cases)
+    if where.gpu and not where.device and where.per_case > len(where.gpus):
+        from kvdiag.errors import UserError
+
+        raise UserError(f"the engine spans {where.per_case} GPUs a case ({' x '.join(SPANS)} in -a) but "
+                        f"{len(where.gpus)} {'is' if len(where.gpus) == 1 else 'are'} visible")
     slots = where.slots
     if slots is not None and jobs > slots:
         if not quiet:
@@ -174,14 +202,23 @@ def default_jobs(cases: list) -> int:
     """Cases at once when --jobs is not given: for the builtin engine on the CPU, up to 4 (small models use one
     core better than two; the runner gives the last cases of a sweep the cores the finished ones freed:
     worker_env) - single-case workers with --isolate case, threads of the one worker with --isolate run
-    (``case_threads``); on GPUs, as many as may run at once (``place``: builtin-engine accuracy and dtypes cases
-    share a GPU), at most the CPU cores; else 1."""
-    where = place(cases) if cases else None
-    if where is not None and where.gpu and (where.slots or 1) > 1:
-        return max(1, min(where.slots, os.cpu_count() or 1, len(cases)))
+    (``case_threads``); on GPUs, as many as may run at once (``place``: one per visible GPU; builtin-engine
+    accuracy and dtypes cases share a GPU), at most the CPU cores; else 1."""
+    if cases and place(cases).gpu:
+        return gpu_jobs(cases)
     if not cases or not _builtin_on_cpu(cases):
         return 1
     return max(1, min(4, os.cpu_count() or 1, len(cases)))
+
+
+def gpu_jobs(cases: list) -> int:
+    """The default --jobs of every command on GPUs: as many cases as may run at once (one per visible GPU; a GPU's
+    share of builtin sweeps), at most the CPU cores and the cases; 1 off the GPU (memleak, wake-cycle, poison and
+    kvdiag ci on the CPU run one case at a time unless told)."""
+    where = place(cases) if cases else None
+    if where is None or not where.gpu:
+        return 1
+    return max(1, min(where.slots or 1, os.cpu_count() or 1, len(cases)))
 
 
 def case_threads(cases: list, isolate, jobs: int) -> int:

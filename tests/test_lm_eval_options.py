@@ -223,3 +223,13 @@ def test_engine_args_naming_spec_fields_reach_the_builtin_engine(tmp_path):
     assert r.returncode == 1
     rec = json.loads((tmp_path / "k" / "results.jsonl").read_text().splitlines()[0])
     assert "kv_cache_memory 1000 B holds no block" in rec["findings"][0]["message"]
+
+
+def test_a_long_prompt_is_kept_by_its_ends():
+    from kvdiag.lm_eval_adapter import EXAMPLE_CHARS, _clip
+
+    text = "".join(chr(97 + i % 26) for i in range(50_000))
+    got = _clip(text)
+    assert got.startswith(text[:EXAMPLE_CHARS // 2]) and got.endswith(text[-EXAMPLE_CHARS // 2:])
+    assert "[46,000 characters]" in got and len(got) < EXAMPLE_CHARS + 40
+    assert _clip("short") == "short"

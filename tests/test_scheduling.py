@@ -66,6 +66,12 @@ def test_two_gpus_run_two_cases_at_once_each_on_its_own(gpus, tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith("kvdiag: --jobs 3 capped at 2: one case per visible GPU")
     assert most_at_once(recs) <= 2
     assert {r["metrics"]["gpu"] for r in recs} == {"0", "1"}
+    assert [r["environment"]["gpu"] for r in recs] == [r["metrics"]["gpu"] for r in recs]  # recorded: the one it saw
+    from kvdiag.report.junit import render_junit
+    from kvdiag.results import load_run
+
+    xml = render_junit(load_run(tmp_path))
+    assert xml.count('<property name="gpu" value="0"') + xml.count('<property name="gpu" value="1"') == 4
     spans = [(r["metrics"]["start"], r["metrics"]["end"], r["metrics"]["gpu"]) for r in recs]
     for i, (start, end, gpu) in enumerate(spans):  # cases that ran at the same time had different GPUs
         assert all(gpu != g for s, e, g in spans[i + 1:] if s < end and start < e), spans
@@ -92,6 +98,15 @@ def test_builtin_default_jobs_follow_the_same_rule(gpus, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     gpus(1)
     assert default_jobs(cases("builtin", "auto", 7)) == 1  # on the GPU
+    gpus(2)
+    assert default_jobs(cases("vllm", "auto", 7)) == 2  # one per visible GPU
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    gpus(4)
+    assert default_jobs(cases("vllm", "auto", 7)) == 4 and default_jobs(cases("vllm", "auto", 3)) == 3
+    assert scheduling.gpu_jobs(sweep("memleak")) == 4  # every check command: one per GPU
+    gpus(0)
+    assert scheduling.gpu_jobs(sweep("memleak")) == 1  # on the CPU: one case at a time, as before
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     gpus(0)
     assert default_jobs(cases("builtin", "auto", 7)) == 2  # on the CPU, as before
     gpus(1)
@@ -168,3 +183,38 @@ def test_shared_gpus_are_pinned_slot_by_slot_and_cases_run_together(gpus, memory
     assert lines == [] and [r["status"] for r in recs] == ["pass"] * 6
     assert 2 < most_at_once(recs) <= 6
     assert {r["metrics"]["gpu"] for r in recs} == {"0", "1"}
+
+
+def spanning(tp, n=4, sleep=0.0, pp=None):
+    cs = cases("vllm", "auto", n=n, sleep=sleep)
+    for c in cs:
+        c.params["engine_args"] = {"tensor_parallel_size": tp, **({"pipeline_parallel_size": pp} if pp else {})}
+    return cs
+
+
+def test_an_engine_that_spans_gpus_gets_a_group_of_them_per_case(gpus, tmp_path, capsys):
+    gpus(4)
+    assert scheduling.cap_jobs(spanning(2), 4, quiet=True) == (2, ("0,1", "2,3"))
+    assert scheduling.cap_jobs(spanning(2, pp=2), 4, quiet=True) == (1, ())  # all four: nothing to pin
+    gpus(3)
+    assert scheduling.cap_jobs(spanning(2), 4) == (1, ("0,1",))  # the third GPU stays out of the engine's sight
+    assert "capped at 1: one case per 2 visible GPUs at a time" in capsys.readouterr().err
+    gpus(4)
+    cs = spanning(2, sleep=1.0)
+    assert scheduling.gpu_jobs(cs) == 2  # the default --jobs: one case per group
+    recs, _ = execute(cs, tmp_path, capsys, jobs=scheduling.gpu_jobs(cs))
+    assert most_at_once(recs) == 2
+    assert {r["metrics"]["gpu"] for r in recs} == {"0,1", "2,3"}  # what the worker saw: CUDA_VISIBLE_DEVICES
+
+
+def test_an_engine_wider_than_the_visible_gpus_is_refused_before_any_worker(gpus, tmp_path, capsys):
+    from kvdiag.errors import UserError
+
+    gpus(1)
+    with pytest.raises(UserError, match="spans 2 GPUs a case .* but 1 is visible"):
+        scheduling.cap_jobs(spanning(2), 1)
+    gpus(2)
+    assert scheduling.cap_jobs(spanning(1), 2, quiet=True) == (2, ("0", "1"))
+    with pytest.raises(UserError):  # the path every command takes, before any worker
+        execute(spanning(4), tmp_path, capsys, jobs=1)
+    assert not (tmp_path / "logs").exists()

@@ -10,6 +10,9 @@ what this prints.  ``python3 tests/vllm_gpu_probe.py sleep|eager MODEL``  -> one
   memory after each shutdown.
 - ``defaults``: the same with vLLM's defaults (torch.compile, CUDA graphs captured on a new stream each start),
   then torch's cuBLAS workspaces (one per cuBLAS handle and stream) cleared: what that gives back.
+- ``mp``: two cycles with ``distributed_executor_backend="mp"``, the engine's worker in a process of its own (as
+  with ``tensor_parallel_size > 1``): with psutil and NVML alone, the worker processes and the GPU memory of this
+  process and its children during the workload and 10 s after shutdown, and the device's used memory.
 """
 
 from __future__ import annotations
@@ -115,9 +118,52 @@ def eager_probe(model: str, eager: bool = True) -> dict:
     return out
 
 
+def tree_gpu() -> dict:
+    """This process's children and NVML's memory of this process and its children, on every GPU."""
+    import psutil
+    import pynvml
+
+    kids = [p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    mine, pids = {os.getpid(), *kids}, []
+    pynvml.nvmlInit()
+    try:
+        total = used_all = 0
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            used_all += pynvml.nvmlDeviceGetMemoryInfo(h).used
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                pids.append(p.pid)
+                total += (p.usedGpuMemory or 0) if p.pid in mine else 0
+    finally:
+        pynvml.nvmlShutdown()
+    return {"children": len(kids), "tree_mib": total / MiB, "device_used_mib": used_all / MiB,
+            "nvml_pids_ours": bool(mine & set(pids)), "nvml_processes": len(pids)}
+
+
+def mp_probe(model: str) -> dict:
+    import time
+
+    import torch
+    from vllm import LLM
+
+    torch.zeros(1, device="cuda")
+    out = {"baseline": tree_gpu(), "workload": [], "after_shutdown": []}
+    for _ in range(2):
+        llm = LLM(model=model, distributed_executor_backend="mp", **ARGS)
+        greedy(llm)
+        out["workload"].append(tree_gpu())
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        cleanup()
+        time.sleep(10)
+        out["after_shutdown"].append(tree_gpu())
+    return out
+
+
 if __name__ == "__main__":
     mode, model = sys.argv[1], sys.argv[2]
-    probes = {"sleep": sleep_probe, "eager": eager_probe, "defaults": lambda m: eager_probe(m, eager=False)}
+    probes = {"sleep": sleep_probe, "eager": eager_probe, "defaults": lambda m: eager_probe(m, eager=False),
+              "mp": mp_probe}
     result = probes[mode](model)
     print("PROBE " + json.dumps(result), flush=True)
     os._exit(0)  # vLLM's sleep-mode allocator may not let the interpreter exit cleanly

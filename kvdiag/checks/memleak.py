@@ -1,37 +1,38 @@
 """``memleak``: after an in-process engine shuts down, is the memory back, and if not, what holds it (bug class S4)?
 
-Per kv dtype, in a fresh worker: a baseline snapshot, then each cycle creates and starts a
-new engine, runs a short workload (prefill + decode of a few prompts), snapshots, shuts
-the engine down, cleans up (``gc.collect``, ``torch.cuda.empty_cache`` on CUDA) and
-snapshots again, still holding the engine object: what ``shutdown()`` did not release
-is named as held by it. :func:`judge` gives the verdict, one policy for every engine
+Per kv dtype, in a fresh worker: a baseline snapshot, then each cycle creates and starts a new engine, runs a
+short workload (prefill + decode of a few prompts), snapshots, shuts the engine down, cleans up (``gc.collect``,
+``torch.cuda.empty_cache`` on CUDA) and snapshots again, still holding the engine object: what ``shutdown()`` did
+not release is named as held by it. The engine's memory is that of every process it started, on every GPU it
+uses (``kvdiag/engine_processes.py``). :func:`judge` gives the verdict, one policy for every engine
 (docs/DESIGN.md, "memleak"):
 
-- *Retention*: after every shutdown, the first included, memory beyond the baseline on CUDA
-  allocated / reserved or live tensor bytes must stay within max(64 MiB, 5% of the engine's
-  peak) (``--threshold``), the driver's views (its used memory, NVML's for the process) within
-  that plus 128 MiB: the CUDA runtime's own memory outside torch's allocator, which a process
-  keeps once kernels have run (kernel code loaded on first use, library handles; 72 MiB after
-  a clean shutdown of vLLM 0.24 and of the builtin engine on an H100). One cycle is enough to
-  fail. The finding names the holder: Python referrers, the engine's own pools (vLLM's
-  sleep-mode allocator), CUDA private pools (CUDA graphs), else "held outside Python objects".
-- *Growth*: the exact measures (tensor bytes, CUDA allocated, CUDA reserved) may not grow by
-  more than 4 MiB in every step from one cycle to the next; the noisy ones (RSS, driver used,
-  NVML) by more than max(16 MiB, 1% of the peak) in every step.
-- *Survivors* (tensors the census sees that the baseline did not have): the same small set
-  every cycle is a warning with its holder; a set whose count or bytes grow every cycle fails.
-- *Restart impossible*: an engine that started once and cannot start again in this process
-  (vLLM sleep mode on CUDA) fails with the engine's message; the cycles before it are judged.
+- *Retention*: after every shutdown, the first included, memory beyond the baseline on CUDA allocated / reserved
+  or live tensor bytes must stay within max(64 MiB, 5% of the engine's peak) (``--threshold``), the driver's
+  views (its used memory, NVML's for the engine's processes) within that plus 128 MiB: the CUDA runtime's own
+  memory outside torch's allocator, which a process keeps once kernels have run (kernel code, library handles;
+  72 MiB after a clean shutdown of vLLM 0.24 and of the builtin engine on an H100). One cycle is enough to fail.
+  The finding names the holder: Python referrers, the engine's own pools (vLLM's sleep-mode allocator), CUDA
+  private pools (CUDA graphs), processes the engine left running, else "held outside Python objects".
+- *Growth*: the exact measures (tensor bytes, CUDA allocated, CUDA reserved) may not grow by more than 4 MiB in
+  every step from one cycle to the next; the noisy ones (RSS, driver used, NVML) by more than max(16 MiB, 1% of
+  the peak) in every step.
+- *Survivors* (tensors the census sees that the baseline did not have): the same small set every cycle is a
+  warning with its holder; a set whose count or bytes grow every cycle fails.
+- *Restart impossible*: an engine that started once and cannot start again in this process (vLLM sleep mode on
+  CUDA) fails with the engine's message; the cycles before it are judged.
 - Objects left frozen by ``gc.freeze()`` fail.
+- *Processes* the engine started and did not stop: ``leftover.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from kvdiag.checks import greedy
+from kvdiag.checks import greedy, leftover, surviving
 from kvdiag.checks.common import detector_disabled, engine_spec
 from kvdiag.checks.registry import Check, option
+from kvdiag.engine_processes import wait_children
 from kvdiag.engines.base import create_engine
 from kvdiag.errors import EngineUnsupported, first_line
 from kvdiag.memory import (
@@ -87,6 +88,7 @@ class Cycle:
     holders: list = field(default_factory=list)  # kvdiag.memory_holders.Holder, largest first
     pools: list = field(default_factory=list)  # the engine's held_after_shutdown(): [{"holder", "bytes", ...}]
     private_pool_bytes: int | None = None  # CUDA memory in private pools (CUDA graphs, MemPools) after shutdown
+    processes: dict = field(default_factory=dict)  # started during the run, alive after shutdown (leftover.py)
 
 
 class RestartImpossible(Exception):
@@ -172,6 +174,7 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
     snaps.append(snapshot("after-workload", n, cuda))
     engine.shutdown()
     cleanup(cuda)
+    wait_children(snaps[0].processes or {}, leftover.WAIT_S)
     now = take_census()
     snaps.append(snapshot("after-shutdown", n, cuda, now))
     s = survivors(base, now)
@@ -179,7 +182,8 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
     held = holders(s.keys, {id(engine): f"the engine object ({type(engine).__name__}) after shutdown()"}) \
         if s.keys and not detector_disabled("memleak.holders") else []
     pools = getattr(engine, "held_after_shutdown", None)
-    return Cycle(s, held, list(pools()) if callable(pools) else [], private_pool_bytes() if cuda else None)
+    return Cycle(s, held, list(pools()) if callable(pools) else [], private_pool_bytes() if cuda else None,
+                 leftover.new_processes(snaps[0], snaps[-1]))
 
 
 # --------------------------------------------------------------------------- verdict
@@ -237,8 +241,9 @@ def judge(rec, snaps: list[Snapshot], cycles: list[Cycle], threshold_mib: float 
     kept = _retention_finding(rec, held, cycles, lim, cublas)
     if restart is not None:
         _restart_finding(rec, restart, held)
-    _survivor_findings(rec, cycles, lim)  # the holders first: they name what a growth finding measures
-    grew = _growth_findings(rec, growth, lim, cublas)
+    leftover.findings(rec, [c.processes for c in cycles])
+    surviving.findings(rec, cycles, lim.retain)  # the holders first: they name what a growth finding measures
+    grew = _growth_findings(rec, growth, lim, cublas, leftover.gpu_bytes([c.processes for c in cycles]))
     small = {m: _mib(v[0]) for m, v in held.items() if v and v[0] > lim.growth_tol(m) and m not in grew | kept}
     if small:
         rec.add("info", "one_time_cost", "the first cycle kept " + ", ".join(f"{m} {x:.1f} MiB" for m, x in
@@ -275,7 +280,8 @@ def _retention_finding(rec, held: dict[str, list[int]], cycles: list[Cycle], lim
     worst = max(over, key=over.get)
     n = held[worst].index(over[worst])
     last = n == len(held[worst]) - 1  # the cuBLAS workspaces were measured after the last cycle
-    holders = _attribute(cycles[n] if n < len(cycles) else cycles[-1], over[worst], cublas if last else None)
+    holders = _attribute(cycles[n] if n < len(cycles) else cycles[-1], over[worst], cublas if last else None,
+                         worst in DRIVER)
     what = ", ".join(f"{m} {x / MiB:.0f} MiB" for m, x in over.items())
     names = "; ".join(f"{h['holder']}: {h['bytes'] / MiB:.0f} MiB" for h in holders)
     driver = f"; {(lim.retain + DRIVER_ALLOWANCE) / MiB:.0f} MiB on the driver's views, with the CUDA runtime's " \
@@ -287,11 +293,12 @@ def _retention_finding(rec, held: dict[str, list[int]], cycles: list[Cycle], lim
     return set(over)
 
 
-def _attribute(c: Cycle, retained: int, cublas: int | None = None) -> list[dict]:
+def _attribute(c: Cycle, retained: int, cublas: int | None = None, driver: bool = False) -> list[dict]:
     """Who holds ``retained`` bytes after a shutdown: the engine's pools, Python referrers of the surviving
-    tensors, CUDA private pools (CUDA graphs), torch's cuBLAS workspaces, and whatever is left: outside Python
-    objects."""
-    out = [{"holder": p["holder"], "bytes": int(p["bytes"]), **{k: v for k, v in p.items() if k not in
+    tensors, CUDA private pools (CUDA graphs), torch's cuBLAS workspaces, on the driver's views the processes the
+    engine left running, and whatever is left: outside Python objects."""
+    out = leftover.holders(c.processes) if driver else []
+    out += [{"holder": p["holder"], "bytes": int(p["bytes"]), **{k: v for k, v in p.items() if k not in
                                                                ("holder", "bytes")}} for p in c.pools]
     out += [{"holder": h.holder, "bytes": int(h.bytes), "path": h.path} for h in c.holders]
     named = sum(h["bytes"] for h in out)
@@ -318,43 +325,25 @@ def _restart_finding(rec, restart: dict, held: dict[str, list[int]]) -> None:
             held_after_first_mib={m: _mib(x) for m, x in first.items()})
 
 
-def _survivor_findings(rec, cycles: list[Cycle], lim: Limits) -> None:
-    """Tensors that survive shutdown: an error when their count or bytes grow every cycle, else a warning."""
-    last = next((c for c in reversed(cycles) if c.holders), None)
-    if last is None:
-        return
-    counts = [c.survivors.count + c.survivors.small_count for c in cycles]
-    sizes = [c.survivors.bytes + c.survivors.small_bytes for c in cycles]
-    grows = len(cycles) > 1 and any(all(b > a for a, b in zip(v, v[1:])) for v in (counts, sizes))
-    per_cycle = [_mib(c.survivors.bytes) for c in cycles]
-    if grows:
-        severity, why = "error", (f"they grow every cycle: {' → '.join(map(str, counts))} tensors, "
-                                  f"{' → '.join(f'{x / MiB:.3g}' for x in sizes)} MiB")
-    elif len(cycles) > 1:
-        severity, why = "warning", (f"the same every cycle and under the retention limit of {lim.retain / MiB:.0f} "
-                                    "MiB: a process-lifetime cache, not a growing leak")
-    else:
-        severity, why = "warning", (f"one cycle: growth not measured; under the retention limit of "
-                                    f"{lim.retain / MiB:.0f} MiB")
-    for h in last.holders:
-        rec.add(severity, "tensor_survived", f"{_mib(h.bytes):.3g} MiB in {h.tensors} tensor(s) "
-                f"({h.count} storages) survive shutdown, held by {h.holder}; {why}", **h.to_json(),
-                per_cycle_mib=per_cycle, devices=last.survivors.by_device)
-
-
-def _growth_findings(rec, growth: dict[str, list[int]], lim: Limits, cublas: int | None = None) -> set[str]:
+def _growth_findings(rec, growth: dict[str, list[int]], lim: Limits, cublas: int | None = None,
+                     procs: list[int] = ()) -> set[str]:
+    """``procs``: per cycle, the GPU memory of the processes the engine left running (the driver's views' holder
+    when it grows every step)."""
     grew = set()
     for m, steps in growth.items():
         tol = lim.growth_tol(m)
         if steps and all(x > tol for x in steps):
             grew.add(m)
-            holder = CUBLAS if cublas and cublas > EXACT_TOL and m in CUDA_MEASURES else None
-            why = f"; held by {holder}: {cublas / MiB:.0f} MiB at the end" if holder else ""
+            by_procs = m in DRIVER and len(procs) > 1 and all(b - a > tol for a, b in zip(procs, procs[1:]))
+            holder = leftover.HOLDER if by_procs else CUBLAS if cublas and cublas > EXACT_TOL and \
+                m in CUDA_MEASURES else None
+            amount = procs[-1] if by_procs else cublas
+            why = f"; held by {holder}: {amount / MiB:.0f} MiB at the end" if holder else ""
             rec.add("error", "growth", f"{m} after shutdown grows from cycle to cycle: "
                     + ", ".join(f"{i + 1}→{i + 2}: {x / MiB:+.1f} MiB" for i, x in enumerate(steps))
                     + f" (tolerance {tol / MiB:.1f} MiB per step){why}", metric=m,
                     growth_mib=[_mib(x) for x in steps], threshold_mib=_mib(tol), holder=holder,
-                    holder_mib=_mib(cublas) if holder else None)
+                    holder_mib=_mib(amount) if holder else None)
     return grew
 
 
@@ -378,9 +367,12 @@ HELP = (
     "surviving tensors whose count or bytes grow every cycle;\n"
     "restart impossible - the engine started once and cannot start again in this process (vLLM sleep mode\n"
     "on CUDA), with the engine's message;\n"
-    "objects left frozen by gc.freeze().\n"
+    "objects left frozen by gc.freeze();\n"
+    "processes the engine started (vLLM's workers with tensor_parallel_size > 1) alive 10 s after shutdown,\n"
+    "holding GPU memory or more every cycle. The engine's memory is that of all its processes and GPUs (NVML).\n"
     "WARNING (exit 0): a small set of tensors that survives shutdown unchanged every cycle (a process-lifetime\n"
-    "cache), with its holder. INFO: a one-time cost of the first cycle under the limits.")
+    "cache), with its holder; the same processes alive after every shutdown, without GPU memory.\n"
+    "INFO: a one-time cost of the first cycle under the limits.")
 
 CHECK = Check("memleak", "kvdiag.checks.memleak:run", LeakParams, help=HELP,
               isolate=False, render="kvdiag.report.views:memleak", plots="kvdiag.report.plots:memleak_plots",

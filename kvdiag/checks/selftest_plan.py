@@ -110,6 +110,10 @@ FAULTS: tuple[Fault, ...] = (
           {"memleak": items("int8_per_token_head"), "wake-cycle": items(("auto", L1))},
           _na({"*": NO_MEMORY}, "accuracy", "dtypes", "poison"),
           "the KV tensors appended to a module global on every start", leaves_process_state=True),
+    Fault("orphan_worker_process", "S4", "memleak", {"memleak": items("auto")},
+          _na({"*": NO_MEMORY, "wake-cycle": "the worker holds its memory whether the engine sleeps or not: sleep "
+               "still frees the engine's own"}, "accuracy", "dtypes", "wake-cycle", "poison"),
+          "every start launches a worker process that shutdown never stops", leaves_process_state=True),
     Fault("v_with_k_scales", "accuracy", "accuracy",
           {"accuracy": items("int8_per_token_head"), "dtypes": items("int8_per_token_head")},
           _na({"*": SELF_COMPARE, "memleak": MEMORY_ONLY}, "memleak", "wake-cycle", "poison"),

@@ -16,7 +16,7 @@ from kvdiag.cli import options as o
 def common_options(check) -> list[tuple[str, object, object]]:
     """(name, annotation, default) of the options every check command takes."""
     out = [("engine", o.EngineOpt, "builtin"), ("model", o.ModelOpt, None), ("kv_dtype", o.KVDtypeOpt, None),
-           ("jobs", o.JobsOpt, 1), ("device", o.DeviceOpt, "auto"), ("engine_arg", o.EngineArgOpt, None),
+           ("jobs", o.CheckJobsOpt, None), ("device", o.DeviceOpt, "auto"), ("engine_arg", o.EngineArgOpt, None),
            ("output_dir", o.OutputDirOpt, None), ("fmt", o.FormatOpt, o.Format.table),
            ("timeout", o.TimeoutOpt, check.timeout),
            ("resume", o.ResumeOpt, None), ("quiet", o.QuietOpt, False), ("fault", o.FaultOpt, None)]
@@ -49,6 +49,7 @@ def command_for(check):
     def command(**kw) -> None:
         from kvdiag.cases import Target, check_cases
         from kvdiag.orchestrate import execute, make_run_dir
+        from kvdiag.scheduling import gpu_jobs
 
         values = {n: getattr(kw[n], "value", kw[n]) for n, _, _ in own if kw[n] is not None}
         p = check.make(values)
@@ -56,8 +57,9 @@ def command_for(check):
                         kw.get("isolate", "case"))
         cases, analyze = check_cases(check.name, target, p)
         run_dir = make_run_dir(kw["output_dir"], check.name, kw["resume"])
+        jobs = kw["jobs"] or gpu_jobs(cases)
         raise typer.Exit(execute(check.name, cases, run_dir, fmt=kw["fmt"], timeout=kw["timeout"],
-                                 resume=kw["resume"] is not None, quiet=kw["quiet"], jobs=kw["jobs"], analyze=analyze))
+                                 resume=kw["resume"] is not None, quiet=kw["quiet"], jobs=jobs, analyze=analyze))
 
     isolate = [("isolate", o.IsolateOpt, o.Isolate.case)] if check.isolate else []
     params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)

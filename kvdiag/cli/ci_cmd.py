@@ -18,8 +18,15 @@ BaselineOpt = Annotated[Optional[Path], typer.Option(
 UpdateOpt = Annotated[bool, typer.Option(
     "--update-baseline", help="Write this run as the baseline file (--baseline or the config's 'baseline'); "
     "commit it under reports/baselines/. The exit code then ignores the old baseline.")]
+ShardOpt = Annotated[Optional[str], typer.Option(
+    "--shard", help="K/N: run the K-th of N deterministic shares of the suite (one machine of N: a CI matrix, a Slurm "
+    "array), then `kvdiag report --merge` the N run directories. Cases judged together (accuracy's dtypes) stay in "
+    "one shard.")]
+DurationsOpt = Annotated[Optional[Path], typer.Option(
+    "--durations", help="With --shard: balance the shards by the case durations of this earlier run directory "
+    "(default: round robin).")]
 JobsOpt = Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Cases run at once (default: the config's "
-                                                "'jobs', else 1).")]
+                                                "'jobs', else one per visible GPU on GPUs, else 1).")]
 
 
 def ci(
@@ -28,6 +35,8 @@ def ci(
     update_baseline: UpdateOpt = False,
     output_dir: OutputDirOpt = None,
     jobs: JobsOpt = None,
+    shard: ShardOpt = None,
+    durations: DurationsOpt = None,
     fmt: FormatOpt = Format.table,
     resume: ResumeOpt = None,
     quiet: QuietOpt = False,
@@ -44,15 +53,24 @@ def ci(
     (cycles, threshold_mib, tasks, limit, max_drop, alpha, levels, value, ...); [compare] max_drop,
     alpha, mem_tolerance_mib. An unknown key is an error that lists the valid ones.
     """
+    from kvdiag import shards
     from kvdiag.ci_config import find_config, load_config
     from kvdiag.ci_suite import build_suite
     from kvdiag.errors import UserError
     from kvdiag.orchestrate import execute
     from kvdiag.report.baseline import load_side
-    from kvdiag.scheduling import worker_env
+    from kvdiag.scheduling import gpu_jobs, worker_env
 
+    part = shards.parse_shard(shard) if shard is not None else None
+    if durations is not None and part is None:
+        raise UserError("--durations goes with --shard K/N")
     cfg = load_config(config or find_config())
     cases, analyzers = build_suite(cfg)
+    record = shards.shard_record(cases, part, durations)
+    if part is not None:
+        times = shards.durations_of(durations) if durations is not None else None
+        cases = shards.select(cases, [a.ids for a in analyzers], part, times)
+        analyzers = [a for a in analyzers if a.ids & {c.id for c in cases}]
     base_path = baseline or (Path(cfg.baseline) if cfg.baseline else None)
     if update_baseline and base_path is None:
         raise UserError("--update-baseline needs --baseline PATH (or 'baseline' in the config)")
@@ -65,7 +83,7 @@ def ci(
     if update_baseline:
         _check_writable(base_path)
     run_dir = _run_dir(cfg, output_dir, resume)
-    jobs = jobs or cfg.jobs
+    jobs = jobs or cfg.jobs or gpu_jobs(cases)
 
     def finish(run) -> None:
         from kvdiag.report import write_reports
@@ -79,6 +97,7 @@ def ci(
                 run.exit_code = max(run.exit_code or 0, 1)
         if update_baseline:
             run.analysis["baseline_written"] = str(write_baseline(run, base_path))
+        run.shard = record
         write_reports(run, run_dir)
 
     code = execute("ci", cases, run_dir, fmt=fmt, timeout=900.0, resume=resume is not None, quiet=quiet, jobs=jobs,

@@ -46,6 +46,9 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cud
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed for sampling and for lm_eval.")]
 JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Cases run at once (each in its own worker); "
                                       "on GPUs at most one per visible GPU.")]
+CheckJobsOpt = Annotated[Optional[int], typer.Option(
+    "--jobs", "-j", min=1, help="Cases run at once (each in its own worker). Default: one per visible GPU when the "
+    "cases run on GPUs (each worker pinned to its own), else 1.")]
 SweepJobsOpt = Annotated[Optional[int], typer.Option(
     "--jobs", "-j", min=1, help="Cases run at once: with --isolate case each in its own worker; with --isolate "
     "run (accuracy, builtin engine on the CPU) on threads of the one worker. Default: for the builtin engine on a "

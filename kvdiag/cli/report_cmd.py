@@ -20,7 +20,9 @@ class ReportFormat(str, Enum):
 
 
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (holds results.jsonl and run.json).")],
+    run_dirs: Annotated[list[Path], typer.Argument(
+        help="A run directory (holds results.jsonl and run.json); with --merge, the run directories of every shard.",
+        metavar="RUN_DIR")],
     fmt: Annotated[ReportFormat, typer.Option(
         "--format", "-f", help="md, html, junit, json, table (the command's own tables), csv (one row per case x "
         "task x metric; in Python: kvdiag.results.scores_frame(RUN_DIR)), or parquet (the same rows; written to "
@@ -30,12 +32,30 @@ def report(
         "--out", help="Write to this file instead of stdout ('-' for stdout). "
         "--write writes report.md, report.html, junit.xml and run.json into RUN_DIR.")] = None,
     write: Annotated[bool, typer.Option("--write", help="Write every report file into RUN_DIR.")] = False,
+    merge: Annotated[bool, typer.Option(
+        "--merge", help="Merge the runs of `kvdiag ci --shard K/N` into one run in --output-dir: results.jsonl, "
+        "run.json, report.md, report.html, junit.xml (runs of different suites: exit 2).")] = False,
+    output_dir: Annotated[Optional[Path], typer.Option(
+        "--output-dir", "-o", help="With --merge: the merged run's directory.")] = None,
 ) -> None:
     """Render a finished (or interrupted) run again: as markdown, HTML with plots, JUnit XML, JSON, the
     command's tables, or its scores as CSV or Parquet for pandas, a notebook or a spreadsheet."""
+    from kvdiag.errors import UserError
     from kvdiag.report import render, write_reports
     from kvdiag.results import exit_code_for, load_run
 
+    if merge:
+        from kvdiag.shards import merge as merge_runs
+
+        if output_dir is None:
+            raise UserError("--merge needs --output-dir/-o for the merged run")
+        run = merge_runs(run_dirs, output_dir)
+        for p in write_reports(run, output_dir):
+            typer.echo(str(p))
+        raise typer.Exit(run.exit_code or 0)
+    if len(run_dirs) > 1:
+        raise UserError("several run directories: give one, or --merge with -o OUT")
+    run_dir = run_dirs[0]
     run = load_run(run_dir)
     if run.exit_code is None:
         run.exit_code = exit_code_for(run.cases)
@@ -60,8 +80,6 @@ def report(
     if out is None or str(out) == "-":
         typer.echo(text, nl=False)
     else:
-        from kvdiag.errors import UserError
-
         try:
             out.write_text(text, encoding="utf-8")
         except OSError as e:

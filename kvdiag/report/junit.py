@@ -19,6 +19,9 @@ def _findings_text(case) -> str:
 def _testcase(case) -> ET.Element:
     tc = ET.Element("testcase", classname=f"kvdiag.{case.check}.{case.engine}",
                     name=f"{case.id}", time=f"{case.duration_s:.3f}")
+    if case.environment.get("gpu") is not None:  # the GPU that ran it (kvdiag pinned its worker there)
+        props = ET.SubElement(tc, "properties")
+        ET.SubElement(props, "property", name="gpu", value=str(case.environment["gpu"]))
     first = next((f for f in case.findings if f.severity == "error"), case.findings[0] if case.findings else None)
     message = first.message if first else case.status
     if case.status == "fail":

@@ -60,7 +60,7 @@ def view_for(run) -> Callable | None:
 
     if run.analysis.get("selftest"):
         return views.selftest
-    if run.command.split()[1:2] == ["ci"]:
+    if run.command.split()[1:2] == ["ci"] or run.shard:  # kvdiag ci, or shards of it merged
         return views.ci
     names = {c.check for c in run.cases}
     check = get(next(iter(names))) if len(names) == 1 else None

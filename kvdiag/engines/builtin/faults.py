@@ -37,6 +37,9 @@ Memory held after shutdown (S0, S4: ``memleak``), applied by :meth:`Faults.on_st
 - ``scale_cache_registry`` (S0): the per-token-head scale caches (int8/fp8_per_token_head only)
   are kept in a module-level registry after shutdown.
 - ``global_kv_list``: the KV tensors are appended to a module-level list on every start.
+- ``orphan_worker_process``: every start launches a worker process holding memory (256 MiB of GPU memory on
+  CUDA, 64 MiB of RAM on the CPU), as an engine that spans GPUs does, and shutdown never stops it (it ends
+  with its parent).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class Faults:
     gc_freeze_not_undone: bool = False
     scale_cache_registry: bool = False
     global_kv_list: bool = False
+    orphan_worker_process: bool = False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -112,10 +116,39 @@ class Faults:
             _KV_TENSORS.append([(l.k, l.v) for l in layers])
         if self.gc_freeze_not_undone:
             gc.freeze()
+        if self.orphan_worker_process:
+            _ORPHANS.append(_start_orphan(engine.device.type == "cuda"))
 
 
 _SCALE_CACHES: list = []  # scale_cache_registry: per-token-head scale caches, never released
 _KV_TENSORS: list = []  # global_kv_list: the KV tensors of every start
+_ORPHANS: list = []  # orphan_worker_process: the worker processes of every start, never stopped
+ORPHAN_MIB = {"cuda": 256, "cpu": 64}
+_ORPHAN = """import os, sys, time
+parent, device, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]) << 20
+if device == "cuda":
+    import torch
+    held = torch.ones(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+else:
+    held = bytearray(b"x" * n)
+print("ready", flush=True)
+while os.getppid() == parent:
+    time.sleep(0.2)
+"""
+
+
+def _start_orphan(cuda: bool):
+    """orphan_worker_process: a process that holds memory until its parent ends; returns once it holds it."""
+    import os
+    import subprocess
+    import sys
+
+    device = "cuda" if cuda else "cpu"
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN, str(os.getpid()), device, str(ORPHAN_MIB[device])],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    proc.stdout.readline()
+    return proc
 
 
 @functools.lru_cache(maxsize=None)
