@@ -164,6 +164,15 @@ def test_compare_flags_a_planted_score_regression(runs, tmp_path):
     assert bad[0]["delta"] == pytest.approx(-0.8) and bad[0]["p_value"] == pytest.approx(2 / 2 ** 8)
     table = kvdiag("compare", runs["A"], tmp_path / "B2", check=1).stdout
     assert "REGRESSED" in table and "kv_recall acc" in table
+    import io
+
+    import pandas as pd
+
+    csv = pd.read_csv(io.StringIO(kvdiag("compare", runs["A"], tmp_path / "B2", "-f", "csv", check=1).stdout))
+    assert len(csv) == len(json.loads(r.stdout)["rows"])  # the same rows as json, one per case x what
+    (drop,) = csv[csv.verdict == "regression"].itertuples()
+    assert (drop.id, drop.what, drop.test) == ("accuracy/builtin/tiny-llama/fp8", "kv_recall acc", "mcnemar")
+    assert drop.delta == pytest.approx(-0.8) and drop.p_value == pytest.approx(2 / 2 ** 8)
     # one wrong document out of ten is within --max-drop's reach of noise: not a regression
     plant_score_drop(runs["B"], tmp_path / "B3", wrong=1)
     kvdiag("compare", runs["A"], tmp_path / "B3", check=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,7 +11,18 @@ import typer
 
 from kvdiag.checks.accuracy import AccuracyParams as A
 from kvdiag.cli.accuracy_cmd import AlphaOpt, MaxDropOpt
-from kvdiag.cli.options import Format, FormatOpt
+
+
+class CompareFormat(str, Enum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+CompareFormatOpt = Annotated[CompareFormat, typer.Option(
+    "--format", "-f", help="table: for people; json: the comparison on stdout; csv: one row per case x what was "
+    "compared (status, each task metric, memory measures) with old, new, delta, test, p-value, 95% interval and "
+    "verdict (in Python: kvdiag.report.compare.compare_frame).")]
 
 MemTolOpt = Annotated[Optional[float], typer.Option(
     "--mem-tolerance", help="MiB that memleak's growth per cycle may rise before it is a regression. "
@@ -24,7 +36,7 @@ def compare(
     max_drop: MaxDropOpt = A.max_drop,
     alpha: AlphaOpt = A.alpha,
     mem_tolerance: MemTolOpt = None,
-    fmt: FormatOpt = Format.table,
+    fmt: CompareFormatOpt = CompareFormat.table,
 ) -> None:
     """Compare two runs case by case and exit 1 if NEW regressed.
 
@@ -41,10 +53,14 @@ def compare(
 
     result = compare_sides(load_side(old), load_side(new), max_drop=max_drop, alpha=alpha,
                            mem_tolerance_mib=mem_tolerance)
-    if fmt == Format.json:
+    if fmt == CompareFormat.json:
         from kvdiag.results import _clean
 
         typer.echo(json.dumps(_clean(result), indent=2))
+    elif fmt == CompareFormat.csv:
+        from kvdiag.report.compare import compare_frame
+
+        typer.echo(compare_frame(result).to_csv(index=False), nl=False)
     else:
         render_table(result, console())
     raise typer.Exit(1 if result["regressed"] else 0)

@@ -157,6 +157,18 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+COLUMNS = ("id", "check", "kv_dtype", "what", "old", "new", "delta", "verdict", "test", "p_value", "ci_low", "ci_high",
+           "n", "tolerance", "message")
+
+
+def compare_frame(result: dict):
+    """The rows of a comparison as a pandas DataFrame, one per case x what was compared (``kvdiag compare
+    --format csv`` writes it)."""
+    import pandas as pd
+
+    return pd.DataFrame([{k: r.get(k) for k in COLUMNS} for r in result["rows"]], columns=list(COLUMNS))
+
+
 STYLE = {"regression": "bold red", "improvement": "green", "ok": "", "new": "cyan", "missing": "yellow"}
 ORDER = ("regression", "missing", "improvement", "new", "ok")
 
