@@ -10,7 +10,6 @@ then every compute process on those GPUs is counted as the engine's (``matched``
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 CMD_CHARS = 100
@@ -66,17 +65,15 @@ def wait_children(known, seconds: float) -> dict[int, str]:
 
 def visible_handles(pynvml) -> list[tuple[str, object]]:
     """(CUDA_VISIBLE_DEVICES entry, NVML handle) of each GPU this process may use (indices or UUIDs)."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    entries = [str(i) for i in range(int(pynvml.nvmlDeviceGetCount()))] if env is None else \
-        [x.strip() for x in env.split(",") if x.strip()]
+    from kvdiag.scheduling import visible_gpus
+
     out = []
-    for e in entries:
+    for e in visible_gpus():
         try:
-            h = pynvml.nvmlDeviceGetHandleByIndex(int(e)) if e.lstrip("-").isdigit() else \
-                pynvml.nvmlDeviceGetHandleByUUID(e)
-        except Exception:  # noqa: BLE001 - as CUDA, the list ends at the first entry with no GPU
+            out.append((e, pynvml.nvmlDeviceGetHandleByIndex(int(e)) if e.isdigit() else
+                        pynvml.nvmlDeviceGetHandleByUUID(e)))
+        except Exception:  # noqa: BLE001 - as CUDA, the list ends at the first entry with no GPU (an unknown UUID)
             break
-        out.append((e, h))
     return out
 
 
@@ -99,9 +96,8 @@ def gpu_view(pids) -> GpuView | None:
         pynvml.nvmlShutdown()
     pids = set(pids)
     matched = any(pid in pids for ps in procs.values() for pid, _ in ps)
-    view = GpuView(used, matched=matched)
+    view = GpuView(used, matched=matched or not any(procs.values()))
     if not any(procs.values()):  # NVML lists no process here: it cannot say who holds what
-        view.matched = True
         return view
     for label, ps in procs.items():
         mine = [(pid, n) for pid, n in ps if pid in pids or not matched]

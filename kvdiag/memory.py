@@ -23,6 +23,11 @@ MiB = 1 << 20
 SMALL_TENSOR_BYTES = 4096  # survivors below this are counted, not attributed
 
 
+def to_mib(n, digits: int = 3) -> float | None:
+    """Bytes as MiB, rounded; None stays None."""
+    return None if n is None else round(n / MiB, digits)
+
+
 @dataclass
 class Census:
     """Live tensors visible to gc: ``keys`` = (id, device, storage ptr) per tensor, ``storages`` = bytes."""
@@ -146,7 +151,7 @@ class Snapshot:
 
     def row(self) -> dict:
         """The table columns, in MiB (None where the column does not apply)."""
-        mib = lambda v: None if v is None else round(v / MiB, 2)  # noqa: E731
+        mib = lambda v: to_mib(v, 2)  # noqa: E731
         return {"cycle": self.cycle, "stage": self.stage, "tensors": self.tensors,
                 "tensor_mib": mib(self.tensor_bytes), "rss_mib": mib(self.rss),
                 "cuda_allocated_mib": mib(self.cuda_allocated), "cuda_reserved_mib": mib(self.cuda_reserved),
@@ -214,10 +219,10 @@ def current_gpu() -> str | None:
     """The CUDA_VISIBLE_DEVICES entry of torch's current device (its index when the variable is not set)."""
     import torch
 
-    i = torch.cuda.current_device()
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [x.strip() for x in env.split(",") if x.strip()] if env is not None else None
-    return str(i) if ids is None else ids[i] if i < len(ids) else None
+    from kvdiag.scheduling import visible_gpus
+
+    i, ids = torch.cuda.current_device(), visible_gpus()
+    return ids[i] if i < len(ids) else None
 
 
 def release_cublas_workspaces() -> int | None:

@@ -33,9 +33,7 @@ def suite_id(cases: list) -> str:
 
 def units(cases: list, scopes: list[set]) -> list[list]:
     """The cases in groups that must run in one shard, in suite order of their first case."""
-    owner: dict[str, int] = {}
-    for i, c in enumerate(cases):
-        owner[c.id] = i
+    owner = {c.id: i for i, c in enumerate(cases)}
     parent = list(range(len(cases)))
 
     def root(i: int) -> int:
@@ -126,7 +124,7 @@ def merge(run_dirs: list[Path], out: Path):
     if (out / "results.jsonl").exists():
         raise UserError(f"'{out}' already holds a run; give an empty or new folder")
     out.mkdir(parents=True, exist_ok=True)
-    runs.sort(key=lambda r: r.shard["index"])
+    runs.sort(key=lambda r: r.shard["index"])  # each run keeps its own directory: r.run_dir
     cases = [c for r in runs for c in r.cases]
     for c in cases:
         append_jsonl(out / "results.jsonl", c)
@@ -135,8 +133,8 @@ def merge(run_dirs: list[Path], out: Path):
     merged = RunRecord(command=" ".join(["kvdiag report --merge", *map(str, run_dirs), "-o", str(out)]),
                        started=min(r.started for r in runs), finished=max(r.finished or r.started for r in runs),
                        cases=cases, environment={**first.environment, "shards": [
-                           {"index": r.shard["index"], "run_dir": str(d), "host": r.environment.get("host")}
-                           for d, r in zip(run_dirs, runs)]},
+                           {"index": r.shard["index"], "run_dir": r.run_dir, "hostname": r.environment.get("hostname")}
+                           for r in runs]},
                        run_dir=str(out), analysis=analysis,
                        shard={"suite": first.shard["suite"], "count": first.shard["count"], "merged": sorted(seen)})
     merged.summary = summarize(cases)

@@ -107,9 +107,11 @@ def test_two_shards_run_every_case_once_and_merge_into_one_run(shard_runs, tmp_p
     assert ran[0] | ran[1] == full_suite_ids(root / "kvdiag.toml")
     accuracy = {i for i in ran[0] | ran[1] if i.startswith("accuracy/")}
     assert accuracy <= ran[0] or accuracy <= ran[1]  # the baseline and its dtypes in one shard
-    r = kvdiag("report", "--merge", root / "s1", root / "s2", "-o", tmp_path / "all")
+    r = kvdiag("report", "--merge", root / "s2", root / "s1", "-o", tmp_path / "all")  # in any order
     assert r.returncode == 0, r.stderr
     merged = json.loads((tmp_path / "all" / "run.json").read_text())
+    assert [(s["index"], Path(s["run_dir"]).name) for s in merged["environment"]["shards"]] == [(1, "s1"), (2, "s2")]
+    assert all(s["hostname"] for s in merged["environment"]["shards"])
     assert {c["id"] for c in merged["cases"]} == ran[0] | ran[1]
     assert merged["shard"]["merged"] == [1, 2] and merged["exit_code"] == 0
     assert merged["analysis"]["accuracy"]["rows"]  # the accuracy table came along

@@ -12,10 +12,11 @@ those still alive (their GPU memory is NVML's, where NVML's pids are this machin
 
 from __future__ import annotations
 
+from kvdiag.memory import MiB
+
 WAIT_S = 10.0
 NAMED = 4  # processes named in a message
 HOLDER = "processes the engine started and did not stop"
-MiB = 1 << 20
 
 
 def holders(processes: dict) -> list[dict]:

@@ -46,6 +46,7 @@ from kvdiag.memory import (
     snapshot,
     survivors,
     take_census,
+    to_mib,
 )
 
 RETAIN_MIN = 64 * MiB
@@ -223,20 +224,20 @@ def judge(rec, snaps: list[Snapshot], cycles: list[Cycle], threshold_mib: float 
     growth = {m: [b - a for a, b in zip(v, v[1:])] for m, v in series.items()}
     held = {m: [x - getattr(base, m) for x in v] for m, v in series.items()}
     rec.metrics.update({
-        "threshold_mib": _mib(lim.retain), "peak_mib": _mib(lim.peak),
-        "growth_tol_mib": {"exact": _mib(EXACT_TOL), "noisy": _mib(lim.noisy)},
+        "threshold_mib": to_mib(lim.retain), "peak_mib": to_mib(lim.peak),
+        "growth_tol_mib": {"exact": to_mib(EXACT_TOL), "noisy": to_mib(lim.noisy)},
         "snapshots": [s.row() for s in snaps],
-        "survivor_mib": [_mib(c.survivors.bytes) for c in cycles],
+        "survivor_mib": [to_mib(c.survivors.bytes) for c in cycles],
         "survivor_count": [c.survivors.count for c in cycles],
         "small_survivor_count": [c.survivors.small_count for c in cycles],
-        "after_shutdown_mib": {m: [_mib(x) for x in v] for m, v in series.items()},
-        "held_mib": {m: [_mib(x) for x in v] for m, v in held.items()},
-        "growth_mib": {m: [_mib(x) for x in v] for m, v in growth.items()},
-        "first_cycle_cost_mib": {m: _mib(v[0]) for m, v in held.items() if v},
+        "after_shutdown_mib": {m: [to_mib(x) for x in v] for m, v in series.items()},
+        "held_mib": {m: [to_mib(x) for x in v] for m, v in held.items()},
+        "growth_mib": {m: [to_mib(x) for x in v] for m, v in growth.items()},
+        "first_cycle_cost_mib": {m: to_mib(v[0]) for m, v in held.items() if v},
         "pools_after_shutdown": cycles[-1].pools if cycles else [],
-        "private_pool_mib": [_mib(c.private_pool_bytes) for c in cycles],
+        "private_pool_mib": [to_mib(c.private_pool_bytes) for c in cycles],
         "frozen": [s.frozen for s in after], "baseline_frozen": base.frozen,
-        "cublas_workspaces_mib": _mib(cublas),
+        "cublas_workspaces_mib": to_mib(cublas),
     })
     kept = _retention_finding(rec, held, cycles, lim, cublas)
     if restart is not None:
@@ -244,7 +245,7 @@ def judge(rec, snaps: list[Snapshot], cycles: list[Cycle], threshold_mib: float 
     leftover.findings(rec, [c.processes for c in cycles])
     surviving.findings(rec, cycles, lim.retain)  # the holders first: they name what a growth finding measures
     grew = _growth_findings(rec, growth, lim, cublas, leftover.gpu_bytes([c.processes for c in cycles]))
-    small = {m: _mib(v[0]) for m, v in held.items() if v and v[0] > lim.growth_tol(m) and m not in grew | kept}
+    small = {m: to_mib(v[0]) for m, v in held.items() if v and v[0] > lim.growth_tol(m) and m not in grew | kept}
     if small:
         rec.add("info", "one_time_cost", "the first cycle kept " + ", ".join(f"{m} {x:.1f} MiB" for m, x in
                 small.items()) + f" that later cycles did not grow, within the retention limit of "
@@ -288,7 +289,7 @@ def _retention_finding(rec, held: dict[str, list[int]], cycles: list[Cycle], lim
         "own 128 MiB" if set(over) & set(DRIVER) else ""
     rec.add("error", "retained", f"after shutdown {what} stay held beyond the baseline (limit {lim.retain / MiB:.0f} "
             f"MiB = {lim.basis}{driver}); held by {names}",
-            mib={m: _mib(x) for m, x in over.items()}, cycle=n + 1, holders=holders, limit_mib=_mib(lim.retain),
+            mib={m: to_mib(x) for m, x in over.items()}, cycle=n + 1, holders=holders, limit_mib=to_mib(lim.retain),
             holder=holders[0]["holder"])
     return set(over)
 
@@ -322,7 +323,7 @@ def _restart_finding(rec, restart: dict, held: dict[str, list[int]]) -> None:
     rec.add("error", "restart_impossible", f"cycle {restart['cycle']}: the engine cannot be started again in this "
             f"process: {restart['message']}; after the first shutdown it still held {kept}",
             cycle=restart["cycle"], engine_message=restart["message"],
-            held_after_first_mib={m: _mib(x) for m, x in first.items()})
+            held_after_first_mib={m: to_mib(x) for m, x in first.items()})
 
 
 def _growth_findings(rec, growth: dict[str, list[int]], lim: Limits, cublas: int | None = None,
@@ -342,13 +343,9 @@ def _growth_findings(rec, growth: dict[str, list[int]], lim: Limits, cublas: int
             rec.add("error", "growth", f"{m} after shutdown grows from cycle to cycle: "
                     + ", ".join(f"{i + 1}→{i + 2}: {x / MiB:+.1f} MiB" for i, x in enumerate(steps))
                     + f" (tolerance {tol / MiB:.1f} MiB per step){why}", metric=m,
-                    growth_mib=[_mib(x) for x in steps], threshold_mib=_mib(tol), holder=holder,
-                    holder_mib=_mib(amount) if holder else None)
+                    growth_mib=[to_mib(x) for x in steps], threshold_mib=to_mib(tol), holder=holder,
+                    holder_mib=to_mib(amount) if holder else None)
     return grew
-
-
-def _mib(x) -> float | None:
-    return None if x is None else round(x / MiB, 3)
 
 
 HELP = (

@@ -5,11 +5,7 @@ bytes grow every cycle fails; the same small set every cycle is a warning (a pro
 
 from __future__ import annotations
 
-MiB = 1 << 20
-
-
-def mib(x) -> float | None:
-    return None if x is None else round(x / MiB, 3)
+from kvdiag.memory import MiB, to_mib
 
 
 def findings(rec, cycles: list, retain: float) -> None:
@@ -20,7 +16,7 @@ def findings(rec, cycles: list, retain: float) -> None:
     counts = [c.survivors.count + c.survivors.small_count for c in cycles]
     sizes = [c.survivors.bytes + c.survivors.small_bytes for c in cycles]
     grows = len(cycles) > 1 and any(all(b > a for a, b in zip(v, v[1:])) for v in (counts, sizes))
-    per_cycle = [mib(c.survivors.bytes) for c in cycles]
+    per_cycle = [to_mib(c.survivors.bytes) for c in cycles]
     if grows:
         severity, why = "error", (f"they grow every cycle: {' → '.join(map(str, counts))} tensors, "
                                   f"{' → '.join(f'{x / MiB:.3g}' for x in sizes)} MiB")
@@ -31,6 +27,6 @@ def findings(rec, cycles: list, retain: float) -> None:
         severity, why = "warning", (f"one cycle: growth not measured; under the retention limit of "
                                     f"{retain / MiB:.0f} MiB")
     for h in last.holders:
-        rec.add(severity, "tensor_survived", f"{mib(h.bytes):.3g} MiB in {h.tensors} tensor(s) "
+        rec.add(severity, "tensor_survived", f"{to_mib(h.bytes):.3g} MiB in {h.tensors} tensor(s) "
                 f"({h.count} storages) survive shutdown, held by {h.holder}; {why}", **h.to_json(),
                 per_cycle_mib=per_cycle, devices=last.survivors.by_device)

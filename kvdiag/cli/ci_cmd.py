@@ -70,7 +70,8 @@ def ci(
     if part is not None:
         times = shards.durations_of(durations) if durations is not None else None
         cases = shards.select(cases, [a.ids for a in analyzers], part, times)
-        analyzers = [a for a in analyzers if a.ids & {c.id for c in cases}]
+        mine = {c.id for c in cases}
+        analyzers = [a for a in analyzers if a.ids & mine]
     base_path = baseline or (Path(cfg.baseline) if cfg.baseline else None)
     if update_baseline and base_path is None:
         raise UserError("--update-baseline needs --baseline PATH (or 'baseline' in the config)")
