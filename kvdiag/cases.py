@@ -112,9 +112,9 @@ def check_cases(name: str, target: Target, p) -> tuple:
     check = get(name)
     if check.cases:
         return load(check.cases)(target, p)
+    from kvdiag.case import Case
     from kvdiag.engines.base import resolve_engine
     from kvdiag.models import label as model_label
-    from kvdiag.runner import Case
 
     engine = resolve_engine(target.engine)
     model = resolve_model(target.model)
@@ -207,8 +207,8 @@ def resolve_sweep(target: Target, baseline: str, *, all_names=False) -> Sweep:
 
 def sweep_cases(check: str, target: str, sweep: Sweep, params: dict, isolate) -> list:
     """One case per dtype of the sweep, the baseline first (role 'baseline'), the others 'test'."""
+    from kvdiag.case import Case
     from kvdiag.models import label
-    from kvdiag.runner import Case
 
     group = check if isolate == "run" else None
     name = label(sweep.model)  # a hub snapshot's repo name, not its commit hash

@@ -65,7 +65,7 @@ def wait_children(known, seconds: float) -> dict[int, str]:
 
 def visible_handles(pynvml) -> list[tuple[str, object]]:
     """(CUDA_VISIBLE_DEVICES entry, NVML handle) of each GPU this process may use (indices or UUIDs)."""
-    from kvdiag.scheduling import visible_gpus
+    from kvdiag.gpus import visible_gpus
 
     out = []
     for e in visible_gpus():

@@ -219,7 +219,7 @@ def current_gpu() -> str | None:
     """The CUDA_VISIBLE_DEVICES entry of torch's current device (its index when the variable is not set)."""
     import torch
 
-    from kvdiag.scheduling import visible_gpus
+    from kvdiag.gpus import visible_gpus
 
     i, ids = torch.cuda.current_device(), visible_gpus()
     return ids[i] if i < len(ids) else None

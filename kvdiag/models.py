@@ -228,3 +228,10 @@ def _check_weight_file(file: Path, bad) -> None:
 def _one_line(e: BaseException) -> str:
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def weights_bytes(model: str) -> int:
+    """Bytes of a model folder's weight files (safetensors, else PyTorch .bin)."""
+    folder = Path(model)
+    files = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
+    return sum(f.stat().st_size for f in files if f.is_file())

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from kvdiag.results import CaseResult
 
 if TYPE_CHECKING:
-    from kvdiag.runner import Case
+    from kvdiag.case import Case
 
 
 class Progress:
@@ -63,7 +63,7 @@ class RichProgress(Progress):
 
     def finish(self, rec: CaseResult) -> None:
         self.done += 1
-        style = {"pass": "green", "skipped": "yellow"}.get(rec.status, "red")
+        style = {"pass": "green", "unsupported": "yellow", "skipped": "yellow"}.get(rec.status, "red")
         self.rp.console.print(f"[{style}]{rec.status:>8}[/] {rec.id} ({rec.duration_s:.1f}s{rate(rec)})")
         self.rp.update(self.task, advance=1)
 

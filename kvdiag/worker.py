@@ -10,9 +10,9 @@ import time
 import traceback
 from pathlib import Path
 
+from kvdiag.case import LOG_TAIL_CHARS, SHARE_CORES, Case, WorkerContext, call_target, share_cores
 from kvdiag.errors import resource_failure
 from kvdiag.results import CaseResult
-from kvdiag.runner import LOG_TAIL_CHARS, SHARE_CORES, Case, WorkerContext, _share_cores, call_target
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -117,7 +117,7 @@ def _run_on_threads(cases: list[dict], ctx: WorkerContext, send, threads: int, e
                 import torch
 
                 torch.get_num_threads()  # torch's lazy per-thread init first: it would apply the process-wide count
-                torch.set_num_threads(int(_share_cores(env, threads, left)["OMP_NUM_THREADS"]))  # then its own
+                torch.set_num_threads(int(share_cores(env, threads, left)["OMP_NUM_THREADS"]))  # then its own
             send(_started(cd))
             send(("done", _run_one(Case(**cd), ctx)))
 

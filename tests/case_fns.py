@@ -20,6 +20,14 @@ def abort(case, ctx):
     os.abort()
 
 
+def cuda_abort(case, ctx):
+    """As a vLLM worker after a device fault: the stage mark, CUDA's error line, a C++ terminate, SIGABRT."""
+    ctx.stage(case, "lm_eval")
+    print("RuntimeError: CUDA error: an illegal memory access was encountered\nterminate called after throwing an "
+          "instance of 'c10::Error'", flush=True)
+    os.abort()
+
+
 def segfault(case, ctx):
     print("about to segfault", flush=True)
     ctypes.string_at(0)

@@ -46,3 +46,26 @@ def kv_elsewhere():
             return None
 
     return Engine()
+
+
+BACKEND_REFUSAL = ("No valid attention backend found for cuda with AttentionSelectorConfig(kv_cache_dtype=fp8). "
+                   "Reasons: {FLASH_ATTN: [kv_cache_dtype not supported], "
+                   "TRITON_ATTN: [kv_cache_dtype not supported]}.")
+START_CRASH = "an assertion inside the engine's start (test engine)"
+
+
+def picky():
+    """Refuses fp8 at start in vLLM's words (no attention backend takes it) and crashes starting fp8_e5m2 with a bare
+    AssertionError, as vLLM 0.24 does on an H100; every other dtype is the builtin engine's."""
+    from kvdiag.engines.builtin.engine import BuiltinEngine
+    from kvdiag.errors import EngineUnsupported
+
+    class Engine(BuiltinEngine):
+        def start(self, spec):
+            if spec.kv_cache_dtype == "fp8":
+                raise EngineUnsupported(BACKEND_REFUSAL)
+            if spec.kv_cache_dtype == "fp8_e5m2":
+                raise AssertionError(START_CRASH)
+            return super().start(spec)
+
+    return Engine()

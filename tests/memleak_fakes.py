@@ -86,6 +86,20 @@ class ProcessCacheEngine(LeakyEngine):
         pass
 
 
+GROWING: list = []  # a leak that keeps one more KV-sized tensor after every shutdown
+
+
+class CacheAndLeakEngine(ProcessCacheEngine):
+    """The constant process cache and, beside it, a real leak: every start appends a 2 MiB tensor to a module list
+    that nothing clears (the S4 class, small)."""
+
+    name = "cache-and-leak"
+
+    def start(self, spec):
+        super().start(spec)
+        GROWING.append(torch.zeros(512 * 1024))
+
+
 class FakeDevice:
     """CUDA memory as a fake device counts it (bytes), for engines whose memory no Python object shows."""
 

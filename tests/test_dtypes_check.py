@@ -56,7 +56,7 @@ def test_one_bad_dtype_never_stops_the_matrix(bf16_model, tmp_path):
     assert "SIGABRT" in rows["fp8_per_token_head"]["detail"]
     assert "not bit-identical" in rows["bfloat16"]["detail"] and rows["bfloat16"]["identical_to_auto"] is False
     statuses = {c["kv_dtype"]: c["status"] for c in json.loads(r.stdout)["cases"]}
-    assert statuses == {"auto": "pass", "bfloat16": "fail", "fp8_e5m2": "skipped", "fp8_per_token_head": "crashed",
+    assert statuses == {"auto": "pass", "bfloat16": "fail", "fp8_e5m2": "unsupported", "fp8_per_token_head": "crashed",
                         "int8_per_token_head": "pass"}
 
 
@@ -84,7 +84,7 @@ def test_refusing_the_models_own_dtype_is_wrong_not_unsupported(tmp_path):
                                                             "artifacts": {"drift": "auto.npz"}})
 
     def refused(dtype):
-        rec = CaseResult(id=dtype, check="dtypes", engine="e", model="m", kv_dtype=dtype, status="skipped",
+        rec = CaseResult(id=dtype, check="dtypes", engine="e", model="m", kv_dtype=dtype, status="unsupported",
                          params={"role": "test"}, metrics={"row": "unsupported", "reason": f"no {dtype} here"})
         rec.add("info", "unsupported", f"no {dtype} here")
         return rec
@@ -97,7 +97,7 @@ def test_refusing_the_models_own_dtype_is_wrong_not_unsupported(tmp_path):
         assert {k: v["result"] for k, v in rows.items()} == {"auto": "pass", "bfloat16": "wrong",
                                                              "float16": "unsupported", "fp8_e5m2": "unsupported"}
         assert "refused it: no bfloat16 here" in rows["bfloat16"]["detail"]
-        assert [c.status for c in run.cases] == ["pass", "fail", "skipped", "skipped"]
+        assert [c.status for c in run.cases] == ["pass", "fail", "unsupported", "unsupported"]
         assert [f.kind for f in run.cases[1].findings] == ["unsupported", "wrong"]
 
 

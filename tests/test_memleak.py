@@ -146,6 +146,23 @@ def test_a_process_lifetime_cache_is_a_warning_with_its_holder():
     assert "the same every cycle" in f.message and rec.metrics["survivor_count"] == [1, 1, 1]
 
 
+def test_a_leak_beside_a_constant_cache_leaves_the_cache_its_own_warning_and_numbers():
+    """Each holder is judged on its own series: the growing list fails with its own 2 -> 4 -> 6 MiB, the constant
+    64 KiB cache stays a warning with its own 0.0625 MiB every cycle (before: both 'grow every cycle', totals)."""
+    memleak_fakes.PROCESS_CACHE.clear()
+    memleak_fakes.GROWING.clear()
+    case = Case("memleak", "memleak_fakes:CacheAndLeakEngine", "m", "auto", "kvdiag.checks.memleak:run",
+                params={"device": "cpu", "cycles": 3, "num_prompts": 1})
+    rec = memleak.run(case, None)
+    memleak_fakes.GROWING.clear()
+    by = {f.evidence["holder"]: f for f in rec.findings if f.kind == "tensor_survived"}
+    leak, cache = by["module global memleak_fakes.GROWING"], by["module global memleak_fakes.PROCESS_CACHE"]
+    assert rec.status == "fail" and leak.severity == "error" and cache.severity == "warning", rec.findings
+    assert leak.evidence["per_cycle_mib"] == [2, 4, 6] and "2 → 4 → 6 MiB" in leak.message
+    assert cache.evidence["per_cycle_mib"] == [0.062, 0.062, 0.062] and "the same every cycle" in cache.message
+    assert cache.evidence["per_cycle_tensors"] == [1, 1, 1]
+
+
 @pytest.fixture
 def fake_sleep_pool(monkeypatch):
     """SleepPoolEngine on a fake CUDA device (memleak_fakes): a pool that outlives shutdown, no restart."""

@@ -154,7 +154,7 @@ def test_table_names_value_blocks_and_first_difference(model):
 
     recs = [run_case(model, "fp8", value="max"), run_case(model, "bfloat16", faults=S3),
             run_case(model, "auto", engine="limited_engines:no_kv_access")]
-    assert [r.status for r in recs] == ["pass", "fail", "skipped"]
+    assert [r.status for r in recs] == ["pass", "fail", "unsupported"]
     con = Console(record=True, width=250)
     render(RunRecord("kvdiag poison", "now", recs, {}), con)
     rows = {line.split("│")[1].strip(): [x.strip() for x in line.split("│")[2:-1]]
@@ -162,7 +162,7 @@ def test_table_names_value_blocks_and_first_difference(model):
     assert rows["fp8"][:5] == ["max", str(recs[0].metrics["fresh_blocks"]), str(recs[0].metrics["poisoned_blocks"]),
                                "yes", "0"]
     assert rows["bfloat16"][3] == "no" and rows["bfloat16"][5].startswith("request 0 position 0:")
-    assert rows["auto"][-1] == "skipped" and limited_engines.NO_KV_REASON[:40] in rows["auto"][5]
+    assert rows["auto"][-1] == "unsupported" and limited_engines.NO_KV_REASON[:40] in rows["auto"][5]
 
 
 def test_cli_bad_input_is_one_line():

@@ -184,3 +184,14 @@ def test_a_hung_thread_times_out_alone_and_the_cases_before_it_keep_their_result
     assert recs[0].findings[0].kind == "timeout" and "about to hang" in recs[0].log_tail
     assert 5.5 < recs[0].duration_s < 9
     assert recs[3].findings[0].message.startswith("was cut short")  # running beside it when the worker was killed
+
+
+def test_a_worker_that_dies_after_a_cuda_error_names_the_error_line_and_the_stage(tmp_path):
+    """SIGABRT after a CUDA error: the finding says which stage the case was in and CUDA's own line, not only the
+    signal (issue 26)."""
+    (rec,) = run_cases([Case("t", "e", "m", "d", "case_fns:cuda_abort", id="t/cuda")], tmp_path, quiet=True)
+    f = rec.findings[0]
+    assert rec.status == "crashed" and f.evidence["signal"] == "SIGABRT"
+    assert f.evidence["stage"] == "lm_eval"
+    assert f.evidence["error_line"] == "CUDA error: an illegal memory access was encountered"
+    assert "stage: lm_eval" in f.message and "illegal memory access" in f.message

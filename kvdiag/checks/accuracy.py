@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiag.checks import drift
+from kvdiag.checks.common import engine_failed, start_or_record
 from kvdiag.checks.registry import Check, option
-from kvdiag.errors import EngineUnsupported, resource_failure
+from kvdiag.errors import UserError
 
 SAMPLES = ".samples.json"
 AUTO_BATCH = 1024  # requests per engine call with --batch-size auto
@@ -81,29 +82,34 @@ def run_case(case, ctx):
     p, times = case.params, {"startup": _startup_once()}
     t, cpu = time.perf_counter(), _cpu_time()
     _reset_peak()
-    try:
-        engine = acquire_engine(case)
-    except EngineUnsupported as e:
-        if resource_failure(e):  # out of device memory is no refusal: the runner records error, "resource"
-            raise
-        rec = case.result("skipped")
-        rec.add("info", "unsupported", str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return rec
+    ctx.stage(case, "engine start")
+    engine, refused_rec = start_or_record(case, acquire_engine)
+    if refused_rec is not None:
+        return refused_rec
     times["engine_start"] = _lap(t)
-    t = time.perf_counter()
-    probe = drift.collect(engine, case_prompts(case))
-    drift.save(probe, ctx.artifact(case, DRIFT))
-    times["drift"] = _lap(t)
-    t = time.perf_counter()
-    lm = EngineLM(engine, max_length=_max_len(engine, p), seed=p.get("seed", 0),
-                  batch_size=p.get("batch_size") or AUTO_BATCH,
-                  chat_tokenizer=chat_tokenizer(case.model) if p.get("apply_chat_template") else None,
-                  on_progress=lambda text: ctx.progress(case, text))
-    out = run_tasks(lm, p["tasks"], include_paths=tuple(p.get("include_paths") or ()),
-                    include_defaults=bool(p.get("include_defaults")), limit=p.get("limit"),
-                    num_fewshot=p.get("num_fewshot"), seed=p.get("seed", 0),
-                    **{k: p.get(k) for k in LM_EVAL_KEYS if p.get(k) is not None})
+    stage = "drift probe"
+    try:
+        ctx.stage(case, stage)
+        t = time.perf_counter()
+        probe = drift.collect(engine, case_prompts(case))
+        drift.save(probe, ctx.artifact(case, DRIFT))
+        times["drift"] = _lap(t)
+        stage, t = "lm_eval", time.perf_counter()
+        ctx.stage(case, stage)
+        lm = EngineLM(engine, max_length=_max_len(engine, p), seed=p.get("seed", 0),
+                      batch_size=p.get("batch_size") or AUTO_BATCH,
+                      chat_tokenizer=chat_tokenizer(case.model) if p.get("apply_chat_template") else None,
+                      on_progress=lambda text: ctx.progress(case, text))
+        out = run_tasks(lm, p["tasks"], include_paths=tuple(p.get("include_paths") or ()),
+                        include_defaults=bool(p.get("include_defaults")), limit=p.get("limit"),
+                        num_fewshot=p.get("num_fewshot"), seed=p.get("seed", 0),
+                        **{k: p.get(k) for k in LM_EVAL_KEYS if p.get(k) is not None})
+    except UserError:
+        raise  # bad input (a task lm_eval cannot load, a prompt too long): kvdiag's error, not the engine's
+    except Exception as e:  # noqa: BLE001 - it started, then failed: a crash of this dtype
+        return engine_failed(case, e, stage, started=True, timings=times)
     ctx.artifact(case, SAMPLES).write_text(json.dumps(out["samples"]))
+    ctx.stage(case, "shutdown")
     times["lm_eval"], times["lm_eval_in_engine"] = _lap(t), round(lm.engine_seconds, 3)
     times["cpu"] = round(_cpu_time() - cpu, 3)
     metrics = {"scores": out["scores"], "lm_eval": out["settings"], "model_dtype": model_dtype(engine, case),
@@ -259,6 +265,11 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
         if rec is base:
             rows += verdicts.baseline_rows(rec)
             changed.append(rec)  # its verdict 'baseline' goes into results.jsonl too
+        elif (wrong := drift.wrongly_refused(rec, base)) is not None:
+            rec.status = "fail"
+            rec.add("error", "wrong", wrong)
+            rows += verdicts.failed_rows(rec)
+            changed.append(rec)
         elif rec.status != "pass":
             rows += verdicts.failed_rows(rec)
         elif not base_ok:

@@ -31,6 +31,52 @@ def start_engine(case, weights_from: Engine | None = None, **overrides) -> Engin
     return engine
 
 
+REFUSALS = ("EngineUnsupported", "NotImplementedError", "ValueError", "ValidationError")  # how engines say "not here"
+
+
+def refused(exc: BaseException) -> str | None:
+    """The engine's words when ``exc`` is it refusing a configuration at start (EngineUnsupported; vLLM's config
+    validation and attention-backend selection raise ValueError/NotImplementedError), else None. Out of device
+    memory is never a refusal (``errors.resource_failure``)."""
+    from kvdiag.errors import first_line, resource_failure
+
+    if resource_failure(exc) or not any(t.__name__ in REFUSALS for t in type(exc).__mro__):
+        return None
+    return first_line(exc)
+
+
+def engine_failed(case, exc: BaseException, stage: str, **metrics):
+    """The record of a case whose engine raised in ``stage`` ("engine start", "drift probe", "lm_eval"): status
+    ``crashed`` with a ``crashed`` finding that names the stage, or, when the device ran out of memory, ``error``
+    with a ``resource`` finding (an error of the run, not of the engine)."""
+    import traceback
+
+    from kvdiag.errors import first_line, resource_failure
+
+    resource = resource_failure(exc)
+    rec = case.result("error" if resource else "crashed", metrics=metrics, log_tail=traceback.format_exc()[-4000:])
+    rec.add("error", "resource" if resource else "crashed",
+            resource or f"{stage}: {type(exc).__name__}: {first_line(exc)}"[:500], stage=stage)
+    return rec
+
+
+def start_or_record(case, start=None):
+    """(engine, None) when the case's engine started; else (None, record): ``unsupported`` in the engine's words
+    when it refused the case's configuration, ``crashed`` when it raised anything else, ``error``/``resource``
+    when the device ran out of memory. Every check that starts an engine per case words these the same way."""
+    from kvdiag.checks.greedy import unsupported
+
+    try:
+        return (start or start_engine)(case), None
+    except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record
+        reason = refused(e)
+        if reason is not None:
+            rec = unsupported(case, reason)
+            rec.findings[-1].evidence["exception"] = type(e).__name__
+            return None, rec
+        return None, engine_failed(case, e, "engine start")
+
+
 def device_info() -> dict:
     """What the worker runs on (recorded in each case's environment)."""
     import torch

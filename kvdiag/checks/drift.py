@@ -227,6 +227,19 @@ def family(kv_dtype: str, model_dtype: str | None) -> str:
     return "unquantized" if kv_dtype in ("float32", "half", "float", "bf16", "fp16") else "quantized"
 
 
+def wrongly_refused(rec, base) -> str | None:
+    """Why a refused case is wrong (bug S1), else None: an explicit unquantized dtype equal to the model's dtype is
+    what the baseline ``base`` stores; the engine refusing it while the baseline started is no refusal."""
+    from kvdiag.results import NOT_RUN_STATUSES
+
+    if rec.status not in NOT_RUN_STATUSES or base is None or rec is base or base.status != "pass" or \
+            family(rec.kv_dtype, base.metrics.get("model_dtype")) != "identical":
+        return None
+    reason = rec.metrics.get("reason") or next((f.message for f in rec.findings), "")
+    return (f"explicit '{rec.kv_dtype}' is the model's dtype (what '{base.kv_dtype}' stores, and that started) but "
+            f"the engine refused it: {reason}")
+
+
 def limits_for(kv_dtype: str, model_dtype: str | None, *, max_kl: float | None = None,
                min_top1: float | None = None) -> Limits:
     lim = FAMILY_LIMITS[family(kv_dtype, model_dtype)]

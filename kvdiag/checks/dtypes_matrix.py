@@ -23,11 +23,10 @@ from pathlib import Path
 
 from kvdiag.checks import drift
 from kvdiag.checks.accuracy import DRIFT, acquire_engine, drift_limit, model_dtype, release_engine
+from kvdiag.checks.common import engine_failed, start_or_record
 from kvdiag.checks.registry import Check
-from kvdiag.errors import EngineUnsupported, first_line, resource_failure
-
-UNSUPPORTED = (EngineUnsupported, NotImplementedError, ValueError)
-
+from kvdiag.errors import EngineUnsupported
+from kvdiag.results import NOT_RUN_STATUSES
 
 
 @dataclass
@@ -40,25 +39,16 @@ def run_case(case, ctx):
     """Start the engine with one dtype and probe it (the drift prompts, teacher-forced and greedy)."""
     from kvdiag.checks.prompts import case_prompts
 
-    try:
-        engine = acquire_engine(case)
-    except UNSUPPORTED as e:
-        if resource_failure(e):  # e.g. vLLM's "No available memory for the cache blocks" (a ValueError)
-            raise  # the runner records it: error, finding "resource"
-        msg = first_line(e)
-        rec = case.result("skipped", metrics={"row": "unsupported", "reason": msg})
-        rec.add("info", "unsupported", msg, exception=type(e).__name__)
-        return rec
+    ctx.stage(case, "engine start")
+    engine, refused_rec = start_or_record(case, acquire_engine)
+    if refused_rec is not None:
+        refused_rec.metrics["row"] = refused_rec.status if refused_rec.status != "error" else "resource"
+        return refused_rec
+    ctx.stage(case, "drift probe")
     try:
         probe = drift.collect(engine, case_prompts(case))
     except Exception as e:  # noqa: BLE001 - it started, then failed: a crash of this dtype, not of kvdiag
-        import traceback
-
-        rec = case.result("error", metrics={"started": True}, log_tail=traceback.format_exc()[-4000:])
-        resource = resource_failure(e)
-        rec.add("error", "resource" if resource else "crashed",
-                resource or f"{type(e).__name__}: {e}".splitlines()[0][:500])
-        return rec
+        return engine_failed(case, e, "drift probe", started=True)
     path = ctx.artifact(case, DRIFT)
     drift.save(probe, path)
     rec = case.result("pass", metrics={"started": True, "model_dtype": model_dtype(engine, case),
@@ -86,8 +76,6 @@ def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) 
     folder = Path(run.run_dir) / "artifacts"
     for rec in run.cases:
         reset(rec)
-        if rec.metrics.get("reason") is not None and rec.status == "fail":  # a refusal an earlier analysis judged
-            rec.findings, rec.status = [f for f in rec.findings if f.kind != "wrong"], "skipped"
     base = next((c for c in run.cases if c.params.get("role") == "baseline"), None)
     usable = base is not None and base.status == "pass" and base.metrics.get("finite")
     base_probe = _probe(folder, base) if usable else None
@@ -113,13 +101,11 @@ def _row(rec, base, base_probe, folder: Path, max_kl, min_top1) -> dict:
            "finite": rec.metrics.get("finite"), "identical_to_auto": None, "mean_kl": None, "top1_agreement": None,
            "detail": ""}
     first = rec.findings[0].message if rec.findings else ""
-    if rec.status == "skipped":
-        reason = rec.metrics.get("reason", first)
-        if base is not None and base.status == "pass" and rec is not base and \
-                drift.family(rec.kv_dtype, base.metrics.get("model_dtype")) == "identical":
-            return {**row, "result": "wrong", "detail": f"explicit '{rec.kv_dtype}' is the model's dtype (what "
-                    f"'{base.kv_dtype}' stores, and that started) but the engine refused it: {reason}"}
-        return {**row, "result": "unsupported", "detail": reason}
+    if rec.status in NOT_RUN_STATUSES:
+        wrong = drift.wrongly_refused(rec, base)
+        if wrong:
+            return {**row, "result": "wrong", "detail": wrong}
+        return {**row, "result": "unsupported", "detail": rec.metrics.get("reason", first)}
     if rec.status != "pass":
         resource = next((f.message for f in rec.findings if f.kind == "resource"), None)
         if resource:  # out of memory: an error of the run, not the engine refusing the dtype

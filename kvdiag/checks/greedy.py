@@ -1,4 +1,4 @@
-"""What the KV-state checks (wake-cycle, poison) share: their prompts, the ``skipped``
+"""What the KV-state checks (wake-cycle, poison) share: their prompts, the ``unsupported``
 record of an engine that cannot be tested, and the token-for-token comparison of two
 greedy runs of the same prompts."""
 
@@ -18,9 +18,11 @@ def prompt_texts(model: str, limit: int | None = None) -> list[str]:
 LOGPROB_TOL = 1e-4  # |Δ logprob| allowed when tokens are identical (same kernels, same inputs)
 
 
-def skipped(case, reason: str):
-    """The record of a case the engine cannot run (no sleep mode, no KV access), in its words."""
-    rec = case.result("skipped", metrics={"reason": reason})
+def unsupported(case, reason: str):
+    """The record of a case the engine cannot run (a kv dtype it refuses, no sleep mode, no KV access), in its
+    words: status ``unsupported``, an info finding ``unsupported``."""
+    reason = reason.strip().splitlines()[0] if reason.strip() else "unsupported"
+    rec = case.result("unsupported", metrics={"reason": reason})
     rec.add("info", "unsupported", reason)
     return rec
 

@@ -111,7 +111,7 @@ def run(case, ctx):
         try:
             cycles.append(_cycle(case, n, p, prompts, cuda, base, snaps))
         except EngineUnsupported as e:
-            return greedy.skipped(case, str(e))
+            return greedy.unsupported(case, str(e))
         except RestartImpossible as e:
             restart = {"cycle": n, "message": str(e)}
             break

@@ -76,11 +76,11 @@ def run(case, ctx):
     try:
         engine.start(spec)
     except EngineUnsupported as e:
-        return greedy.skipped(case, str(e))
+        return greedy.unsupported(case, str(e))
     try:
         caps = engine.capabilities
         if not caps.kv_access or engine.kv_blocks() is None:
-            return greedy.skipped(case, caps.kv_access_reason or "the engine gives no access to its KV blocks")
+            return greedy.unsupported(case, caps.kv_access_reason or "the engine gives no access to its KV blocks")
         ref, _ = run_waves(engine, waves, "zero", p.seed)
         out, stats = run_waves(engine, waves, p.value, p.seed)
         prompts = [q for w in waves for q in w.prompts]
@@ -146,7 +146,7 @@ HELP = (
     "requests on freed blocks, all at once) in a cache small enough that freed blocks are\n"
     "reused; free blocks are re-poisoned before each wave. The same waves with zeroed free\n"
     "blocks are the reference. Any NaN/Inf or changed token fails, naming the request and\n"
-    "position that first differed. Engines without KV access are reported as skipped.")
+    "position that first differed. Engines without KV access are reported as unsupported.")
 
 CHECK = Check("poison", "kvdiag.checks.poison:run", PoisonParams, help=HELP,
               render="kvdiag.report.views:poison", selftest={"value": "nan", "num_prompts": 2, "seed": 0})

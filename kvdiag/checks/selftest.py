@@ -24,7 +24,7 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
     engine object, one per fault for faults that leak into the process; ``"case"``: one per case.
     """
     from kvdiag.assets import TINY_MODEL
-    from kvdiag.runner import Case
+    from kvdiag.case import Case
 
     model = str(TINY_MODEL)
     jobs: list[tuple[str, str, list]] = []

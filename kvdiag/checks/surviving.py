@@ -9,24 +9,45 @@ from kvdiag.memory import MiB, to_mib
 
 
 def findings(rec, cycles: list, retain: float) -> None:
-    """Tensors that survive shutdown: an error when their count or bytes grow every cycle, else a warning."""
+    """Tensors that survive shutdown, one finding per holder, each judged on its own numbers across the cycles: an
+    error when that holder's tensors or bytes grow every cycle, else a warning (a holder that stays the same while
+    another one leaks keeps its warning and its own numbers). When the survivors grow every cycle but no single
+    holder does (new holders each cycle), the holders that changed share the error, with the totals."""
     last = next((c for c in reversed(cycles) if c.holders), None)
     if last is None:
         return
     counts = [c.survivors.count + c.survivors.small_count for c in cycles]
     sizes = [c.survivors.bytes + c.survivors.small_bytes for c in cycles]
-    grows = len(cycles) > 1 and any(all(b > a for a, b in zip(v, v[1:])) for v in (counts, sizes))
-    per_cycle = [to_mib(c.survivors.bytes) for c in cycles]
-    if grows:
-        severity, why = "error", (f"they grow every cycle: {' → '.join(map(str, counts))} tensors, "
-                                  f"{' → '.join(f'{x / MiB:.3g}' for x in sizes)} MiB")
-    elif len(cycles) > 1:
-        severity, why = "warning", (f"the same every cycle and under the retention limit of {retain / MiB:.0f} "
-                                    "MiB: a process-lifetime cache, not a growing leak")
+    totals_grow = _grows(counts) or _grows(sizes)
+    if len(cycles) > 1:
+        same = (f"the same every cycle and under the retention limit of {retain / MiB:.0f} MiB: a process-lifetime "
+                "cache, not a growing leak")
     else:
-        severity, why = "warning", (f"one cycle: growth not measured; under the retention limit of "
-                                    f"{retain / MiB:.0f} MiB")
+        same = f"one cycle: growth not measured; under the retention limit of {retain / MiB:.0f} MiB"
     for h in last.holders:
+        tensors, nbytes = _own(cycles, h.holder)
+        if _grows(tensors) or _grows(nbytes):
+            severity, why = "error", f"it grows every cycle: {_path(tensors)} tensors, {_path(nbytes, MiB)} MiB"
+        elif totals_grow and (len(set(tensors)) > 1 or len(set(nbytes)) > 1):
+            severity, why = "error", (f"the survivors grow every cycle ({_path(counts)} tensors, {_path(sizes, MiB)} "
+                                      f"MiB in all) and this holder's changed: {_path(nbytes, MiB)} MiB")
+        else:
+            severity, why = "warning", same
         rec.add(severity, "tensor_survived", f"{to_mib(h.bytes):.3g} MiB in {h.tensors} tensor(s) "
                 f"({h.count} storages) survive shutdown, held by {h.holder}; {why}", **h.to_json(),
-                per_cycle_mib=per_cycle, devices=last.survivors.by_device)
+                per_cycle_mib=[round(b / MiB, 3) for b in nbytes], per_cycle_tensors=tensors,
+                devices=last.survivors.by_device)
+
+
+def _own(cycles: list, holder: str) -> tuple[list[int], list[int]]:
+    """(tensors, bytes) of one holder after each cycle's shutdown (0 where it held nothing)."""
+    rows = [next((h for h in c.holders if h.holder == holder), None) for c in cycles]
+    return [h.tensors if h else 0 for h in rows], [h.bytes if h else 0 for h in rows]
+
+
+def _grows(v: list) -> bool:
+    return len(v) > 1 and all(b > a for a, b in zip(v, v[1:]))
+
+
+def _path(v: list, unit: int = 1) -> str:
+    return " → ".join(f"{x / unit:.3g}" if unit > 1 else str(x) for x in v)

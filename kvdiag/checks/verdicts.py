@@ -77,6 +77,8 @@ ANALYSIS_KINDS = ("regression", "collapse", "drift", "no_baseline", "wrong", "no
 
 def reset(rec) -> bool:
     """Undo an earlier analysis of this record (``--resume`` analyses again); True if it has results to judge."""
+    if rec.metrics.get("reason") is not None and rec.status == "fail":  # a refusal an earlier analysis judged wrong
+        rec.findings, rec.status = [f for f in rec.findings if f.kind != "wrong"], "unsupported"
     if not rec.metrics.get("artifacts"):
         return False
     rec.findings = [f for f in rec.findings if f.kind not in ANALYSIS_KINDS]

@@ -49,12 +49,13 @@ def run(case, ctx):
     try:
         engine.start(engine_spec(case, enable_sleep=True))
     except EngineUnsupported as e:
-        return greedy.skipped(case, str(e))
+        return greedy.unsupported(case, str(e))
     try:
         caps = engine.capabilities
         if p.level not in caps.sleep_levels:
             levels = ", ".join(map(str, caps.sleep_levels)) or "none"
-            return greedy.skipped(case, caps.sleep_reason or f"sleep level {p.level} unsupported (levels: {levels})")
+            why = caps.sleep_reason or f"sleep level {p.level} unsupported (levels: {levels})"
+            return greedy.unsupported(case, why)
         return _run_cycles(case, engine, p)
     finally:
         engine.shutdown()
@@ -79,7 +80,7 @@ def _run_cycles(case, engine, p: WakeParams):
         try:
             row, problems = _cycle(engine, n, p, prompts, base, expected["expected_bytes"])
         except EngineUnsupported as e:
-            return greedy.skipped(case, str(e))
+            return greedy.unsupported(case, str(e))
         except Exception as e:  # noqa: BLE001 - an engine raising mid-cycle is what this check looks for
             rec.add("error", "engine_error", f"cycle {n}: {type(e).__name__}: {e}".splitlines()[0][:400], cycle=n)
             break
@@ -195,7 +196,7 @@ HELP = (
     "Records greedy tokens and logprobs of a fixed prompt set, then each cycle sleeps,\n"
     "checks that the KV cache (and at level 2, or on a GPU, the weights) was freed, wakes,\n"
     "checks that memory came back, regenerates and compares token for token, and scans the\n"
-    "KV slots just written for NaN/Inf. Engines without sleep mode are reported as skipped.")
+    "KV slots just written for NaN/Inf. Engines without sleep mode are reported as unsupported.")
 
 CHECK = Check("wake-cycle", "kvdiag.checks.wake_cycle:run", WakeParams, help=HELP,
               variants="kvdiag.checks.wake_cycle:variants",

@@ -166,6 +166,46 @@ def create_engine(name: str) -> Engine:
     return _factory(name)()
 
 
+def engine_traits(name: str):
+    """What kvdiag may ask an engine before any worker starts, without importing its heavy modules: for a
+    built-in engine its package (``kvdiag/engines/<name>/__init__.py``), for a plug-in its factory. Optional
+    attributes, each with a safe default when absent (see the helpers below):
+
+    - ``PRELOAD``: modules the workers' fork server imports once for the whole run (none of them may initialise
+      CUDA); a worker forked from it starts with them instead of importing them again;
+    - ``SPAN_ARGS``: the engine arguments whose product is the GPUs one engine spans;
+    - ``shared_gpu_bytes(model, engine_args, weights)``: GPU memory one case needs when cases share a GPU
+      (``weights``: the checkpoint's bytes), or None when its cases must not share one.
+    """
+    if name in BUILTIN_ENGINES:
+        return importlib.import_module(f"kvdiag.engines.{name}")
+    return _factory(name)
+
+
+def preload_modules(name: str) -> tuple[str, ...]:
+    return tuple(getattr(engine_traits(name), "PRELOAD", ()))
+
+
+def gpus_spanned(name: str, engine_args: dict) -> int:
+    """GPUs one engine of ``name`` uses with these engine arguments: the product of its ``SPAN_ARGS`` (1 without)."""
+    n = 1
+    for key in getattr(engine_traits(name), "SPAN_ARGS", ()):
+        try:
+            n *= max(1, int(engine_args.get(key) or 1))
+        except (TypeError, ValueError):  # the engine says what is wrong with it
+            pass
+    return n
+
+
+def span_args(name: str) -> tuple[str, ...]:
+    return tuple(getattr(engine_traits(name), "SPAN_ARGS", ()))
+
+
+def shared_gpu_bytes(name: str, model: str, engine_args: dict, weights: int) -> int | None:
+    f = getattr(engine_traits(name), "shared_gpu_bytes", None)
+    return None if f is None else f(model, engine_args, weights)
+
+
 def engine_dtypes(name: str) -> list[str]:
     """The kv dtypes an engine supports, without starting it."""
     if name == "builtin":  # the registry itself; no torch import for a listing

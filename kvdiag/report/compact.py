@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 DRIFT_KEYS = ("mean_kl", "max_kl", "top1_agreement")
-WORST = ("baseline", "skipped", "ok", "drift", "regression", "collapse")  # a group's verdict: its worst task's
+# a group's verdict: its worst task's
+WORST = ("baseline", "skipped", "unsupported", "ok", "drift", "regression", "collapse")
 
 
 def compact_rows(rows: list[dict], groups: dict | None = None) -> list[dict]:

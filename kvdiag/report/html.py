@@ -11,7 +11,8 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;
 h1{font-size:22px} h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;font-size:13px;margin:8px 0} td,th{border:1px solid #ddd;padding:4px 8px;text-align:left}
 th{background:#f4f4f4} .pass{color:#1a7f37} .fail,.error,.crashed,.timeout{color:#cf222e;font-weight:bold}
-.skipped{color:#9a6700} .plots{display:flex;flex-wrap:wrap;gap:16px} .plot{border:1px solid #eee;background:#fff}
+.skipped,.unsupported{color:#9a6700}
+.plots{display:flex;flex-wrap:wrap;gap:16px} .plot{border:1px solid #eee;background:#fff}
 pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:300px;font-size:12px} .muted{color:#666}
 """
 

@@ -7,6 +7,8 @@ import json
 import xml.etree.ElementTree as ET
 from itertools import groupby
 
+from kvdiag.results import NOT_RUN_STATUSES
+
 
 def _findings_text(case) -> str:
     lines = [f"[{f.severity}] {f.kind}: {f.message}" for f in case.findings]
@@ -30,8 +32,8 @@ def _testcase(case) -> ET.Element:
     elif case.status in ("error", "crashed", "timeout"):
         el = ET.SubElement(tc, "error", message=f"{case.status}: {message}", type=case.status)
         el.text = _findings_text(case) + ("\n--- worker log (tail) ---\n" + case.log_tail if case.log_tail else "")
-    elif case.status == "skipped":
-        ET.SubElement(tc, "skipped", message=message)
+    elif case.status in NOT_RUN_STATUSES:  # JUnit's word for a case that did not run; the message says why
+        ET.SubElement(tc, "skipped", message=f"{case.status}: {message}", type=case.status)
     out = ET.SubElement(tc, "system-out")
     out.text = json.dumps(case.metrics, default=str, indent=1)[:20000]
     return tc
@@ -42,7 +44,7 @@ def render_junit(run) -> str:
     root = ET.Element("testsuites", name="kvdiag", tests=str(len(run.cases)),
                       failures=str(counts(run.cases, ("fail",))),
                       errors=str(counts(run.cases, ("error", "crashed", "timeout"))),
-                      skipped=str(counts(run.cases, ("skipped",))),
+                      skipped=str(counts(run.cases, NOT_RUN_STATUSES)),
                       time=f"{sum(c.duration_s for c in run.cases):.3f}")
     cases = sorted(run.cases, key=lambda c: c.check)
     for check, group in groupby(cases, key=lambda c: c.check):
@@ -50,7 +52,7 @@ def render_junit(run) -> str:
         suite = ET.SubElement(root, "testsuite", name=f"kvdiag.{check}", tests=str(len(group)),
                               failures=str(counts(group, ("fail",))),
                               errors=str(counts(group, ("error", "crashed", "timeout"))),
-                              skipped=str(counts(group, ("skipped",))),
+                              skipped=str(counts(group, NOT_RUN_STATUSES)),
                               time=f"{sum(c.duration_s for c in group):.3f}",
                               timestamp=(run.started or "")[:19], hostname=run.environment.get("hostname", ""))
         props = ET.SubElement(suite, "properties")

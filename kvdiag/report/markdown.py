@@ -6,7 +6,7 @@ from collections import Counter
 
 from kvdiag.report.table import fmt_value
 
-ICON = {"pass": "✅", "skipped": "⏭️", "fail": "❌", "error": "❌", "crashed": "💥", "timeout": "⏱️"}
+ICON = {"pass": "✅", "unsupported": "⏭️", "skipped": "⏭️", "fail": "❌", "error": "❌", "crashed": "💥", "timeout": "⏱️"}
 
 
 def _esc(s) -> str:

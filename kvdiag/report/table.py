@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-STATUS_STYLE = {"pass": "green", "skipped": "yellow", "fail": "red", "error": "red", "crashed": "bold red",
-                "timeout": "bold red"}
+STATUS_STYLE = {"pass": "green", "unsupported": "yellow", "skipped": "yellow", "fail": "red", "error": "red",
+                "crashed": "bold red", "timeout": "bold red"}
 
 
 def console(stderr: bool = False):

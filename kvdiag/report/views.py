@@ -180,7 +180,7 @@ def accuracy(run, con) -> None:
         con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
 
 
-VERDICT_STYLE = {"ok": "green", "baseline": "cyan", "skipped": "yellow"}
+VERDICT_STYLE = {"ok": "green", "baseline": "cyan", "unsupported": "yellow", "skipped": "yellow"}
 
 
 def _verdict(v: str, message: str | None = None) -> str:

@@ -5,6 +5,15 @@ Importing this package does not import torch; ``from kvdiag.engines.builtin.engi
 
 __all__ = ["BuiltinEngine"]
 
+# What the scheduler asks without importing torch (kvdiag.engines.base.engine_traits).
+PRELOAD = ("torch", "kvdiag.engines.builtin.engine", "tokenizers")  # not transformers: tokenizer.py
+
+
+def shared_gpu_bytes(model: str, engine_args: dict, weights: int) -> int:
+    """GPU memory one case takes when cases share a GPU: 2.5 x the weights (weights, activations, KV cache) + 1 GiB
+    (the CUDA context)."""
+    return int(2.5 * weights) + (1 << 30)
+
 
 def __getattr__(name):
     if name == "BuiltinEngine":

@@ -7,5 +7,20 @@
 - ``kv.py`` and ``cpu_layout.py``: vLLM's KV cache tensors and block pool as a KVBlockView;
 - ``pools.py``: memory vLLM keeps after shutdown outside Python objects (the sleep-mode allocator pool).
 
+- ``sizing.py``: the explicit KV cache each engine gets on a GPU, so that several share one;
+- ``preimport.py``: what the workers' fork server imports once (vLLM and lm_eval), so no case pays for it.
+
 Nothing here imports vllm at import time; ``engine.py`` needs it installed.
 """
+
+# What the scheduler asks without importing vLLM (kvdiag.engines.base.engine_traits).
+PRELOAD = ("kvdiag.engines.vllm.preimport",)
+SPAN_ARGS = ("tensor_parallel_size", "pipeline_parallel_size")
+
+
+def shared_gpu_bytes(model: str, engine_args: dict, weights: int) -> int | None:
+    """GPU memory one engine takes beside others on a GPU, or None when it must have the GPU to itself: engines
+    that profile memory (``gpu_memory_utilization`` given, no explicit KV size) break each other's profiling."""
+    from kvdiag.engines.vllm.sizing import shared_need
+
+    return shared_need(model, engine_args, weights)

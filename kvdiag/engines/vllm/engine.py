@@ -76,6 +76,10 @@ class VllmEngine:
                                "allocator is a process-wide singleton, already used by the engine started for "
                                f"{_SLEEP_ENGINES_STARTED[0]}, so an engine with sleep mode cannot start again in "
                                "this process")
+        # before anything is allocated, about a second (sleep mode: refused below, the engine starts without it)
+        refusal = adapt.backend_refusal({k: v for k, v in kwargs.items() if k != "enable_sleep_mode"})
+        if refusal:
+            raise EngineUnsupported(refusal)
         if cumem:  # from here on, a failed start leaves the singleton taken too
             _SLEEP_ENGINES_STARTED.append(spec.model)
         try:

@@ -1,0 +1,86 @@
+"""A case and what a worker gives its case function: the lowest layer of running cases (docs/DESIGN.md, "Running
+cases"). The runner (kvdiag/runner.py) runs cases in workers (kvdiag/worker.py); both, the checks and the progress
+lines build on this module, which imports none of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvdiag.results import CaseResult
+
+LOG_TAIL_CHARS = 4000
+STAGE_MARK = "--- kvdiag stage: "  # a line in the case log: where the case is (a worker that dies names it)
+
+
+@dataclass
+class Case:
+    check: str
+    engine: str
+    model: str
+    kv_dtype: str
+    target: str  # "package.module:function", called in the worker as function(case, ctx)
+    params: dict = field(default_factory=dict)
+    id: str = ""
+    timeout: float | None = None  # seconds; None: the runner's default
+    group: str | None = None  # cases of one group share one worker (``--isolate run``)
+
+    def __post_init__(self):
+        if not self.id:
+            label = Path(self.model.rstrip("/")).name or self.model
+            self.id = f"{self.check}/{self.engine}/{label}/{self.kv_dtype}"
+
+    def result(self, status: str, **kw) -> CaseResult:
+        """A record for this case, with the identifying fields filled in."""
+        return CaseResult(id=self.id, check=self.check, engine=self.engine, model=self.model,
+                          kv_dtype=self.kv_dtype, status=status, params=dict(self.params), **kw)
+
+
+@dataclass
+class WorkerContext:
+    """What a case function gets besides its case: where to put artifacts and how to talk."""
+
+    run_dir: Path
+    artifacts_dir: Path
+    send: Callable | None = None  # to the parent (the worker's pipe)
+
+    def progress(self, case: Case, text: str) -> None:
+        """A line of progress inside a long case ("120/400 documents, 35 doc/s"), shown under its id."""
+        if self.send is not None:
+            self.send(("progress", (case.id, text)))
+
+    def stage(self, case: Case, name: str) -> None:
+        """Mark in the case log that ``case`` enters ``name`` ("engine start", "lm_eval", ...): a worker that dies
+        there (SIGABRT after a CUDA error) is recorded with the stage it died in."""
+        print(f"{STAGE_MARK}{name} ({case.id}) ---", flush=True)
+
+    def artifact(self, case: Case, suffix: str) -> Path:
+        self.artifacts_dir.mkdir(parents=True, exist_ok=True)
+        return self.artifacts_dir / f"{safe_name(case.id)}{suffix}"
+
+
+def safe_name(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_")
+
+
+def call_target(target: str) -> Callable:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+SHARE_CORES = "KVDIAG_SHARE_CORES"
+
+
+def share_cores(env: dict, jobs: int, left: int) -> dict:
+    """With ``KVDIAG_SHARE_CORES=N`` in ``env``, a worker's torch threads: N shared by the workers that can still
+    run at once, ``min(jobs, groups not started yet, its own included)``; the last groups of a sweep get the cores
+    the finished ones freed (7 dtypes on 2 single-thread workers: the 7th runs alone with 2 threads)."""
+    if SHARE_CORES not in env:
+        return env
+    return {**env, "OMP_NUM_THREADS": str(max(1, int(env[SHARE_CORES]) // max(1, min(jobs, left))))}
+
+
