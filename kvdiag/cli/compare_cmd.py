@@ -47,9 +47,9 @@ def compare(
     Cases only in one run are listed as new/missing and do not fail the comparison.
     """
     from kvdiag.report.baseline import load_side
+    from kvdiag.report.cells import console
     from kvdiag.report.compare import compare as compare_sides
     from kvdiag.report.compare import render_table
-    from kvdiag.report.table import console
 
     result = compare_sides(load_side(old), load_side(new), max_drop=max_drop, alpha=alpha,
                            mem_tolerance_mib=mem_tolerance)

