@@ -8,13 +8,14 @@ STATUS_STYLE = {"pass": "green", "skipped": "yellow", "fail": "red", "error": "r
 
 
 def console(stderr: bool = False):
-    """Rich console; when not a terminal (CI logs, pipes) use a wide fixed width instead of 80."""
+    """Rich console; when not a terminal (CI logs, pipes) and COLUMNS is not set, a wide fixed width instead of 80."""
+    import os
     import sys
 
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    width = None if stream.isatty() else 160
+    width = None if stream.isatty() or os.environ.get("COLUMNS", "").isdigit() else 160
     return Console(highlight=False, soft_wrap=False, width=width, stderr=stderr)
 
 

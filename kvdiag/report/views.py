@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvdiag.report.accuracy_view import accuracy  # noqa: F401 - the accuracy check's render
+
 COLUMNS = (("cycle", "cycle"), ("stage", "stage"), ("tensors", "tensors"), ("tensor_mib", "tensor MiB"),
            ("rss_mib", "RSS MiB"), ("cuda_allocated_mib", "CUDA alloc"), ("cuda_reserved_mib", "CUDA reserved"),
            ("driver_used_mib", "driver used"), ("nvml_process_mib", "NVML proc"), ("frozen", "frozen"))
@@ -139,55 +141,6 @@ def _token_bytes(r: dict) -> str:
 
 def _yn(v) -> str:
     return "-" if v is None else ("yes" if v else "no")
-
-
-def accuracy(run, con) -> None:
-    """One row per kv dtype x task or task group with the task's primary metric (report/compact.py)."""
-    from rich.table import Table
-
-    from kvdiag.report.cells import fmt_value
-    from kvdiag.report.compact import compact_rows
-
-    a = run.analysis.get("accuracy", {})
-    groups = {g: v for c in run.cases for g, v in ((c.metrics.get("lm_eval") or {}).get("groups") or {}).items()}
-    rows = compact_rows(a.get("rows", []), groups)
-    t = Table(title=f"accuracy vs baseline '{a.get('baseline', '?')}' (max drop {a.get('max_drop')}, "
-              f"alpha {a.get('alpha')})", title_justify="left")
-    for col in ("kv dtype", "task", "metric", "score ± stderr", "Δ", "95% CI", "p", "KL mean/max", "top-1",
-                "verdict"):
-        t.add_column(col, justify="left" if col in ("kv dtype", "task", "metric", "verdict") else "right")
-    for r in rows:
-        score = "-" if r.get("score") is None else f"{fmt_value(r['score'])} ± {fmt_value(r['stderr'])}"
-        ci = "-" if r.get("ci_low") is None else f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
-        kl = "-" if r.get("mean_kl") is None else f"{fmt_value(r['mean_kl'])} / {fmt_value(r['max_kl'])}"
-        top1 = fmt_value(r.get("top1_agreement"))
-        if r.get("drift_shown"):  # the dtype's drift is on its first row
-            kl = top1 = ""
-        delta = "-" if r.get("delta") is None else f"{r['delta']:+.4f}"
-        t.add_row(r["kv_dtype"], r["task"], r["metric"], score, delta, ci, fmt_value(r.get("p_value")), kl, top1,
-                  _verdict(r["verdict"], r.get("message")))
-    con.print(t)
-    if len(rows) < len(a.get("rows", [])):
-        con.print(f"{len(a['rows'])} rows (every task and metric) in report.md, report.html and "
-                  "`kvdiag report RUN --format csv`")
-    peaks = [c.metrics.get("peak_mib") or {} for c in run.cases]
-    gpu, rss = (max((x.get(k) or 0 for x in peaks), default=0) for k in ("gpu", "rss"))
-    if gpu or rss:
-        con.print("peak memory of a case: " + (f"GPU {gpu:,.0f} MiB allocated, " if gpu else "")
-                  + f"worker process {rss:,.0f} MiB resident")
-    times = a.get("timings")
-    if times:
-        con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
-
-
-VERDICT_STYLE = {"ok": "green", "baseline": "cyan", "skipped": "yellow"}
-
-
-def _verdict(v: str, message: str | None = None) -> str:
-    text = f"[{VERDICT_STYLE.get(v, 'bold red')}]{v}[/]"
-    from rich.markup import escape
-
-    return f"{text} {escape(message[:60])}" if message else text
 
 
 SELFTEST_STYLE = {"caught": "green", "pass": "green", "missed": "bold red", "findings": "bold red", "n/a": "dim",
