@@ -1,7 +1,7 @@
 """The accuracy table a terminal can hold for a real suite: one row per kv dtype x task, or x task group (mmlu's
 57 subtasks are one row), with the task's primary metric (the first of its metric list, as lm_eval lists them;
-another metric only where its verdict is not ok), and the drift of a dtype on its first row only. Every metric of
-every task stays in run.json, report.md/html and `kvdiag report RUN --format csv`."""
+another metric of a task outside a group where its verdict is not ok), and the drift of a dtype on its first row
+only. Every metric of every task stays in run.json, report.md/html and `kvdiag report RUN --format csv`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def compact_rows(rows: list[dict], groups: dict | None = None) -> list[dict]:
             order.append(r)
             continue
         if primary.setdefault(r["task"], r["metric"]) != r["metric"]:
-            if r.get("verdict") not in SHOWN_QUIET:  # another metric that failed is shown too
+            if r.get("verdict") not in SHOWN_QUIET and r["task"] not in leaf_group:  # another metric that failed
                 order.append(r)
             continue
         key = (r["kv_dtype"], leaf_group.get(r["task"], r["task"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from html import escape
 
 from kvdiag.report.cells import fmt_value, run_versions
+from kvdiag.report.score_tables import tables
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1400px}
@@ -28,6 +29,10 @@ def render_html(run) -> str:
            f" · finished {escape(str(run.finished))} · " + escape(versions)
            + "</span></p>"]
     out += _comparison(run.analysis.get("baseline"))
+    for title, header, rows in tables(run):
+        out.append(f"<h2>{escape(title)}</h2><table><tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr>")
+        out += ["<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows]
+        out.append("</table>")
     figures = plots_for(run)
     if figures:
         out.append("<h2>Plots</h2><div class='plots'>" + "".join(figures) + "</div>")

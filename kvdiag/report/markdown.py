@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from kvdiag.report.cells import fmt_value, run_versions
+from kvdiag.report.score_tables import tables
 
 ICON = {"pass": "✅", "skipped": "⏭️", "fail": "❌", "error": "❌", "crashed": "💥", "timeout": "⏱️"}
 
@@ -28,6 +29,9 @@ def render_markdown(run) -> str:
         out.append(f"| {_esc(c.id)} | {ICON.get(c.status, '')} {c.status} | {_esc(metrics)} | "
                    f"{_esc(first.message) if first else ''} |")
     out += _comparison(run.analysis.get("baseline"))
+    for title, header, rows in tables(run):
+        out += ["", f"## {_esc(title)}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(_esc(c) for c in row) + " |" for row in rows]
     bad = [c for c in run.cases if c.status in ("fail", "error", "crashed", "timeout")]
     if bad:
         out += ["", "## Findings", ""]
