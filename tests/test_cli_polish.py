@@ -63,3 +63,21 @@ def test_wake_cycle_table_is_one_row_per_case_and_no_empty_column():
     fp8 = next(row for row in rows if row[0] == "fp8")
     assert fp8[2] == "5" and fp8[5] == "no (cycle 3, 4, 5)" and "c3: divergence" in fp8[-1]
     assert "sleep level 2 is not supported here" in rows[-1][-1]
+
+
+def test_selftest_verdict_says_what_the_failed_case_means():
+    from kvdiag.report.table import verdict_line
+
+    cases = [CaseResult("poison/builtin/m/auto", "poison", "builtin", "m", "auto", "pass"),
+             CaseResult("poison/builtin/m/auto/unzeroed", "poison", "builtin", "m", "auto", "fail")]
+    run = RunRecord("kvdiag selftest -c poison", "now", cases, {}, run_dir="R", exit_code=0,
+                    summary={"pass": 1, "fail": 1},
+                    analysis={"selftest": {"ok": True, "faults": [{"fault": "unzeroed_page_reads",
+                                                                   "caught_by_intended": True}],
+                                           "clean": {"poison": {"mark": "pass"}}}})
+    line = verdict_line(run)
+    assert line.startswith("[green]OK[/]: 1 of 1 fault(s) caught by their intended check, the clean engine passed")
+    assert "fail" not in line
+    run.summary = {"pass": 2}
+    run.analysis = {}
+    assert verdict_line(run) == "[green]OK[/]: 2 pass — results in R"

@@ -31,7 +31,19 @@ def print_run(run, render: Callable | None = None) -> None:
         render(run, con)
     else:
         con.print(cases_table(run.cases))
-    s = run.summary
-    parts = [f"{n} {k}" for k, n in s.items() if n]
+    con.print(verdict_line(run))
+
+
+def verdict_line(run) -> str:
+    """OK or FAILED, and what it rests on: the case counts, or for selftest (whose fault cases are meant to fail)
+    the faults caught and the clean engine's state."""
     verdict = "[green]OK[/]" if run.exit_code == 0 else "[red]FAILED[/]"
-    con.print(f"{verdict}: {', '.join(parts) or 'no cases'} — results in {run.run_dir}")
+    a = run.analysis.get("selftest")
+    if a:
+        caught = sum(bool(r.get("caught_by_intended")) for r in a.get("faults", []))
+        clean = not any(x.get("mark") == "findings" for x in (a.get("clean") or {}).values())
+        what = (f"{caught} of {len(a.get('faults', []))} fault(s) caught by their intended check, the clean engine "
+                + ("passed" if clean else "has findings") + f" ({len(run.cases)} cases)")
+    else:
+        what = ", ".join(f"{n} {k}" for k, n in run.summary.items() if n) or "no cases"
+    return f"{verdict}: {what} — results in {run.run_dir}"
