@@ -81,3 +81,22 @@ def test_selftest_verdict_says_what_the_failed_case_means():
     run.summary = {"pass": 2}
     run.analysis = {}
     assert verdict_line(run) == "[green]OK[/]: 2 pass — results in R"
+
+
+COMMANDS = ("accuracy", "dtypes", "memleak", "wake-cycle", "poison", "bench", "ci", "report", "compare", "selftest")
+
+
+def test_help_reads_as_a_person_writes_the_options():
+    for command in COMMANDS:
+        text = kvdiag(command, "--help", env={"COLUMNS": "120"}).stdout
+        assert "<list[" not in text and " range>" not in text and "<str>" not in text, (command, text)
+    text = kvdiag("accuracy", "--help", env={"COLUMNS": "120"}).stdout
+    for usage in ("--kv-dtype DTYPE", "--engine-arg KEY=VALUE", "--timeout SECONDS", "--max-drop X", "--jobs N"):
+        assert usage in text, usage
+
+
+def test_isolate_help_of_check_commands_is_about_them():
+    for command in ("poison", "wake-cycle"):
+        text = " ".join(kvdiag(command, "--help", env={"COLUMNS": "200"}).stdout.split())
+        isolate = text[text.index("--isolate"):text.index("--isolate") + 400]
+        assert "accuracy" not in isolate and "one worker process runs the dtypes one after another" in isolate
