@@ -100,3 +100,11 @@ def test_isolate_help_of_check_commands_is_about_them():
         text = " ".join(kvdiag(command, "--help", env={"COLUMNS": "200"}).stdout.split())
         isolate = text[text.index("--isolate"):text.index("--isolate") + 400]
         assert "accuracy" not in isolate and "one worker process runs the dtypes one after another" in isolate
+
+
+def test_shell_completion_completes_commands_and_options():
+    assert "--install-completion" in kvdiag("--help").stdout
+    r = kvdiag(env={"_KVDIAG_COMPLETE": "complete_bash", "COMP_WORDS": "kvdiag acc", "COMP_CWORD": "1"})
+    assert r.returncode == 0 and r.stdout.split() == ["accuracy"]
+    r = kvdiag(env={"_KVDIAG_COMPLETE": "complete_bash", "COMP_WORDS": "kvdiag poison --va", "COMP_CWORD": "2"})
+    assert r.stdout.split() == ["--value"]

@@ -20,7 +20,7 @@ app = typer.Typer(
     "results.jsonl + run.json into a run directory. Exit codes: 0 all passed or skipped, "
     "1 a check failed, crashed or timed out, 2 bad input, 3 kvdiag itself failed.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
