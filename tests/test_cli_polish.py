@@ -2,6 +2,7 @@
 text and metavars, shell completion, comparing unrelated runs."""
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from rich.console import Console
 
 from kvdiag.progress import Progress
 from kvdiag.report.views import wake_cycle
-from kvdiag.results import CaseResult, RunRecord
+from kvdiag.results import CaseResult, RunRecord, write_run_json
 from kvdiag.runner import Case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,3 +109,21 @@ def test_shell_completion_completes_commands_and_options():
     assert r.returncode == 0 and r.stdout.split() == ["accuracy"]
     r = kvdiag(env={"_KVDIAG_COMPLETE": "complete_bash", "COMP_WORDS": "kvdiag poison --va", "COMP_CWORD": "2"})
     assert r.stdout.split() == ["--value"]
+
+
+def test_comparing_unrelated_runs_is_bad_input(tmp_path):
+    from tests.accuracy_runs import recall_run
+
+    accuracy_run = tmp_path / "accuracy"
+    accuracy_run.mkdir()
+    recall_run(accuracy_run)
+    memleak_run = tmp_path / "memleak"
+    memleak_run.mkdir()
+    case = Case("memleak", "builtin", "/m/tiny-llama", "auto", "x:y").result("pass")
+    (memleak_run / "results.jsonl").write_text(json.dumps(case.to_json()) + "\n")
+    write_run_json(memleak_run, RunRecord("kvdiag memleak", "now", [case], {}, exit_code=0))
+    r = kvdiag("compare", str(memleak_run), str(accuracy_run))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "share no case" in r.stderr, r.stderr
+    assert "'kvdiag memleak' on tiny-llama vs 'kvdiag accuracy' on tiny-llama" in r.stderr
+    r = kvdiag("compare", str(accuracy_run), str(accuracy_run))  # the same run: related, nothing regressed
+    assert r.returncode == 0, r.stderr
