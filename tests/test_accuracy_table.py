@@ -119,3 +119,16 @@ def test_accuracy_writes_its_reports_and_prints_a_table_for_80_columns(tmp_path)
     assert {(x["kv dtype"], x["task"], x["metric"]) for x in rows} == {
         (d, t, m) for d in ("auto", "fp8") for t in TASKS for m in ("acc", "acc_norm")}
     assert "score 95% CI" in (out / "report.html").read_text()
+
+
+def test_ci_keeps_a_score_table_per_engine_and_model(run_dir):
+    from kvdiag.report.markdown import render_markdown
+    from kvdiag.results import load_run
+
+    run = load_run(run_dir)
+    a = run.analysis.pop("accuracy")
+    run.analysis["accuracy/builtin/tiny-llama"] = a
+    run.analysis["accuracy/builtin/gpt2"] = {**a, "rows": [r for r in a["rows"] if r["kv_dtype"] == "auto"]}
+    md = render_markdown(run)
+    assert "## Accuracy (builtin/tiny-llama) vs baseline 'auto'" in md and "## Accuracy (builtin/gpt2)" in md
+    assert len(md_rows(md.split("(builtin/gpt2)")[1], "score 95% CI")) == 4  # auto x 2 tasks x 2 metrics

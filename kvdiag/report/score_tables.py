@@ -14,19 +14,24 @@ DRIFT = ("kv dtype", "KL mean", "KL max", "top-1 agreement")
 
 
 def tables(run) -> list[tuple[str, tuple[str, ...], list[list[str]]]]:
-    """(title, header, rows) of each table; none when the run has no accuracy analysis."""
-    a = run.analysis.get("accuracy")
-    if not a or not a.get("rows"):
-        return []
+    """(title, header, rows) of each table: per accuracy analysis of the run (`kvdiag ci` keeps one per engine and
+    model, as ``accuracy/ENGINE/MODEL``); none when the run has none."""
+    out = []
+    for key, a in run.analysis.items():
+        if (key == "accuracy" or key.startswith("accuracy/")) and isinstance(a, dict) and a.get("rows"):
+            out += _tables(a, "" if key == "accuracy" else f" ({key.partition('/')[2]})")
+    return out
+
+
+def _tables(a: dict, suffix: str) -> list:
     rows = a["rows"]
-    title = (f"Accuracy vs baseline '{a.get('baseline')}' (max drop {a.get('max_drop')}, alpha {a.get('alpha')}): "
-             "every task and metric")
+    title = (f"Accuracy{suffix} vs baseline '{a.get('baseline')}' (max drop {a.get('max_drop')}, alpha "
+             f"{a.get('alpha')}): every task and metric")
     out = [(title, SCORES, [score_cells(r) for r in rows])]
-    drift = [r for r in rows if r.get("mean_kl") is not None]
     seen: set = set()
-    drift = [r for r in drift if not (r["kv_dtype"] in seen or seen.add(r["kv_dtype"]))]
+    drift = [r for r in rows if r.get("mean_kl") is not None and not (r["kv_dtype"] in seen or seen.add(r["kv_dtype"]))]
     if drift:
-        out.append(("Token-level drift vs the baseline dtype", DRIFT,
+        out.append((f"Token-level drift{suffix} vs the baseline dtype", DRIFT,
                     [[r["kv_dtype"], fmt_value(r["mean_kl"]), fmt_value(r.get("max_kl")),
                       fmt_value(r.get("top1_agreement"))] for r in drift]))
     return out
