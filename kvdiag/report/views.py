@@ -21,7 +21,8 @@ def memleak(run, con) -> None:
 
     t = Table(title="memleak: memory per kv dtype, cycle and stage", title_justify="left")
     for col in ("kv dtype", "status") + tuple(label for _, label in COLUMNS):
-        t.add_column(col, justify="left" if col in ("kv dtype", "status", "stage") else "right")
+        t.add_column(col, justify="left" if col in ("kv dtype", "status", "stage") else "right",
+                     no_wrap=col == "kv dtype")
     for c in run.cases:
         rows = c.metrics.get("snapshots") or [{}]
         for i, row in enumerate(rows):
@@ -95,7 +96,8 @@ def poison(run, con) -> None:
     t = Table(title="poison per kv dtype (reference: the same waves with free blocks zeroed)", title_justify="left")
     for col in ("kv dtype", "value", "fresh blocks", "poisoned blocks", "identical", "NaN", "first difference",
                 "status"):
-        t.add_column(col, justify="right" if "blocks" in col or col == "NaN" else "left")
+        t.add_column(col, justify="right" if "blocks" in col or col == "NaN" else "left",
+                     no_wrap=col == "kv dtype")
     for c in run.cases:
         m = c.metrics
         nan = "-" if "nonfinite_logprobs" not in m else str(m["nonfinite_logprobs"] + m["kv_nonfinite"] +
@@ -131,7 +133,7 @@ def dtypes(run, con) -> None:
               f"(drift vs '{a.get('baseline')}')", title_justify="left")
     for col in ("kv dtype", "result", "starts", "finite", "== auto", "KL mean", "top-1", "stores",
                 "K+V (+scales) B/token", "detail"):
-        t.add_column(col, overflow="fold", max_width=70 if col == "detail" else None)
+        t.add_column(col, overflow="fold", max_width=70 if col == "detail" else None, no_wrap=col == "kv dtype")
     for r in a.get("rows", []):
         t.add_row(r["kv_dtype"], f"[{STYLE.get(r['result'], '')}]{r['result']}[/]", _yn(r["started"]),
                   _yn(r["finite"]), _yn(r["identical_to_auto"]), fmt_value(r["mean_kl"]),
@@ -162,6 +164,7 @@ SELFTEST_STYLE = {"caught": "green", "pass": "green", "missed": "bold red", "fin
 
 def selftest(run, con) -> None:
     """The matrix (intended checks marked *), then the finding behind each caught or missed cell."""
+    from rich import box
     from rich.markup import escape
     from rich.table import Table
 
@@ -170,12 +173,13 @@ def selftest(run, con) -> None:
     a = run.analysis.get("selftest")
     if not a:
         return
-    t = Table(title="selftest: fault x check (* = intended check)", title_justify="left")
-    t.add_column("fault")
+    t = Table(title="selftest: fault x check (* = intended check)", title_justify="left", box=box.SIMPLE_HEAD,
+              pad_edge=False, show_edge=False, collapse_padding=True)
+    t.add_column("fault", no_wrap=True)  # names whole at 80 columns: the marks are short
     t.add_column("class")
     for c in CHECKS:
-        t.add_column(c)
-    t.add_column("verdict")
+        t.add_column(c, no_wrap=True)
+    t.add_column("verdict", no_wrap=True)
     clean = a["clean"]
     t.add_row("clean engine", "-", *[_mark(clean.get(c, {"mark": "-"})["mark"]) for c in CHECKS],
               _mark("findings" if any(x["mark"] == "findings" for x in clean.values()) else "pass"), end_section=True)
