@@ -18,17 +18,25 @@ class Progress:
 
     def __init__(self, total: int, quiet: bool = False):
         self.total, self.done, self.started, self.quiet = total, 0, 0, quiet
+        self.number: dict[str, int] = {}  # case id -> its [k/N], the same on its start and its done line
+
+    def _number(self, case_id: str) -> int:
+        if case_id not in self.number:
+            self.started += 1
+            self.number[case_id] = self.started
+        return self.number[case_id]
 
     def start(self, case: Case) -> None:
-        self.started += 1
+        k = self._number(case.id)
         if not self.quiet:
-            print(f"[{self.started}/{self.total}] {case.id} ...", file=sys.stderr, flush=True)
+            print(f"[{k}/{self.total}] {case.id} ...", file=sys.stderr, flush=True)
 
     def finish(self, rec: CaseResult) -> None:
         self.done += 1
+        k = self._number(rec.id)  # a case that never started (not run) gets the next number
         if not self.quiet:
-            print(f"[{self.done}/{self.total}] {rec.id}: {rec.status} ({rec.duration_s:.1f}s{rate(rec)})",
-                  file=sys.stderr, flush=True)
+            print(f"[{k}/{self.total}] {rec.id}: {rec.status} ({rec.duration_s:.1f}s{rate(rec)}; "
+                  f"{self.done}/{self.total} done)", file=sys.stderr, flush=True)
 
     def note(self, case_id: str, text: str) -> None:
         """Progress inside a running case."""

@@ -5,6 +5,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+for _var in ("COLUMNS", "LINES"):  # set for child processes by readline (which pytest imports), not by the user:
+    if _var not in os.environ:  # kvdiag's tables honour COLUMNS, and a test's kvdiag should see the shell's width
+        os.unsetenv(_var)
 
 import pytest  # noqa: E402
 

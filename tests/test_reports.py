@@ -85,3 +85,20 @@ def test_report_command_rerenders_a_run_dir(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvdiag", "report", str(tmp_path / "missing")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not found" in r.stderr
+
+
+def test_memleak_lines_of_equal_dtypes_stay_visible(tmp_path):
+    import re
+
+    from kvdiag.report.plots import memleak_plots
+
+    dtypes = ["auto", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"]
+    snaps = [{"cycle": c, "stage": s, "rss_mib": 100.0} for c in range(3) for s in ("after-start", "after-shutdown")]
+    cases = [Case("memleak", "builtin", "/m/tiny", d, "x:y").result("pass", metrics={"snapshots": snaps})
+             for d in dtypes]
+    svg = memleak_plots(cases)[0]
+    lines = {name: d for d, name in re.findall(r'<path d="([^"]+)"[^>]*data-series="([^"]+)"', svg)}
+    assert sorted(lines) == sorted(dtypes)
+    assert len({d.split()[0] for d in lines.values()}) == len(dtypes)  # no line drawn on top of another
+    for d in dtypes:  # every dtype's markers are there
+        assert svg.count(f"<title>{d}: 100</title>") == len(snaps)

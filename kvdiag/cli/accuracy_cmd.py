@@ -82,7 +82,18 @@ def accuracy(
     jobs = jobs or default_jobs(cases)
     code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
                    jobs=jobs, env=worker_env(jobs), preload=preload(cases, *LM_EVAL_MODULES), analyze=analyze,
-                   threads=case_threads(cases, isolate, jobs))
+                   threads=case_threads(cases, isolate, jobs), finish=reports_into(run_dir))
     raise typer.Exit(code)
 
 
+
+
+def reports_into(run_dir: Path):
+    """The finished run's report.md and report.html (every task and metric; plots) in its run directory, as the
+    table's last line says."""
+    def finish(run) -> None:
+        from kvdiag.report import write_reports
+
+        write_reports(run, run_dir, ("md", "html"))
+
+    return finish

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import sys
+import typing
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand
 
 app = typer.Typer(
     name="kvdiag",
@@ -18,7 +20,7 @@ app = typer.Typer(
     "results.jsonl + run.json into a run directory. Exit codes: 0 all passed or skipped, "
     "1 a check failed, crashed or timed out, 2 bad input, 3 kvdiag itself failed.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -58,6 +60,33 @@ COMMANDS = [
 ]
 
 
+# an option's value as --help shows it (typer's own reads <list[str]>, <float range>): by name, else by type
+METAVARS = {"engine": "ENGINE", "model": "MODEL", "kv_dtype": "DTYPE", "engine_arg": "KEY=VALUE", "output_dir": "DIR",
+            "resume": "RUN_DIR", "timeout": "SECONDS", "tasks": "TASK", "include_path": "DIR", "device": "DEVICE",
+            "level": "LEVEL", "check": "CHECK", "fault": "FAULT", "only": "NAME", "shard": "K/N", "jobs": "N",
+            "gen_kwargs": "KEY=VALUE,...", "metadata": "JSON", "mem_tolerance": "MIB", "threshold_mib": "MIB",
+            "batch_size": "N|auto", "limit": "N|FRACTION", "apply_chat_template": "TEMPLATE"}
+TYPE_METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+
+class Command(TyperCommand):
+    """A typer command whose options read as a person writes them: --kv-dtype DTYPE, --timeout SECONDS."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            d = getattr(param, "type_descriptor", None)
+            if d is not None and param.param_type_name == "argument" and d.is_list:  # RUN_DIR..., not <list[Path]>
+                param.display_type_rich = lambda ctx: "..."
+            if d is None or param.metavar is not None or getattr(param, "is_flag", False) or d.is_choice:
+                continue
+            if param.name in METAVARS:
+                param.metavar = METAVARS[param.name]
+                continue
+            kind = typing.get_args(d.annotation)[0] if d.is_list else d.annotation
+            param.metavar = "PATH" if d.is_path else TYPE_METAVARS.get(kind, "TEXT")
+
+
 def _register() -> None:
     import importlib
 
@@ -67,13 +96,13 @@ def _register() -> None:
     registry = checks()
     for name, module, attr in COMMANDS:
         if module is None:
-            app.command(name)(command_for(registry[name]))
+            app.command(name, cls=Command)(command_for(registry[name]))
         else:
-            app.command(name)(getattr(importlib.import_module(f"kvdiag.cli.{module}"), attr))
+            app.command(name, cls=Command)(getattr(importlib.import_module(f"kvdiag.cli.{module}"), attr))
     listed = {name for name, _, _ in COMMANDS}
     for name, check in registry.items():  # plug-in checks
         if name not in listed:
-            app.command(name)(command_for(check))
+            app.command(name, cls=Command)(command_for(check))
 
 
 _register()

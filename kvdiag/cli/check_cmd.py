@@ -61,7 +61,7 @@ def command_for(check):
         raise typer.Exit(execute(check.name, cases, run_dir, fmt=kw["fmt"], timeout=kw["timeout"],
                                  resume=kw["resume"] is not None, quiet=kw["quiet"], jobs=jobs, analyze=analyze))
 
-    isolate = [("isolate", o.IsolateOpt, o.Isolate.case)] if check.isolate else []
+    isolate = [("isolate", o.CheckIsolateOpt, o.Isolate.case)] if check.isolate else []
     params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
               for n, a, d in common[:3] + own + isolate + common[3:]]
     command.__signature__ = inspect.Signature(params)

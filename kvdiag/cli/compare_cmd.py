@@ -47,12 +47,13 @@ def compare(
     Cases only in one run are listed as new/missing and do not fail the comparison.
     """
     from kvdiag.report.baseline import load_side
+    from kvdiag.report.cells import console
     from kvdiag.report.compare import compare as compare_sides
     from kvdiag.report.compare import render_table
-    from kvdiag.report.table import console
 
-    result = compare_sides(load_side(old), load_side(new), max_drop=max_drop, alpha=alpha,
-                           mem_tolerance_mib=mem_tolerance)
+    sides = load_side(old), load_side(new)
+    unrelated(*sides)
+    result = compare_sides(*sides, max_drop=max_drop, alpha=alpha, mem_tolerance_mib=mem_tolerance)
     if fmt == CompareFormat.json:
         from kvdiag.results import _clean
 
@@ -64,3 +65,17 @@ def compare(
     else:
         render_table(result, console())
     raise typer.Exit(1 if result["regressed"] else 0)
+
+
+def unrelated(old, new) -> None:
+    """Two runs without one case id in common (another command, model, engine or dtypes) have nothing to compare:
+    bad input, in one line, rather than a table of 'new' and 'missing' that exits 0."""
+    from kvdiag.errors import UserError
+
+    if old.cases and new.cases and not set(old.cases) & set(new.cases):
+        def what(side) -> str:
+            models = sorted({c.model.rstrip("/").rsplit("/", 1)[-1] for c in side.cases.values()})
+            return f"'{side.command}' on {', '.join(models)}"
+
+        raise UserError(f"OLD and NEW share no case ({what(old)} vs {what(new)}): nothing to compare; "
+                        "give two runs of the same command, engine and model")

@@ -65,11 +65,11 @@ def _list(engine, kv_dtype, fmt) -> None:
         return
     from rich.table import Table
 
-    from kvdiag.report.table import console
+    from kvdiag.report.cells import console
 
     t = Table(title=f"kv-cache dtypes of engine '{engine}'", title_justify="left")
     for col in ("name", "storage", "quant", "bytes/elem", "scale rule", "aliases"):
-        t.add_column(col, overflow="fold")
+        t.add_column(col, overflow="fold", no_wrap=col == "name")  # a dtype's name is never cut
     for r in rows:
         aliases = ", ".join(r["aliases"]) + (f" (= {r['same_as']})" if r["same_as"] else "")
         t.add_row(r["name"], r["storage"], r["quant"], str(r["bytes_per_element"] or "model"), r["scale_rule"],

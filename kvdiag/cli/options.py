@@ -60,6 +60,9 @@ IsolateOpt = Annotated[Isolate, typer.Option(
     "with its own KV cache; a crash ends the dtypes running and those after it). run saves a worker start, an "
     "engine start and a weight load per dtype, worth what those cost with your model and device; with the "
     "shipped tiny model on the CPU both modes take the same time.")]
+CheckIsolateOpt = Annotated[Isolate, typer.Option(
+    "--isolate", help="case: every dtype in its own worker process; run: one worker process runs the dtypes one "
+    "after another (the weights load once; a crash ends the dtype running and those after it).")]
 CyclesOpt = Annotated[int, typer.Option("--cycles", "-n", min=1, help="How many cycles to run.")]
 FaultOpt = Annotated[Optional[list[str]], typer.Option(
     "--fault", help="builtin engine only: re-introduce a known bug class (see `kvdiag selftest --list`).",

@@ -81,7 +81,7 @@ def _list(faults, checks, fmt) -> None:
         return
     from rich.table import Table
 
-    from kvdiag.report.table import console
+    from kvdiag.report.cells import console
 
     t = Table(title="kvdiag selftest: builtin faults", title_justify="left")
     for col in ("fault", "class", "intended check", "also run in", "n/a in", "what it breaks"):

@@ -206,6 +206,18 @@ def shared_gpu_bytes(name: str, model: str, engine_args: dict, weights: int) -> 
     return None if f is None else f(model, engine_args, weights)
 
 
+def reported_versions(name: str, environment: dict) -> dict[str, str]:
+    """What a report names for engine ``name`` beside kvdiag, torch and the device, read from a run's recorded
+    environment (run.json): the engine's own ``report_versions(environment)`` (``engine_traits``); {} when it has
+    none or cannot be imported where the report is made."""
+    try:
+        provider = engine_traits(name)
+    except Exception:  # noqa: BLE001 - an engine missing here must not stop a report of its run
+        return {}
+    fn = getattr(provider, "report_versions", None)
+    return {k: str(v) for k, v in fn(environment).items() if v} if callable(fn) else {}
+
+
 def engine_dtypes(name: str) -> list[str]:
     """The kv dtypes an engine supports, without starting it."""
     if name == "builtin":  # the registry itself; no torch import for a listing

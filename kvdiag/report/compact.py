@@ -1,13 +1,15 @@
 """The accuracy table a terminal can hold for a real suite: one row per kv dtype x task, or x task group (mmlu's
-57 subtasks are one row), with the task's primary metric (the first of its metric list, as lm_eval lists them),
-and the drift of a dtype on its first row only. Every metric of every task stays in run.json, report.md/html and
-`kvdiag report RUN --format csv`."""
+57 subtasks are one row), with the task's primary metric (the first of its metric list, as lm_eval lists them;
+another metric of a task outside a group where its verdict is not ok), and the drift of a dtype on its first row
+only. Every metric of every task stays in run.json, report.md/html and `kvdiag report RUN --format csv`."""
 
 from __future__ import annotations
 
 import math
 
 DRIFT_KEYS = ("mean_kl", "max_kl", "top1_agreement")
+# verdicts of a task's other metrics that the table leaves to report.md
+SHOWN_QUIET = ("baseline", "skipped", "unsupported", "ok")
 # a group's verdict: its worst task's
 WORST = ("baseline", "skipped", "unsupported", "ok", "drift", "regression", "collapse")
 
@@ -23,6 +25,8 @@ def compact_rows(rows: list[dict], groups: dict | None = None) -> list[dict]:
             order.append(r)
             continue
         if primary.setdefault(r["task"], r["metric"]) != r["metric"]:
+            if r.get("verdict") not in SHOWN_QUIET and r["task"] not in leaf_group:  # another metric that failed
+                order.append(r)
             continue
         key = (r["kv_dtype"], leaf_group.get(r["task"], r["task"]))
         if key not in members:

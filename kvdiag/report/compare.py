@@ -177,7 +177,7 @@ def render_table(result: dict, con, title: str | None = None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.table import fmt_value
+    from kvdiag.report.cells import fmt_value
 
     t = Table(title=title or f"compare: OLD {result['old']}  →  NEW {result['new']}", title_justify="left")
     for col in ("case", "what", "old", "new", "Δ", "test (p, 95% CI)", "verdict"):

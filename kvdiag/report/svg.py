@@ -129,15 +129,29 @@ def line_chart(title: str, ylabel: str, xlabels: list[str], series: dict[str, li
     x = lambda i: L + 16 + (right - L - 32) * i / n  # noqa: E731
     for i, label in enumerate(xlabels):
         f.xlabel_at(x(i) + 4, label)
+    spread = min(5.0, (right - L - 32) / n / (len(series) + 1))  # px between series at one x
     for k, (name, values) in enumerate(series.items()):
         color = PALETTE[k % len(PALETTE)]
-        pts = [(x(i), f.y(v), v) for i, v in enumerate(values) if _finite([v])]
-        if pts:  # later series dashed, with smaller markers: equal values stay visible as rings
+        dx = (k - (len(series) - 1) / 2) * spread  # equal values side by side, never one line over another
+        pts = [(x(i) + dx, f.y(v), v) for i, v in enumerate(values) if _finite([v])]
+        if pts:  # later series dashed, each with its own marker shape
             d = "M" + "L".join(f"{px:.1f} {py:.1f}" for px, py, _ in pts)
             dash = "" if k == 0 else f' stroke-dasharray="{DASHES[(k - 1) % len(DASHES)]}"'
-            r = max(2.0, 6.0 - 1.0 * k)
-            f.parts.append(f'<path d="{d}" stroke="{color}" stroke-width="2" fill="none"{dash}/>')
-            f.parts += [f'<circle cx="{px:.1f}" cy="{py:.1f}" r="{r}" fill="{color}" stroke="#fff" stroke-width="0.8">'
-                        f'<title>{escape(name)}: {v:.4g}</title></circle>' for px, py, v in pts]
+            f.parts.append(f'<path d="{d}" stroke="{color}" stroke-width="2" fill="none"{dash} '
+                           f'data-series="{escape(name)}"/>')
+            f.parts += [_marker(k, px, py, color, f"{escape(name)}: {v:.4g}") for px, py, v in pts]
     f.legend(list(series))
     return f.svg()
+
+
+def _marker(k: int, x: float, y: float, color: str, title: str) -> str:
+    """Series k's marker: circle, square, triangle, diamond, then again smaller."""
+    r = 5.0 if k < len(SHAPES) else 3.5
+    shape = SHAPES[k % len(SHAPES)]
+    pts = " ".join(f"{x + dx * r:.1f},{y + dy * r:.1f}" for dx, dy in shape) if shape else ""
+    tag, where = ("polygon", f'points="{pts}"') if shape else ("circle", f'cx="{x:.1f}" cy="{y:.1f}" r="{r}"')
+    return f'<{tag} {where} fill="{color}" stroke="#fff" stroke-width="0.8"><title>{title}</title></{tag}>'
+
+
+SHAPES = ((), ((-1, -1), (1, -1), (1, 1), (-1, 1)), ((0, -1.2), (1.1, 0.9), (-1.1, 0.9)),
+          ((0, -1.3), (1.3, 0), (0, 1.3), (-1.3, 0)))

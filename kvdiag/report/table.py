@@ -1,55 +1,11 @@
-"""Terminal tables: one for any run, plus the check-specific parts each command adds."""
+"""The tables a run prints at its end (and `kvdiag report RUN --format table` again): the check's own view, else
+the cases table, then the verdict line."""
 
 from __future__ import annotations
 
 from typing import Callable
 
-STATUS_STYLE = {"pass": "green", "unsupported": "yellow", "skipped": "yellow", "fail": "red", "error": "red",
-                "crashed": "bold red", "timeout": "bold red"}
-
-
-def console(stderr: bool = False):
-    """Rich console; when not a terminal (CI logs, pipes) use a wide fixed width instead of 80."""
-    import sys
-
-    from rich.console import Console
-
-    stream = sys.stderr if stderr else sys.stdout
-    width = None if stream.isatty() else 160
-    return Console(highlight=False, soft_wrap=False, width=width, stderr=stderr)
-
-
-def fmt_value(v) -> str:
-    if isinstance(v, float):
-        if v != v:
-            return "nan"
-        if v == 0 or 1e-3 <= abs(v) < 1e5:
-            return f"{v:.4g}"
-        return f"{v:.3e}"
-    if isinstance(v, (list, tuple)):
-        return ", ".join(fmt_value(x) for x in v[:4]) + ("…" if len(v) > 4 else "")
-    return "-" if v is None else str(v)
-
-
-def status_text(status: str) -> str:
-    return f"[{STATUS_STYLE.get(status, '')}]{status}[/]"
-
-
-def cases_table(cases, title: str = "cases", metrics: list[str] | None = None):
-    from rich.table import Table
-
-    t = Table(title=title, title_justify="left")
-    t.add_column("case")
-    t.add_column("status")
-    for m in metrics or []:
-        t.add_column(m, justify="right")
-    t.add_column("time", justify="right")
-    t.add_column("first finding", overflow="fold", max_width=70)
-    for c in cases:
-        first = next((f for f in c.findings if f.severity == "error"), c.findings[0] if c.findings else None)
-        t.add_row(c.id, status_text(c.status), *[fmt_value(c.metrics.get(m)) for m in metrics or []],
-                  f"{c.duration_s:.1f}s", first.message if first else "")
-    return t
+from kvdiag.report.cells import cases_table, console
 
 
 def view_for(run) -> Callable | None:
@@ -75,7 +31,19 @@ def print_run(run, render: Callable | None = None) -> None:
         render(run, con)
     else:
         con.print(cases_table(run.cases))
-    s = run.summary
-    parts = [f"{n} {k}" for k, n in s.items() if n]
+    con.print(verdict_line(run))
+
+
+def verdict_line(run) -> str:
+    """OK or FAILED, and what it rests on: the case counts, or for selftest (whose fault cases are meant to fail)
+    the faults caught and the clean engine's state."""
     verdict = "[green]OK[/]" if run.exit_code == 0 else "[red]FAILED[/]"
-    con.print(f"{verdict}: {', '.join(parts) or 'no cases'} — results in {run.run_dir}")
+    a = run.analysis.get("selftest")
+    if a:
+        caught = sum(bool(r.get("caught_by_intended")) for r in a.get("faults", []))
+        clean = not any(x.get("mark") == "findings" for x in (a.get("clean") or {}).values())
+        what = (f"{caught} of {len(a.get('faults', []))} fault(s) caught by their intended check, the clean engine "
+                + ("passed" if clean else "has findings") + f" ({len(run.cases)} cases)")
+    else:
+        what = ", ".join(f"{n} {k}" for k, n in run.summary.items() if n) or "no cases"
+    return f"{verdict}: {what} — results in {run.run_dir}"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvdiag.report.accuracy_view import accuracy  # noqa: F401 - the accuracy check's render
+
 COLUMNS = (("cycle", "cycle"), ("stage", "stage"), ("tensors", "tensors"), ("tensor_mib", "tensor MiB"),
            ("rss_mib", "RSS MiB"), ("cuda_allocated_mib", "CUDA alloc"), ("cuda_reserved_mib", "CUDA reserved"),
            ("driver_used_mib", "driver used"), ("nvml_process_mib", "NVML proc"), ("frozen", "frozen"))
@@ -15,11 +17,12 @@ def memleak(run, con) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.table import fmt_value, status_text
+    from kvdiag.report.cells import fmt_value, status_text
 
     t = Table(title="memleak: memory per kv dtype, cycle and stage", title_justify="left")
     for col in ("kv dtype", "status") + tuple(label for _, label in COLUMNS):
-        t.add_column(col, justify="left" if col in ("kv dtype", "status", "stage") else "right")
+        t.add_column(col, justify="left" if col in ("kv dtype", "status", "stage") else "right",
+                     no_wrap=col == "kv dtype")
     for c in run.cases:
         rows = c.metrics.get("snapshots") or [{}]
         for i, row in enumerate(rows):
@@ -44,30 +47,43 @@ def mib(n) -> str:
 
 
 def wake_cycle(run, con) -> None:
-    """Per case the status and first finding, then one row per dtype x cycle."""
+    """One row per case (kv dtype x sleep level): its cycles summed up (the least freed, any cycle not restored or
+    not identical, the largest logprob change, NaNs), the verdict naming the cycles that failed, or the first finding
+    of a case that ran no cycle (skipped, crashed)."""
+    from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.table import cases_table, fmt_value, status_text
+    from kvdiag.report.cells import fmt_value, status_text
 
-    con.print(cases_table(run.cases, "wake-cycle cases"))
-    t = Table(title="wake-cycle per cycle (memory judged on the cache's device)", title_justify="left")
-    for col in ("kv dtype", "cycle", "level", "staged", "freed MiB (expected)", "restored", "tokens identical",
+    t = Table(title="wake-cycle per kv dtype and sleep level (memory judged on the cache's device)",
+              title_justify="left")
+    for col in ("kv dtype", "level", "cycles", "least freed MiB (expected)", "restored", "tokens identical",
                 "max |Δ logprob|", "NaN", "verdict"):
-        t.add_column(col, justify="left" if col in ("kv dtype", "verdict") else "right")
+        t.add_column(col, justify="left" if col in ("kv dtype", "verdict") else "right",
+                     no_wrap=col == "kv dtype", overflow="fold")
     for c in run.cases:
-        m = c.metrics
-        for r in m.get("cycles") or [{}]:
-            if not r:
-                t.add_row(c.kv_dtype, "-", str(m.get("level", c.params.get("level", "-"))), "-", "-", "-", "-", "-",
-                          "-", status_text(c.status))
-                continue
-            nan = (r.get("nonfinite_logprobs") or 0) + (r.get("kv_nonfinite") or 0) + (r.get("kv_bad_scales") or 0)
-            t.add_row(c.kv_dtype, str(r["cycle"]), str(r["level"]), "yes" if r["staged"] else "no",
-                      f"{mib(r['freed_bytes'])} ({mib(m.get('expected_bytes'))})",
-                      "yes" if r["restored"] else "[red]no[/]", "yes" if r["identical"] else "[red]no[/]",
-                      fmt_value(r["max_dlogprob"]), str(nan) if nan else "0",
-                      ", ".join(r["problems"]) or "[green]ok[/]")
+        m, cycles = c.metrics, c.metrics.get("cycles") or []
+        level = str(m.get("level", c.params.get("level", "-"))) + (" staged" if m.get("staged") else "")
+        if not cycles:
+            first = next((f for f in c.findings if f.severity == "error"), c.findings[0] if c.findings else None)
+            t.add_row(c.kv_dtype, level, "0", "-", "-", "-", "-", "-",
+                      status_text(c.status) + (f" {escape(first.message[:120])}" if first else ""))
+            continue
+        freed = min((r["freed_bytes"] for r in cycles if r.get("freed_bytes") is not None), default=None)
+        nan = sum((r.get("nonfinite_logprobs") or 0) + (r.get("kv_nonfinite") or 0) + (r.get("kv_bad_scales") or 0)
+                  for r in cycles)
+        bad = [f"c{r['cycle']}: {', '.join(r['problems'])}" for r in cycles if r.get("problems")]
+        t.add_row(c.kv_dtype, level, str(len(cycles)), f"{mib(freed)} ({mib(m.get('expected_bytes'))})",
+                  _all_yes(cycles, "restored"), _all_yes(cycles, "identical"),
+                  fmt_value(max((r.get("max_dlogprob") or 0.0) for r in cycles)), str(nan),
+                  status_text(c.status) + (f" {escape('; '.join(bad))}" if bad else ""))
     con.print(t)
+
+
+def _all_yes(cycles: list[dict], key: str) -> str:
+    """yes, or the cycles where not."""
+    no = [str(r["cycle"]) for r in cycles if not r.get(key)]
+    return "yes" if not no else f"[red]no (cycle {', '.join(no)})[/]"
 
 
 def poison(run, con) -> None:
@@ -75,12 +91,13 @@ def poison(run, con) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.table import status_text
+    from kvdiag.report.cells import status_text
 
     t = Table(title="poison per kv dtype (reference: the same waves with free blocks zeroed)", title_justify="left")
     for col in ("kv dtype", "value", "fresh blocks", "poisoned blocks", "identical", "NaN", "first difference",
                 "status"):
-        t.add_column(col, justify="right" if "blocks" in col or col == "NaN" else "left")
+        t.add_column(col, justify="right" if "blocks" in col or col == "NaN" else "left",
+                     no_wrap=col == "kv dtype")
     for c in run.cases:
         m = c.metrics
         nan = "-" if "nonfinite_logprobs" not in m else str(m["nonfinite_logprobs"] + m["kv_nonfinite"] +
@@ -109,14 +126,14 @@ def dtypes(run, con) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.table import fmt_value
+    from kvdiag.report.cells import fmt_value
 
     a = run.analysis.get("dtypes", {})
     t = Table(title=f"kv dtype support matrix of engine '{run.cases[0].engine if run.cases else '?'}' "
               f"(drift vs '{a.get('baseline')}')", title_justify="left")
     for col in ("kv dtype", "result", "starts", "finite", "== auto", "KL mean", "top-1", "stores",
                 "K+V (+scales) B/token", "detail"):
-        t.add_column(col, overflow="fold", max_width=70 if col == "detail" else None)
+        t.add_column(col, overflow="fold", max_width=70 if col == "detail" else None, no_wrap=col == "kv dtype")
     for r in a.get("rows", []):
         t.add_row(r["kv_dtype"], f"[{STYLE.get(r['result'], '')}]{r['result']}[/]", _yn(r["started"]),
                   _yn(r["finite"]), _yn(r["identical_to_auto"]), fmt_value(r["mean_kl"]),
@@ -141,61 +158,13 @@ def _yn(v) -> str:
     return "-" if v is None else ("yes" if v else "no")
 
 
-def accuracy(run, con) -> None:
-    """One row per kv dtype x task or task group with the task's primary metric (report/compact.py)."""
-    from rich.table import Table
-
-    from kvdiag.report.compact import compact_rows
-    from kvdiag.report.table import fmt_value
-
-    a = run.analysis.get("accuracy", {})
-    groups = {g: v for c in run.cases for g, v in ((c.metrics.get("lm_eval") or {}).get("groups") or {}).items()}
-    rows = compact_rows(a.get("rows", []), groups)
-    t = Table(title=f"accuracy vs baseline '{a.get('baseline', '?')}' (max drop {a.get('max_drop')}, "
-              f"alpha {a.get('alpha')})", title_justify="left")
-    for col in ("kv dtype", "task", "metric", "score ± stderr", "Δ", "95% CI", "p", "KL mean/max", "top-1",
-                "verdict"):
-        t.add_column(col, justify="left" if col in ("kv dtype", "task", "metric", "verdict") else "right")
-    for r in rows:
-        score = "-" if r.get("score") is None else f"{fmt_value(r['score'])} ± {fmt_value(r['stderr'])}"
-        ci = "-" if r.get("ci_low") is None else f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
-        kl = "-" if r.get("mean_kl") is None else f"{fmt_value(r['mean_kl'])} / {fmt_value(r['max_kl'])}"
-        top1 = fmt_value(r.get("top1_agreement"))
-        if r.get("drift_shown"):  # the dtype's drift is on its first row
-            kl = top1 = ""
-        delta = "-" if r.get("delta") is None else f"{r['delta']:+.4f}"
-        t.add_row(r["kv_dtype"], r["task"], r["metric"], score, delta, ci, fmt_value(r.get("p_value")), kl, top1,
-                  _verdict(r["verdict"], r.get("message")))
-    con.print(t)
-    if len(rows) < len(a.get("rows", [])):
-        con.print(f"{len(a['rows'])} rows (every task and metric) in report.md, report.html and "
-                  "`kvdiag report RUN --format csv`")
-    peaks = [c.metrics.get("peak_mib") or {} for c in run.cases]
-    gpu, rss = (max((x.get(k) or 0 for x in peaks), default=0) for k in ("gpu", "rss"))
-    if gpu or rss:
-        con.print("peak memory of a case: " + (f"GPU {gpu:,.0f} MiB allocated, " if gpu else "")
-                  + f"worker process {rss:,.0f} MiB resident")
-    times = a.get("timings")
-    if times:
-        con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
-
-
-VERDICT_STYLE = {"ok": "green", "baseline": "cyan", "unsupported": "yellow", "skipped": "yellow"}
-
-
-def _verdict(v: str, message: str | None = None) -> str:
-    text = f"[{VERDICT_STYLE.get(v, 'bold red')}]{v}[/]"
-    from rich.markup import escape
-
-    return f"{text} {escape(message[:60])}" if message else text
-
-
 SELFTEST_STYLE = {"caught": "green", "pass": "green", "missed": "bold red", "findings": "bold red", "n/a": "dim",
                   "-": "dim"}
 
 
 def selftest(run, con) -> None:
     """The matrix (intended checks marked *), then the finding behind each caught or missed cell."""
+    from rich import box
     from rich.markup import escape
     from rich.table import Table
 
@@ -204,12 +173,13 @@ def selftest(run, con) -> None:
     a = run.analysis.get("selftest")
     if not a:
         return
-    t = Table(title="selftest: fault x check (* = intended check)", title_justify="left")
-    t.add_column("fault")
+    t = Table(title="selftest: fault x check (* = intended check)", title_justify="left", box=box.SIMPLE_HEAD,
+              pad_edge=False, show_edge=False, collapse_padding=True)
+    t.add_column("fault", no_wrap=True)  # names whole at 80 columns: the marks are short
     t.add_column("class")
     for c in CHECKS:
-        t.add_column(c)
-    t.add_column("verdict")
+        t.add_column(c, no_wrap=True)
+    t.add_column("verdict", no_wrap=True)
     clean = a["clean"]
     t.add_row("clean engine", "-", *[_mark(clean.get(c, {"mark": "-"})["mark"]) for c in CHECKS],
               _mark("findings" if any(x["mark"] == "findings" for x in clean.values()) else "pass"), end_section=True)
@@ -249,7 +219,7 @@ def _mark(mark: str, intended: bool = False) -> str:
 
 def ci(run, con) -> None:
     """The cases, then the comparison with the baseline when there is one."""
-    from kvdiag.report.table import cases_table
+    from kvdiag.report.cells import cases_table
 
     con.print(cases_table(run.cases, "kvdiag ci"))
     if run.analysis.get("baseline"):

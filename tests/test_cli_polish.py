@@ -1,0 +1,129 @@
+"""What the commands print says what it means: progress numbers, the wake-cycle table, selftest's last line, help
+text and metavars, shell completion, comparing unrelated runs."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+from rich.console import Console
+
+from kvdiag.progress import Progress
+from kvdiag.report.views import wake_cycle
+from kvdiag.results import CaseResult, RunRecord, write_run_json
+from kvdiag.runner import Case
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"]
+
+
+def kvdiag(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_a_case_keeps_its_number_from_start_to_done(capsys):
+    a, b = (Case("memleak", "builtin", "m", d, "x:y") for d in ("auto", "fp8"))
+    p = Progress(3)
+    p.start(a)
+    p.start(b)
+    p.finish(b.result("pass"))
+    p.finish(a.result("fail"))
+    p.finish(CaseResult("memleak/builtin/m/int8", "memleak", "builtin", "m", "int8", "error"))  # never started
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("[1/3] memleak/builtin/m/auto ...")
+    assert lines[1].startswith("[2/3] memleak/builtin/m/fp8 ...")
+    assert lines[2].startswith("[2/3] memleak/builtin/m/fp8: pass") and lines[2].endswith("1/3 done)")
+    assert lines[3].startswith("[1/3] memleak/builtin/m/auto: fail") and lines[3].endswith("2/3 done)")
+    assert lines[4].startswith("[3/3] memleak/builtin/m/int8: error") and lines[4].endswith("3/3 done)")
+
+
+def wake_run() -> RunRecord:
+    cases = []
+    for d in DTYPES:
+        bad = d == "fp8"
+        cycles = [{"cycle": n, "level": 1, "staged": False, "freed_bytes": 8 << 20, "restored": True,
+                   "identical": not (bad and n >= 3), "max_dlogprob": 0.5 if bad and n >= 3 else 0.0,
+                   "nonfinite_logprobs": 0, "kv_nonfinite": 0, "kv_bad_scales": 0,
+                   "problems": ["divergence"] if bad and n >= 3 else []} for n in range(1, 6)]
+        rec = CaseResult(f"wake-cycle/builtin/m/{d}/L1", "wake-cycle", "builtin", "m", d, "fail" if bad else "pass",
+                         metrics={"level": 1, "staged": False, "expected_bytes": 8 << 20, "cycles": cycles})
+        cases.append(rec)
+    skipped = CaseResult("wake-cycle/builtin/m/auto/L2", "wake-cycle", "builtin", "m", "auto", "skipped")
+    skipped.add("info", "unsupported", "sleep level 2 is not supported here")
+    return RunRecord("kvdiag wake-cycle", "now", cases + [skipped], {})
+
+
+def test_wake_cycle_table_is_one_row_per_case_and_no_empty_column():
+    buf = io.StringIO()
+    wake_cycle(wake_run(), Console(file=buf, width=200, no_color=True))
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in buf.getvalue().splitlines() if line.startswith("│")]
+    assert len(rows) == len(DTYPES) + 1  # 8 cases, 40 cycles
+    assert all(any(row[i] not in ("", "-") for row in rows) for i in range(len(rows[0])))  # every column says something
+    fp8 = next(row for row in rows if row[0] == "fp8")
+    assert fp8[2] == "5" and fp8[5] == "no (cycle 3, 4, 5)" and "c3: divergence" in fp8[-1]
+    assert "sleep level 2 is not supported here" in rows[-1][-1]
+
+
+def test_selftest_verdict_says_what_the_failed_case_means():
+    from kvdiag.report.table import verdict_line
+
+    cases = [CaseResult("poison/builtin/m/auto", "poison", "builtin", "m", "auto", "pass"),
+             CaseResult("poison/builtin/m/auto/unzeroed", "poison", "builtin", "m", "auto", "fail")]
+    run = RunRecord("kvdiag selftest -c poison", "now", cases, {}, run_dir="R", exit_code=0,
+                    summary={"pass": 1, "fail": 1},
+                    analysis={"selftest": {"ok": True, "faults": [{"fault": "unzeroed_page_reads",
+                                                                   "caught_by_intended": True}],
+                                           "clean": {"poison": {"mark": "pass"}}}})
+    line = verdict_line(run)
+    assert line.startswith("[green]OK[/]: 1 of 1 fault(s) caught by their intended check, the clean engine passed")
+    assert "fail" not in line
+    run.summary = {"pass": 2}
+    run.analysis = {}
+    assert verdict_line(run) == "[green]OK[/]: 2 pass — results in R"
+
+
+COMMANDS = ("accuracy", "dtypes", "memleak", "wake-cycle", "poison", "bench", "ci", "report", "compare", "selftest")
+
+
+def test_help_reads_as_a_person_writes_the_options():
+    for command in COMMANDS:
+        text = kvdiag(command, "--help", env={"COLUMNS": "120"}).stdout
+        assert "<list[" not in text and " range>" not in text and "<str>" not in text, (command, text)
+    text = kvdiag("accuracy", "--help", env={"COLUMNS": "120"}).stdout
+    for usage in ("--kv-dtype DTYPE", "--engine-arg KEY=VALUE", "--timeout SECONDS", "--max-drop X", "--jobs N"):
+        assert usage in text, usage
+
+
+def test_isolate_help_of_check_commands_is_about_them():
+    for command in ("poison", "wake-cycle"):
+        text = " ".join(kvdiag(command, "--help", env={"COLUMNS": "200"}).stdout.split())
+        isolate = text[text.index("--isolate"):text.index("--isolate") + 400]
+        assert "accuracy" not in isolate and "one worker process runs the dtypes one after another" in isolate
+
+
+def test_shell_completion_completes_commands_and_options():
+    assert "--install-completion" in kvdiag("--help").stdout
+    r = kvdiag(env={"_KVDIAG_COMPLETE": "complete_bash", "COMP_WORDS": "kvdiag acc", "COMP_CWORD": "1"})
+    assert r.returncode == 0 and r.stdout.split() == ["accuracy"]
+    r = kvdiag(env={"_KVDIAG_COMPLETE": "complete_bash", "COMP_WORDS": "kvdiag poison --va", "COMP_CWORD": "2"})
+    assert r.stdout.split() == ["--value"]
+
+
+def test_comparing_unrelated_runs_is_bad_input(tmp_path):
+    from tests.accuracy_runs import recall_run
+
+    accuracy_run = tmp_path / "accuracy"
+    accuracy_run.mkdir()
+    recall_run(accuracy_run)
+    memleak_run = tmp_path / "memleak"
+    memleak_run.mkdir()
+    case = Case("memleak", "builtin", "/m/tiny-llama", "auto", "x:y").result("pass")
+    (memleak_run / "results.jsonl").write_text(json.dumps(case.to_json()) + "\n")
+    write_run_json(memleak_run, RunRecord("kvdiag memleak", "now", [case], {}, exit_code=0))
+    r = kvdiag("compare", str(memleak_run), str(accuracy_run))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "share no case" in r.stderr, r.stderr
+    assert "'kvdiag memleak' on tiny-llama vs 'kvdiag accuracy' on tiny-llama" in r.stderr
+    r = kvdiag("compare", str(accuracy_run), str(accuracy_run))  # the same run: related, nothing regressed
+    assert r.returncode == 0, r.stderr
