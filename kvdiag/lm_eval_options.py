@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvdiag.engines.args import parse_engine_args
 from kvdiag.errors import UserError
 
 CHAT_TEMPLATE_DEFAULT = "default"  # --apply-chat-template without a NAME: the tokenizer's (default) template
+AUTO_BATCH = 1024  # requests per engine call with --batch-size auto
 
 
 def lm_eval_params(p, model: str, engine_args: dict) -> dict:
@@ -30,9 +32,7 @@ def lm_eval_params(p, model: str, engine_args: dict) -> dict:
 
 
 def batch_size(value) -> int:
-    """Requests per engine call: an integer >= 1, or auto (kvdiag.checks.accuracy.AUTO_BATCH)."""
-    from kvdiag.checks.accuracy import AUTO_BATCH
-
+    """Requests per engine call: an integer >= 1, or auto (AUTO_BATCH)."""
     text = str(value).strip().lower()
     if text == "auto":
         return AUTO_BATCH
@@ -54,7 +54,6 @@ def key_values(flag: str, text: str | None) -> dict:
         if not isinstance(value, dict):
             raise UserError(f"{flag}: not a JSON object")
         return value
-    from kvdiag.cases import parse_engine_args
 
     out = {}
     for part in _split_top(text):

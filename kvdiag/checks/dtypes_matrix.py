@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiag.checks import drift
-from kvdiag.checks.accuracy import DRIFT, acquire_engine, drift_limit, model_dtype, release_engine
+from kvdiag.checks.accuracy import DRIFT, drift_limit, model_dtype
+from kvdiag.checks.engine_use import acquire_engine, release_engine
 from kvdiag.checks.registry import Check
 from kvdiag.errors import EngineUnsupported, first_line, resource_failure
 
