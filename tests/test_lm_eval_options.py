@@ -210,7 +210,7 @@ def test_engine_args_naming_spec_fields_reach_the_builtin_engine(tmp_path):
 
 
 def test_a_long_prompt_is_kept_by_its_ends():
-    from kvdiag.lm_eval_adapter import EXAMPLE_CHARS, _clip
+    from kvdiag.lm_eval_results import EXAMPLE_CHARS, _clip
 
     text = "".join(chr(97 + i % 26) for i in range(50_000))
     got = _clip(text)
