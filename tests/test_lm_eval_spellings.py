@@ -111,6 +111,15 @@ def test_an_lm_eval_option_meaning_something_else_exits_2_with_kvdiags_spelling(
     assert err.startswith("kvdiag: error: ") and err.count("\n") == 1 and needle in err, err
 
 
+@pytest.mark.parametrize("args,needle", [(["--num_fewshot", "2"], "num_fewshot = ... in the [accuracy] table"),
+                                         (["--model_args", "a=1"], "engine_args = {key = value}")])
+def test_ci_names_the_config_key_of_an_lm_eval_option(caught, capsys, args, needle):
+    with pytest.raises(SystemExit) as e:
+        main(["ci", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and not caught and err.count("\n") == 1 and needle in err, err
+
+
 def test_a_folder_named_like_a_backend_is_a_model(caught, tmp_path, monkeypatch):
     from kvdiag.assets import TINY_MODEL
 

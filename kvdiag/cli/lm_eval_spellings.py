@@ -19,6 +19,8 @@ ALIASES = {  # lm_eval's spelling -> kvdiag's (the same parameter)
     "--system_instruction": "--system-instruction",
     "--include_path": "--include-path",
 }
+CI_KEYS = {"--model_args": "engine_args = {key = value} at the top level or in a check's table",
+           "--include_path": "include_paths = [...] in the [accuracy] table"}
 SEVERAL = {"--model_args", "--gen_kwargs"}  # lm_eval takes several key=value words after these (nargs="+")
 IGNORED = ("--log_samples",)  # kvdiag always keeps every document's result (artifacts/, results.samples_frame)
 NO_EQUIVALENT = {  # lm_eval's options kvdiag has no use for -> what to do instead
@@ -49,6 +51,9 @@ def translate(args: list[str], options_of) -> list[str]:
         if flag in IGNORED and flag not in known and "--tasks" in known:  # a command that runs lm_eval
             continue
         target = ALIASES.get(flag)
+        if target is not None and target not in known and command == "ci":
+            raise UserError(f"kvdiag ci reads lm_eval's {flag} from its config: "
+                            f"{CI_KEYS.get(flag, flag[2:] + ' = ... in the [accuracy] table')}")
         if target is None or target not in known:
             out.append(a)
             continue
