@@ -70,11 +70,10 @@ def translate(args: list[str], options_of) -> list[str]:
         if flag == "--apply_chat_template":  # its value is optional: app.optional_values reads the next word
             out.append(f"{target}={value}" if eq else target)
             continue
-        while not values or (flag in SEVERAL and i < len(args) and not args[i].startswith("-")):
-            if i >= len(args):
-                break
-            values.append(args[i])
-            i += 1
+        if not eq and i < len(args):
+            values, i = [args[i]], i + 1
+        while flag in SEVERAL and i < len(args) and not args[i].startswith("-"):  # accuracy takes no arguments
+            values, i = values + [args[i]], i + 1
         out += _rewrite(flag, target, values)
     return out
 
