@@ -5,12 +5,10 @@ baseline dtype. The commands and `kvdiag ci` build their cases here."""
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
+from kvdiag.engines.args import parse_engine_args
 from kvdiag.errors import UserError
 
 SHIPPED_MODEL = "tiny-llama"
@@ -27,33 +25,12 @@ def resolve_model(model: str | None) -> str:
     Hugging Face cache (kvdiag.models). Resolved here, once, so that the workers only see a folder."""
     if model is None:
         return default_model()
+    from kvdiag.lm_eval_options import refuse_backend
     from kvdiag.models import resolve
 
+    refuse_backend(model)
+
     return resolve(model)
-
-
-def parse_engine_args(items: Iterable[str] | None) -> dict:
-    """key=value pairs, values typed as JSON where they parse (2, 0.5, true, null, [..]) else strings. One item may
-    hold several, comma-separated as lm_eval's --model_args (``a=1,b=2``), when every part is key=value (a value
-    with commas of its own, ``sizes=[1,2]``, stays whole)."""
-    out = {}
-    for item in (part for given in items or () for part in _split_pairs(given)):
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--engine-arg '{item}' is not key=value")
-        low = raw.strip()
-        try:
-            value = json.loads({"True": "true", "False": "false", "None": "null"}.get(low, low))
-        except ValueError:
-            value = raw
-        out[key.strip().replace("-", "_")] = value
-    return out
-
-
-def _split_pairs(item: str) -> list[str]:
-    parts = item.split(",")
-    keyed = all(re.fullmatch(r"\s*[A-Za-z_][\w-]*\s*=.*", x, re.S) for x in parts)
-    return parts if len(parts) > 1 and keyed else [item]
 
 
 def resolve_kv_dtypes(engine: str, user: list[str] | None, *, default_all: bool = True) -> list[str]:

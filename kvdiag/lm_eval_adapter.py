@@ -20,6 +20,7 @@ from itertools import groupby
 from lm_eval.api.model import TemplateLM
 
 from kvdiag.errors import UserError
+from kvdiag.lm_eval_results import examples, summarize, task_groups, task_hashes
 
 PROGRESS_S = float(os.environ.get("KVDIAG_PROGRESS_S", "10"))  # seconds between progress lines of a case
 
@@ -273,43 +274,7 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
                        "chat_template": apply_chat_template,
                        "fewshot_as_multiturn": bool(fewshot_as_multiturn), "system_instruction": system_instruction,
                        "gen_kwargs": cfg.get("gen_kwargs"), "examples": examples(res),
-                       "groups": task_groups(res.get("group_subtasks") or {})}
-    return out
-
-
-EXAMPLE_CHARS = 4000  # of a prompt kept in the record (a long-context task's would fill results.jsonl)
-
-
-def _clip(text):
-    if not isinstance(text, str) or len(text) <= EXAMPLE_CHARS:
-        return text
-    half = EXAMPLE_CHARS // 2
-    return text[:half] + f" ...[{len(text) - EXAMPLE_CHARS:,} characters]... " + text[-half:]
-
-
-def task_groups(subtasks: dict) -> dict:
-    """{top-level group: [its leaf tasks]} from lm_eval's ``group_subtasks`` (mmlu -> mmlu_stem -> mmlu_anatomy):
-    the terminal table shows a group as one row."""
-    children = {c for kids in subtasks.values() for c in kids}
-
-    def leaves(name, seen=()):
-        kids = subtasks.get(name) or []
-        return [name] if not kids else [x for k in kids if k not in seen for x in leaves(k, (*seen, name))]
-
-    return {g: leaves(g) for g, kids in subtasks.items() if kids and g not in children}
-
-
-def examples(res: dict) -> dict:
-    """{task: {"prompt", "response"}} of each task's first document: what the model was given and answered."""
-    out = {}
-    for task, rows in (res.get("samples") or {}).items():
-        if not rows:
-            continue
-        row = min(rows, key=lambda r: r.get("doc_id", 0))
-        args = (row.get("arguments") or [[None]])[0]
-        resp = (row.get("resps") or [[None]])[0]
-        out[task] = {"prompt": _clip(args[0]) if args else None,
-                     "response": _json_value(resp[0] if isinstance(resp, (list, tuple)) and resp else resp)}
+                       "groups": task_groups(res.get("group_subtasks") or {}), "tasks": task_hashes(res)}
     return out
 
 
@@ -320,10 +285,16 @@ _probe_users = 0  # how many run now
 
 @contextlib.contextmanager
 def _without_env_probe():
-    """lm_eval's ``add_env_info`` runs torch's ``collect_env`` (``pip list``, compilers, drivers: ~0.8 s and a
-    subprocess per call, i.e. per kv dtype) and ``git describe``; kvdiag records its own environment and
-    drops those fields, so both are skipped while ``simple_evaluate`` runs (if this lm_eval has them). Calls on
-    several threads at once: the first one in replaces them, the last one out puts them back."""
+    """Skip two probes of lm_eval 0.4.13's ``simple_evaluate`` (if this lm_eval has them); kvdiag records what they
+    give in run.json another way. ``add_env_info`` runs torch's ``collect_env`` (``pip list``, compilers, drivers:
+    1.5-1.9 s and several subprocesses per call on a 2-core machine, i.e. per kv dtype) for ``pretty_env_info``,
+    and adds ``transformers_version``, ``lm_eval_version`` and ``upper_git_hash`` (the commit of the folder above the
+    working directory); ``get_git_commit_hash`` is ``git describe --always`` in the working directory: the commit of
+    whatever repository the user runs from, not kvdiag's nor lm_eval's. kvdiag records instead, once per run:
+    the versions of torch, triton, transformers, lm_eval, vllm, the platform, devices and driver
+    (``environment``), kvdiag's own commit and dirty flag (``environment.kvdiag_commit``; kvdiag.provenance), and
+    per case the worker's torch and CUDA (``environment``). kvdiag reads neither field from lm_eval's results.
+    Calls on several threads at once: the first one in replaces them, the last one out puts them back."""
     import lm_eval.evaluator as ev
 
     global _probe_users
@@ -343,42 +314,3 @@ def _without_env_probe():
                 for n, f in _PROBE_SAVED.items():
                     setattr(ev, n, f)
                 _PROBE_SAVED.clear()
-
-
-def summarize(res: dict) -> dict:
-    """lm_eval's results -> ``scores`` {task: {metric: {score, stderr, higher_is_better, n}}} and ``samples``
-    {task: {metric: {doc_id: value}}}. A metric of filter ``f`` other than ``none`` is named ``metric,f``."""
-    samples: dict = {}
-    for task, rows in (res.get("samples") or {}).items():
-        per = samples.setdefault(task, {})
-        for row in rows:
-            suffix = "" if row.get("filter", "none") == "none" else f",{row['filter']}"
-            for metric in row["metrics"]:
-                per.setdefault(metric + suffix, {})[str(row["doc_id"])] = _json_value(row[metric])
-    scores: dict = {}
-    for task, per in samples.items():
-        got = res["results"].get(task, {})
-        hib = (res.get("higher_is_better") or {}).get(task, {})
-        for metric in per:
-            name, _, filt = metric.partition(",")
-            key = f"{name},{filt or 'none'}"
-            stderr = got.get(f"{name}_stderr,{filt or 'none'}")
-            scores.setdefault(task, {})[metric] = {
-                "score": _json_value(got.get(key)),
-                "stderr": stderr if isinstance(stderr, (int, float)) else float("nan"),
-                "higher_is_better": hib.get(name, True),
-                "n": len(per[metric]),
-            }
-    return {"scores": scores, "samples": samples}
-
-
-def _json_value(v):
-    if isinstance(v, bool):
-        return float(v)
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, (list, tuple)):
-        return [_json_value(x) for x in v]
-    if hasattr(v, "item"):
-        return _json_value(v.item())
-    return float("nan") if v is None else str(v)

@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvdiag.engines.args import parse_engine_args
 from kvdiag.errors import UserError
 
 CHAT_TEMPLATE_DEFAULT = "default"  # --apply-chat-template without a NAME: the tokenizer's (default) template
+AUTO_BATCH = 1024  # requests per engine call with --batch-size auto
 
 
 def lm_eval_params(p, model: str, engine_args: dict) -> dict:
@@ -29,10 +31,40 @@ def lm_eval_params(p, model: str, engine_args: dict) -> dict:
             "metadata": {"pretrained": model, **engine_args, **key_values("--metadata", p.metadata)}}
 
 
-def batch_size(value) -> int:
-    """Requests per engine call: an integer >= 1, or auto (kvdiag.checks.accuracy.AUTO_BATCH)."""
-    from kvdiag.checks.accuracy import AUTO_BATCH
+def refuse_backend(model: str) -> None:
+    """lm_eval's ``--model hf`` / ``--model vllm`` names its backend; kvdiag's -m/--model is the checkpoint. A value
+    that is an lm_eval backend and no folder: one line pointing at --engine (UserError)."""
+    if Path(model).expanduser().exists() or model not in backend_names():
+        return
+    raise UserError(f"--model {model}: lm_eval's --model is its backend; in kvdiag --engine/-e picks the engine "
+                    "(builtin, vllm, ...) and -m/--model the checkpoint (lm_eval's pretrained=): e.g. -e vllm -m "
+                    "org/name")
 
+
+def backend_names() -> set[str]:
+    """lm_eval's backends (hf, vllm, ...): the keys of lm_eval.models.MODEL_MAPPING, read from lm_eval's source
+    (importing lm_eval costs a second); empty without lm_eval or without that table."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.origin:
+        return set()
+    try:
+        tree = ast.parse((Path(spec.origin).parent / "models" / "__init__.py").read_text())
+    except (OSError, SyntaxError):
+        return set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_MAPPING" for t in node.targets):
+            try:
+                return set(ast.literal_eval(node.value))
+            except ValueError:
+                return set()
+    return set()
+
+
+def batch_size(value) -> int:
+    """Requests per engine call: an integer >= 1, or auto (AUTO_BATCH)."""
     text = str(value).strip().lower()
     if text == "auto":
         return AUTO_BATCH
@@ -54,7 +86,6 @@ def key_values(flag: str, text: str | None) -> dict:
         if not isinstance(value, dict):
             raise UserError(f"{flag}: not a JSON object")
         return value
-    from kvdiag.cases import parse_engine_args
 
     out = {}
     for part in _split_top(text):

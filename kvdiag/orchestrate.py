@@ -45,11 +45,16 @@ def _version(dist: str) -> str | None:
 
 
 def environment() -> dict:
-    """Versions and devices, without importing torch or initialising CUDA in kvdiag's own process."""
+    """Versions (kvdiag's and its git commit), devices, without importing torch or initialising CUDA in kvdiag's
+    own process."""
     import kvdiag
+    from kvdiag.provenance import kvdiag_git
 
+    git = kvdiag_git()
     env = {
         "kvdiag": kvdiag.__version__,
+        "kvdiag_commit": git["commit"],  # None unless kvdiag runs from a git checkout
+        "kvdiag_dirty": git["dirty"],
         "python": platform.python_version(),
         "platform": platform.platform(),
         "hostname": platform.node(),
@@ -113,6 +118,7 @@ def execute(
     ``finish(run)`` (optional) runs on the finished run before run.json is written: it may add to
     run.analysis, set run.exit_code (which is first derived from the case statuses) and write reports.
     """
+    from kvdiag.provenance import models_record
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
     from kvdiag.runner import run_cases
     from kvdiag.scheduling import cap_jobs
@@ -122,7 +128,8 @@ def execute(
     previous = _previous_run(run_dir) if resume else None
     run = RunRecord(command=previous.command if previous else command_line(),
                     started=previous.started if previous else started,
-                    cases=[], environment=environment(), run_dir=str(run_dir))
+                    cases=[], environment=environment(), run_dir=str(run_dir),
+                    models=models_record(c.model for c in cases))
     write_run_json(run_dir, run)  # a run directory always says what it is, even if killed
     quiet = quiet or fmt.value == "json" and not sys.stderr.isatty()
     run.cases = run_cases(cases, run_dir, timeout=timeout, resume=resume, quiet=quiet, jobs=jobs, env=env,

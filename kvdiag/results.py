@@ -13,6 +13,7 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+SCHEMA_VERSION = 1  # of run.json; 1: schema_version, environment.kvdiag_commit/kvdiag_dirty, models, tasks
 # unsupported: the engine refuses this case (a kv dtype no attention backend of this platform takes, no sleep mode,
 # no KV access), in its own words; crashed: the engine failed (an exception from it, or its worker died);
 # error: kvdiag could not run or judge the case (out of device memory, a case function that raised).
@@ -131,18 +132,37 @@ class RunRecord:
     summary: dict = field(default_factory=dict)
     analysis: dict = field(default_factory=dict)  # cross-case results (comparisons, matrices)
     shard: dict = field(default_factory=dict)  # kvdiag ci --shard: suite, index, count (kvdiag.shards)
+    models: dict = field(default_factory=dict)  # model folder -> revision and content hash (kvdiag.provenance)
+    schema_version: int | None = SCHEMA_VERSION  # None: a run.json written before run.json had a version
 
     def to_json(self) -> dict:
         d = _clean(asdict(self))
         d["cases"] = [c.to_json() for c in self.cases]
-        return d
+        d["tasks"] = tasks_record(self.cases)
+        return {"schema_version": d.pop("schema_version"), **d}
 
     @classmethod
     def from_json(cls, d: dict) -> "RunRecord":
         known = {f.name for f in fields(cls)}
-        d = {k: v for k, v in d.items() if k in known}
+        d = {"schema_version": None, **{k: v for k, v in d.items() if k in known}}
         d["cases"] = [CaseResult.from_json(c) for c in d.get("cases", [])]
         return cls(**d)
+
+
+def tasks_record(cases: list[CaseResult]) -> dict:
+    """{task: [{hash, documents_hash, documents, version, dataset, cases}]}: what each lm_eval task evaluated, from the
+    accuracy cases' records (``metrics.lm_eval.tasks``); one entry per distinct record, naming its cases (usually
+    one: every kv dtype sees the same documents and prompts)."""
+    out: dict = {}
+    for c in cases:
+        for task, rec in ((c.metrics.get("lm_eval") or {}).get("tasks") or {}).items():
+            entries = out.setdefault(task, [])
+            same = next((e for e in entries if {k: v for k, v in e.items() if k != "cases"} == rec), None)
+            if same is None:
+                entries.append({**rec, "cases": [c.id]})
+            else:
+                same["cases"].append(c.id)
+    return out
 
 
 def summarize(cases: list[CaseResult]) -> dict:

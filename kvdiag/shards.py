@@ -135,7 +135,7 @@ def merge(run_dirs: list[Path], out: Path):
                        cases=cases, environment={**first.environment, "shards": [
                            {"index": r.shard["index"], "run_dir": r.run_dir, "hostname": r.environment.get("hostname")}
                            for r in runs]},
-                       run_dir=str(out), analysis=analysis,
+                       run_dir=str(out), analysis=analysis, models={k: v for r in runs for k, v in r.models.items()},
                        shard={"suite": first.shard["suite"], "count": first.shard["count"], "merged": sorted(seen)})
     merged.summary = summarize(cases)
     merged.exit_code = max([exit_code_for(cases)] + [r.exit_code or 0 for r in runs])

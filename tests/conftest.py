@@ -19,6 +19,9 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
 # KVDIAG_TEST_DEVICE=cuda runs the engine/kernel tests on the GPU
 TEST_DEVICE = os.environ.get("KVDIAG_TEST_DEVICE", "cpu")
 
@@ -37,3 +40,18 @@ def random_model(tmp_path_factory):
         return str(made[key])
 
     return make
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """The shipped tiny model with a chat template added to its tokenizer."""
+    import json
+    import shutil
+
+    from kvdiag.assets import TINY_MODEL
+
+    d = tmp_path_factory.mktemp("chat") / "tiny-chat"
+    shutil.copytree(TINY_MODEL, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
+    return d

@@ -320,7 +320,7 @@ def test_default_jobs_share_the_cpu_cores_only_for_builtin_cases_on_cpu(monkeypa
 
 def test_process_age_counts_from_when_the_process_started():
     # the 'startup' timing of a case; psutil's create_time can be up to 1 s early (boot time in whole seconds)
-    script = "import time; from kvdiag.checks.accuracy import process_age; print(time.time() - process_age())"
+    script = "import time; from kvdiag.checks.engine_use import process_age; print(time.time() - process_age())"
     t0 = time.time()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     started = float(out.stdout)

@@ -1,5 +1,6 @@
 """EngineLM against lm_eval's own HFLM on the same weights, and run_tasks on the shipped tasks."""
 
+import json
 import math
 import os
 
@@ -116,6 +117,26 @@ def test_run_tasks_on_a_shipped_task_gives_per_document_values(engine):
     assert score["score"] == pytest.approx(sum(samples["acc"].values()) / 12)
     p = score["score"]
     assert score["stderr"] == pytest.approx(math.sqrt(p * (1 - p) / 11), abs=1e-9)
+
+
+def test_each_tasks_hash_is_lm_evals_own_task_hash(engine, monkeypatch, tmp_path):
+    """lm_eval's EvaluationTracker computes the task hashes of its results file from the same samples: the oracle."""
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+
+    got = []
+    real = lm_eval.simple_evaluate
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: got.append(real(**kw)) or got[-1])
+    out = run_tasks(EngineLM(engine), ["kv_recall", "kv_recall_long"], limit=4, seed=0)
+    res = dict(got[0])
+    samples = res.pop("samples")
+    res.pop("config", None)
+    EvaluationTracker(output_path=str(tmp_path)).save_results_aggregated(results=res, samples=samples)
+    (written,) = tmp_path.rglob("results_*.json")
+    want = json.loads(written.read_text())["task_hashes"]
+    tasks = out["settings"]["tasks"]
+    assert {t: v["hash"] for t, v in tasks.items()} == want and len(set(want.values())) == 2
+    assert tasks["kv_recall"]["documents"] == 4 and tasks["kv_recall"]["version"] == 1.0
 
 
 def test_run_tasks_skips_lm_evals_environment_probe_and_restores_it(engine, monkeypatch):

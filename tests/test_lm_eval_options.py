@@ -13,8 +13,6 @@ from kvdiag.errors import UserError
 from kvdiag.lm_eval_options import key_values
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 FIRST_DOC = json.loads((ROOT / "kvdiag/tasks/data/kv_recall.jsonl").read_text().splitlines()[0])
 
 # a generating task over kv_recall's documents, and one whose documents come from --metadata
@@ -63,20 +61,6 @@ def from_metadata(n_docs=1, pretrained=None, **_):
             for i in range(int(n_docs))]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 """
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> Path:
-    """The shipped tiny model with a chat template added to its tokenizer."""
-    import shutil
-
-    from kvdiag.assets import TINY_MODEL
-
-    d = tmp_path_factory.mktemp("chat") / "tiny-chat"
-    shutil.copytree(TINY_MODEL, d)
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
-    return d
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +210,7 @@ def test_engine_args_naming_spec_fields_reach_the_builtin_engine(tmp_path):
 
 
 def test_a_long_prompt_is_kept_by_its_ends():
-    from kvdiag.lm_eval_adapter import EXAMPLE_CHARS, _clip
+    from kvdiag.lm_eval_results import EXAMPLE_CHARS, _clip
 
     text = "".join(chr(97 + i % 26) for i in range(50_000))
     got = _clip(text)

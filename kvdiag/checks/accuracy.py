@@ -16,15 +16,13 @@ from pathlib import Path
 
 from kvdiag.checks import drift
 from kvdiag.checks.common import engine_failed, start_or_record
+from kvdiag.checks.engine_use import acquire_engine, release_engine, startup_once
 from kvdiag.checks.registry import Check, option
 from kvdiag.errors import UserError
+from kvdiag.lm_eval_options import AUTO_BATCH
 
 SAMPLES = ".samples.json"
-AUTO_BATCH = 1024  # requests per engine call with --batch-size auto
 DRIFT = ".drift.npz"
-_SHARED: dict = {}  # --isolate run: (group, thread) -> the engine object that thread's cases share
-_SHARED_LOCK = threading.Lock()  # cases starting at once on threads: one loads the weights, the others share them
-_STARTED: list = []  # non-empty once this worker ran its first case
 
 
 # ------------------------------------------------------------------ worker side
@@ -79,7 +77,7 @@ def run_case(case, ctx):
     from kvdiag.checks.prompts import case_prompts
     from kvdiag.lm_eval_adapter import EngineLM, run_tasks
 
-    p, times = case.params, {"startup": _startup_once()}
+    p, times = case.params, {"startup": startup_once()}
     t, cpu = time.perf_counter(), _cpu_time()
     _reset_peak()
     ctx.stage(case, "engine start")
@@ -130,26 +128,6 @@ def chat_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
-def acquire_engine(case):
-    """Start the case's engine; in a shared worker (--isolate run) re-use the one this thread already loaded,
-    or share the weights another thread's engine loaded (builtin engine: cases on threads, runner's ``threads``)."""
-    from kvdiag.checks.common import engine_spec, start_engine
-
-    if not case.group:
-        return start_engine(case)
-    with _SHARED_LOCK:
-        key = (case.group, threading.get_ident())
-        held = _SHARED.get(key)
-        if held is not None and hasattr(held, "set_kv_dtype"):
-            held.start(engine_spec(case))  # same weights: only the KV cache is re-created
-            return held
-        if held is not None:
-            held.shutdown()
-        donors = (e for (g, _), e in _SHARED.items() if g == case.group and hasattr(e, "share_weights"))
-        _SHARED[key] = start_engine(case, weights_from=next((e for e in donors if e.model is not None), None))
-        return _SHARED[key]
-
-
 def _reset_peak() -> None:
     import sys
 
@@ -191,11 +169,6 @@ def _cpu_time() -> float:
     return time.process_time() if threading.current_thread() is threading.main_thread() else time.thread_time()
 
 
-def release_engine(case, engine) -> None:
-    if not case.group:
-        engine.shutdown()
-
-
 def model_dtype(engine, case) -> str | None:
     """The dtype the weights run in (what ``auto`` stores the KV cache in)."""
     d = getattr(engine, "dtype", None)
@@ -210,31 +183,6 @@ def model_dtype(engine, case) -> str | None:
 
 def _max_len(engine, params) -> int:
     return int(getattr(engine, "max_model_len", 0) or params.get("max_model_len") or 2048)
-
-
-def _startup_once() -> float:
-    """Seconds from the worker's spawn to its first case (imports included); 0 for later cases."""
-    if _STARTED:
-        return 0.0
-    _STARTED.append(True)
-    return round(process_age(), 3)
-
-
-def process_age() -> float:
-    """Seconds since this process was created: on Linux from /proc (clock ticks since boot, exact to 10 ms;
-    psutil's create_time adds the boot time, which /proc/stat gives in whole seconds: up to 1 s off)."""
-    import os
-
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rpartition(")")[2].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        import psutil
-
-        return time.time() - psutil.Process(os.getpid()).create_time()
 
 
 def _lap(t0: float) -> float:

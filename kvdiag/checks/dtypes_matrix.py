@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiag.checks import drift
-from kvdiag.checks.accuracy import DRIFT, acquire_engine, drift_limit, model_dtype, release_engine
+from kvdiag.checks.accuracy import DRIFT, drift_limit, model_dtype
 from kvdiag.checks.common import engine_failed, start_or_record
+from kvdiag.checks.engine_use import acquire_engine, release_engine
 from kvdiag.checks.registry import Check
 from kvdiag.errors import EngineUnsupported
 from kvdiag.results import NOT_RUN_STATUSES

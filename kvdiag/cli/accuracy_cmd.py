@@ -67,6 +67,9 @@ def accuracy(
     same documents (exact McNemar for 0/1 metrics, paired bootstrap otherwise) with a 95%
     interval and p-value, and a verdict: ok, regression, collapse or drift. Exit code 1 when
     any dtype regressed, collapsed, drifted or crashed.
+
+    lm_eval's spellings work too: --model_args (= -a), --num_fewshot, --batch_size, --output_path (= -o),
+    --gen_kwargs, --apply_chat_template, --fewshot_as_multiturn, --system_instruction, --include_path.
     """
     from kvdiag.cases import Target, check_cases
     from kvdiag.orchestrate import execute, make_run_dir

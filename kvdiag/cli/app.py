@@ -124,6 +124,16 @@ def optional_values(args: list[str]) -> list[str]:
     return out
 
 
+def options_of(command: str | None) -> set[str] | None:
+    """The option names a command takes (None: no such command)."""
+    import typer.main
+
+    found = getattr(typer.main.get_command(app), "commands", {}).get(command)
+    if found is None:
+        return None
+    return {o for p in found.params for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one line on stderr for bad input (exit 2) or an internal failure (exit 3)."""
     try:  # typer >= 0.20 vendors click
@@ -131,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         from click import exceptions as click_exc
 
+    from kvdiag.cli.lm_eval_spellings import translate
     from kvdiag.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, UserError
 
     abort = getattr(click_exc, "Abort", None)
@@ -138,8 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         from typer.exceptions import Abort as abort
 
     try:
-        rv = app(args=optional_values(sys.argv[1:] if argv is None else list(argv)), standalone_mode=False,
-                 prog_name="kvdiag")
+        args = translate(sys.argv[1:] if argv is None else list(argv), options_of)
+        rv = app(args=optional_values(args), standalone_mode=False, prog_name="kvdiag")
     except UserError as e:
         print(f"kvdiag: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
