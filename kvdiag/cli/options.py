@@ -60,7 +60,6 @@ IsolateOpt = Annotated[Isolate, typer.Option(
     "with its own KV cache; a crash ends the dtypes running and those after it). run saves a worker start, an "
     "engine start and a weight load per dtype, worth what those cost with your model and device; with the "
     "shipped tiny model on the CPU both modes take the same time.")]
-CyclesOpt = Annotated[int, typer.Option("--cycles", "-n", min=1, help="How many cycles to run.")]
 FaultOpt = Annotated[Optional[list[str]], typer.Option(
     "--fault", help="builtin engine only: re-introduce a known bug class (see `kvdiag selftest --list`).",
     hidden=True)]
