@@ -36,3 +36,12 @@ def test_every_path_the_doc_names_exists(doc):
     missing = [p for p in sorted(named) if not any(x == p.lstrip("./") or x.endswith("/" + p.lstrip("./"))
                                                    for x in paths)]
     assert not missing, f"{doc} names files that do not exist: {missing}"
+
+
+def test_the_shipped_configs_memleak_threshold_comment_states_the_retention_limit():
+    """kvdiag.toml's comment on ``threshold_mib`` says what the option is: the retention limit and its default."""
+    from kvdiag.checks.memleak import RETAIN_FRACTION, RETAIN_MIN, MiB
+
+    line = next(x for x in (ROOT / "kvdiag.toml").read_text().splitlines() if x.startswith("# threshold_mib"))
+    assert "retention limit" in line and "growth" not in line, line
+    assert f"max({RETAIN_MIN // MiB} MiB, {RETAIN_FRACTION:.0%} of peak)" in line, line
