@@ -24,6 +24,7 @@ class KVDType:
     same_as: str | None = None  # another name of the same dtype
     scale_rule: str = "-"
     aliases: tuple[str, ...] = field(default=())
+    drift: str = ""  # its drift limits (checks/drift.py: FAMILY_LIMITS) when not bit-identical to the model dtype
 
     @property
     def quantized(self) -> bool:
@@ -62,22 +63,42 @@ _PER_TOKEN_HEAD = "float32 per (token, kv head) = max(absmax/{qmax:g}, 1e-6)"
 BUILTIN_DTYPES: dict[str, KVDType] = {
     d.name: d
     for d in [
-        KVDType("auto", "model", "none", scale_rule="- (model dtype)"),
-        KVDType("bfloat16", "bfloat16", "none", aliases=("bf16",)),
-        KVDType("float16", "float16", "none", aliases=("fp16", "half")),
+        KVDType("auto", "model", "none", scale_rule="- (model dtype)", drift="identical"),
+        KVDType("bfloat16", "bfloat16", "none", aliases=("bf16",), drift="unquantized"),
+        KVDType("float16", "float16", "none", aliases=("fp16", "half"), drift="unquantized"),
         KVDType("fp8", "float8_e4m3fn", "per_tensor", FP8_E4M3_MAX,
-                scale_rule=_PER_TENSOR.format(qmax=FP8_E4M3_MAX)),
+                scale_rule=_PER_TENSOR.format(qmax=FP8_E4M3_MAX), drift="fp8_e4m3"),
         KVDType("fp8_e4m3", "float8_e4m3fn", "per_tensor", FP8_E4M3_MAX, same_as="fp8",
-                scale_rule=_PER_TENSOR.format(qmax=FP8_E4M3_MAX), aliases=("e4m3",)),
+                scale_rule=_PER_TENSOR.format(qmax=FP8_E4M3_MAX), aliases=("e4m3",), drift="fp8_e4m3"),
         KVDType("fp8_e5m2", "float8_e5m2", "per_tensor", FP8_E5M2_MAX,
-                scale_rule=_PER_TENSOR.format(qmax=FP8_E5M2_MAX), aliases=("e5m2",)),
+                scale_rule=_PER_TENSOR.format(qmax=FP8_E5M2_MAX), aliases=("e5m2",), drift="fp8_e5m2"),
         KVDType("int8_per_token_head", "int8", "per_token_head", INT8_MAX,
                 scale_rule=_PER_TOKEN_HEAD.format(qmax=INT8_MAX) + "; round half away; clamp [-128,127]",
-                aliases=("int8", "int8pth", "int8_pth")),
+                aliases=("int8", "int8pth", "int8_pth"), drift="int8_per_token_head"),
         KVDType("fp8_per_token_head", "float8_e4m3fn", "per_token_head", FP8_E4M3_MAX,
-                scale_rule=_PER_TOKEN_HEAD.format(qmax=FP8_E4M3_MAX), aliases=("fp8pth", "fp8_pth")),
+                scale_rule=_PER_TOKEN_HEAD.format(qmax=FP8_E4M3_MAX), aliases=("fp8pth", "fp8_pth"),
+                drift="fp8_per_token_head"),
     ]
 }
+
+
+# Kv dtype names of other engines that the builtin engine does not have (vLLM's CacheDType beyond the names above,
+# torch's names for unquantized dtypes), each with the family of its drift limits: the quantized ones, whose error
+# kvdiag has not calibrated, the loosest. Which names an engine accepts is still the engine's own word (vLLM's are
+# read from CacheDType); tests/test_drift_limits.py fails when the installed vLLM has a name missing here.
+OTHER_ENGINE_DTYPES: dict[str, str] = {
+    **dict.fromkeys(("float32", "float", "half", "bf16", "fp16"), "unquantized"),
+    **dict.fromkeys(("fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla", "nvfp4", "nvfp4_4over6", "int4_per_token_head",
+                     "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+                     "ultraquant_4bit"), "quantized"),
+}
+
+
+def drift_family(name: str) -> str | None:
+    """The family of a kv dtype's drift limits (its ``drift``, else ``OTHER_ENGINE_DTYPES``); None for a name the
+    registry does not know."""
+    d = get(name)
+    return d.drift if d is not None else OTHER_ENGINE_DTYPES.get(name)
 
 
 def _alias_table(names) -> dict[str, str]:

@@ -1,6 +1,5 @@
 """Exceptions that map to kvdiag's exit codes (see docs/DESIGN.md, "Results and exit codes")."""
 
-EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
 

@@ -30,7 +30,7 @@ class EngineLM(TemplateLM):
                  seed: int = 0, chat_tokenizer=None, on_progress=None):
         super().__init__()
         self.on_progress = on_progress  # called with a line ("120/400 documents, 35.2 doc/s") every PROGRESS_S
-        self._docs, self._units, self._done, self._t0, self._shown = 0, 0, 0, 0.0, 0.0
+        self._docs, self._t0, self._shown = 0, 0.0, 0.0
         self.engine = engine
         self.tokenizer = chat_tokenizer  # a Hugging Face tokenizer: its chat template (lm_eval's chat_template())
         self._max_length = max_length

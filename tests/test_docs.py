@@ -36,3 +36,27 @@ def test_every_path_the_doc_names_exists(doc):
     missing = [p for p in sorted(named) if not any(x == p.lstrip("./") or x.endswith("/" + p.lstrip("./"))
                                                    for x in paths)]
     assert not missing, f"{doc} names files that do not exist: {missing}"
+
+
+def test_the_shipped_configs_memleak_threshold_comment_states_the_retention_limit():
+    """kvdiag.toml's comment on ``threshold_mib`` says what the option is: the retention limit and its default."""
+    from kvdiag.checks.memleak import RETAIN_FRACTION, RETAIN_MIN, MiB
+
+    line = next(x for x in (ROOT / "kvdiag.toml").read_text().splitlines() if x.startswith("# threshold_mib"))
+    assert "retention limit" in line and "growth" not in line, line
+    assert f"max({RETAIN_MIN // MiB} MiB, {RETAIN_FRACTION:.0%} of peak)" in line, line
+
+
+def test_the_baseline_the_readme_and_config_name_is_committed_outside_the_run_output_folder():
+    """The baseline of the CI example loads as a baseline and lives where runs never write (``reports/`` is the
+    git-ignored output folder), with the advice on where to commit baselines pointing there too."""
+    from kvdiag.report.baseline import load_side
+
+    readme, toml = (ROOT / "README.md").read_text(encoding="utf-8"), (ROOT / "kvdiag.toml").read_text()
+    named = set(re.findall(r"--baseline ([\w./-]+\.json)", readme) + re.findall(r'baseline = "([\w./-]+\.json)"',
+                                                                                toml))
+    assert named == {"baselines/ci-tiny-llama.json"}, named
+    assert "reports/baselines" not in readme + toml
+    side = load_side(ROOT / "baselines/ci-tiny-llama.json")
+    assert len(side.cases) >= 5 and all(c.startswith(("memleak/", "accuracy/", "wake-cycle/", "poison/"))
+                                        for c in side.cases)

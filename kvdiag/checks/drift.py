@@ -212,19 +212,14 @@ FAMILY_LIMITS = {
 
 
 def family(kv_dtype: str, model_dtype: str | None) -> str:
-    """Which limits apply: ``identical`` for auto and for an unquantized dtype equal to the model's."""
+    """Which limits apply: ``identical`` for auto and for an unquantized dtype equal to the model's, else the dtype
+    registry's family for the name (kvdiag/dtypes.py); a name no registry knows gets ``quantized``."""
     from kvdiag import dtypes
 
     d = dtypes.get(kv_dtype)
-    if kv_dtype == "auto" or (d is not None and not d.quantized and d.storage == model_dtype):
+    if d is not None and not d.quantized and d.storage == model_dtype:
         return "identical"
-    if d is not None and not d.quantized:
-        return "unquantized"
-    if d is not None:
-        name = d.same_as or d.name
-        return {"fp8": "fp8_e4m3"}.get(name, name) if name in ("fp8", "fp8_e5m2", "int8_per_token_head",
-                                                                "fp8_per_token_head") else "quantized"
-    return "unquantized" if kv_dtype in ("float32", "half", "float", "bf16", "fp16") else "quantized"
+    return dtypes.drift_family(kv_dtype) or "quantized"
 
 
 def wrongly_refused(rec, base) -> str | None:

@@ -32,7 +32,7 @@ def bench(
 
     Needs a CUDA GPU. Exit code 1 when a judged target (the H100 targets of BENCHMARKS.md) is missed.
     """
-    from kvdiag.kernels.bench import KINDS
+    from kvdiag.bench.run import KINDS
 
     kinds = tuple(only or KINDS)
     if bad := [k for k in kinds if k not in KINDS]:
@@ -42,7 +42,7 @@ def bench(
     if not device.startswith("cuda") or not torch.cuda.is_available():
         raise UserError("kvdiag bench needs a CUDA GPU (the Triton kernels run on CUDA only); none is available"
                         if not torch.cuda.is_available() else f"kvdiag bench runs on cuda devices, not '{device}'")
-    from kvdiag.kernels.bench import run_bench
+    from kvdiag.bench.run import run_bench
     from kvdiag.report.cells import console
 
     err = console(stderr=True) if not quiet else None

@@ -17,7 +17,7 @@ BaselineOpt = Annotated[Optional[Path], typer.Option(
     "Default: the config's 'baseline' key.")]
 UpdateOpt = Annotated[bool, typer.Option(
     "--update-baseline", help="Write this run as the baseline file (--baseline or the config's 'baseline'); "
-    "commit it under reports/baselines/. The exit code then ignores the old baseline.")]
+    "commit it (outside the run directories, e.g. baselines/). The exit code then ignores the old baseline.")]
 ShardOpt = Annotated[Optional[str], typer.Option(
     "--shard", help="K/N: run the K-th of N deterministic shares of the suite (one machine of N: a CI matrix, a Slurm "
     "array), then `kvdiag report --merge` the N run directories. Cases judged together (accuracy's dtypes) stay in "

@@ -63,7 +63,6 @@ IsolateOpt = Annotated[Isolate, typer.Option(
 CheckIsolateOpt = Annotated[Isolate, typer.Option(
     "--isolate", help="case: every dtype in its own worker process; run: one worker process runs the dtypes one "
     "after another (the weights load once; a crash ends the dtype running and those after it).")]
-CyclesOpt = Annotated[int, typer.Option("--cycles", "-n", min=1, help="How many cycles to run.")]
 FaultOpt = Annotated[Optional[list[str]], typer.Option(
     "--fault", help="builtin engine only: re-introduce a known bug class (see `kvdiag selftest --list`).",
     hidden=True)]

@@ -9,7 +9,6 @@ from pathlib import Path
 
 TASKS_DIR = Path(__file__).resolve().parent
 DEFAULT_TASKS = ["kv_recall", "kv_recall_long"]
-TAG = "kvdiag"
 
 
 def task_manager(include_paths=(), include_defaults: bool = True, metadata: dict | None = None):

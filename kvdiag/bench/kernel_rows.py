@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvdiag.bench.measure import gather_dequant, kv_bytes, paged_batch, random_codes, row, sdpa_over_gather, time_ms
 from kvdiag.dtypes import BUILTIN_DTYPES
 from kvdiag.kernels import attention, reference, store, zero
-from kvdiag.kernels.bench import gather_dequant, kv_bytes, paged_batch, random_codes, row, sdpa_over_gather, time_ms
 
 STORE_DTYPES = list(BUILTIN_DTYPES)
 ATTN_DTYPES = ["bfloat16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"]
