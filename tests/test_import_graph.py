@@ -19,12 +19,12 @@ SOURCES = {"kvdiag": ROOT / "kvdiag", "kvdiag.kernels": ROOT / "kernels"}  # pac
 # Lowest first; a module may import from its own layer and those below. The same order is in docs/DESIGN.md.
 LAYERS = [
     ("foundation", ["kvdiag", "kvdiag.errors", "kvdiag.dtypes", "kvdiag.results", "kvdiag.models",
-                    "kvdiag.modelgen", "kvdiag.assets"]),
+                    "kvdiag.modelgen", "kvdiag.assets", "kvdiag.case", "kvdiag.gpus"]),
     ("kernels", ["kvdiag.kernels"]),
     ("engines", ["kvdiag.engines"]),
     ("measuring and evaluation", ["kvdiag.memory", "kvdiag.memory_holders", "kvdiag.engine_processes",
                                   "kvdiag.bench", "kvdiag.lm_eval_adapter", "kvdiag.lm_eval_options",
-                                  "kvdiag.tasks"]),
+                                  "kvdiag.lm_eval_results", "kvdiag.provenance", "kvdiag.tasks"]),
     ("checks", ["kvdiag.checks"]),
     ("report", ["kvdiag.report"]),
     ("running cases", ["kvdiag.cases", "kvdiag.orchestrate", "kvdiag.scheduling", "kvdiag.runner", "kvdiag.worker",

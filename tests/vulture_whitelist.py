@@ -40,3 +40,6 @@ _.used_slots  # bench/measure.py: PagedBatch (tests/test_triton_kernels.py)
 _.used_bytes  # engine_processes.py: GpuView (tests/test_engine_processes.py)
 _.mean_stderr  # checks/stats.py (tests/test_stats.py, tests/test_ci_run.py)
 _.PAIR_TOKENS  # tasks/recall.py (scripts/train_tiny_model.py)
+_.cuda_untouched  # engines/vllm/preimport.py: asserted by tests/test_vllm_gpu.py on a GPU
+_.display_type_rich  # cli/app.py: click's parameter attribute that typer's rich help reads
+_.schema_version  # results.RunRecord: a field of run.json, read by its users

@@ -96,7 +96,9 @@ def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
         kw["num_gpu_blocks_override"] = spec.num_blocks
     if spec.prefix_caching is not None:
         kw["enable_prefix_caching"] = spec.prefix_caching
-    sizing = {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(extra)
+    from kvdiag.engines.vllm.sizing import SIZING_ARGS
+
+    sizing = set(SIZING_ARGS) & set(extra)
     if platform.is_cpu():
         kw["enforce_eager"] = True
         kw["block_size"] = -(-spec.block_size // CPU_BLOCK_GRANULE) * CPU_BLOCK_GRANULE

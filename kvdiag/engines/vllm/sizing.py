@@ -43,10 +43,6 @@ def kv_cache_bytes(model: str, max_num_seqs: int = DEFAULT_SEQS, max_model_len: 
     return max(MIN_KV, max_num_seqs * max_model_len * token_bytes(model))
 
 
-def sized_by_user(engine_args: dict) -> bool:
-    return any(k in engine_args for k in SIZING_ARGS)
-
-
 def shared_need(model: str, engine_args: dict, weights: int) -> int | None:
     """GPU memory one engine takes beside others on a GPU (1.2 x weights + KV cache + OVERHEAD), or None when the
     user asked vLLM to profile (``gpu_memory_utilization`` without ``kv_cache_memory_bytes``): then it must have
