@@ -1,6 +1,6 @@
 """The whole engine's processes and their GPU memory (docs/DESIGN.md, "Measuring memory").
 
-An engine may run outside kvdiag's worker process: vLLM with ``tensor_parallel_size > 1`` (or
+An engine may run outside kvdiag's worker process: vLLM under tensor parallelism (or
 ``distributed_executor_backend=mp``) starts one worker process per GPU. The engine is then this process and
 every process it started (:func:`children`), on every GPU it uses. :func:`gpu_view` reads NVML once for the
 GPUs this process may use (``CUDA_VISIBLE_DEVICES``): each GPU's used memory, and what the process tree holds

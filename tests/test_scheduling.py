@@ -9,6 +9,7 @@ import pytest
 
 from kvdiag import gpus as gpus_module
 from kvdiag import scheduling
+from kvdiag.engines import vllm as vllm_traits
 from kvdiag.runner import Case
 
 CAPPED = "kvdiag: --jobs"
@@ -25,7 +26,7 @@ def gpus(monkeypatch):
 
     def fake(n, vllm_cpu=False):
         monkeypatch.setattr(gpus_module, "gpu_count", lambda: n)
-        monkeypatch.setattr(scheduling, "vllm_on_cpu", lambda: vllm_cpu)
+        monkeypatch.setattr(vllm_traits, "cpu_only", lambda: vllm_cpu)
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
     return fake

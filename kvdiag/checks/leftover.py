@@ -1,6 +1,6 @@
 """memleak's finding on processes: what the engine started and did not stop (docs/DESIGN.md, "memleak").
 
-An engine that runs outside kvdiag's worker process (vLLM's workers with ``tensor_parallel_size > 1`` or
+An engine that runs outside kvdiag's worker process (vLLM's workers under tensor parallelism or
 ``distributed_executor_backend=mp``) must stop every process it started when it shuts down. After each
 shutdown memleak waits up to ``WAIT_S`` for the processes it did not have at the baseline to end, then names
 those still alive (their GPU memory is NVML's, where NVML's pids are this machine's):

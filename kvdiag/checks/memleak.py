@@ -365,7 +365,7 @@ HELP = (
     "restart impossible - the engine started once and cannot start again in this process (vLLM sleep mode\n"
     "on CUDA), with the engine's message;\n"
     "objects left frozen by gc.freeze();\n"
-    "processes the engine started (vLLM's workers with tensor_parallel_size > 1) alive 10 s after shutdown,\n"
+    "processes the engine started (vLLM's workers under tensor parallelism) alive 10 s after shutdown,\n"
     "holding GPU memory or more every cycle. The engine's memory is that of all its processes and GPUs (NVML).\n"
     "WARNING (exit 0): a small set of tensors that survives shutdown unchanged every cycle (a process-lifetime\n"
     "cache), with its holder; the same processes alive after every shutdown, without GPU memory.\n"

@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvdiag.engines.vllm import ARGS_EXAMPLE as VLLM_ARGS_EXAMPLE
+
 
 class Format(str, Enum):
     table = "table"
@@ -41,7 +43,7 @@ ResumeOpt = Annotated[Optional[Path], typer.Option(
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
 EngineArgOpt = Annotated[Optional[list[str]], typer.Option(
     "--engine-arg", "-a", help="key=value passed to the engine (typed: 2, 0.5, true, null); repeatable. "
-    "Example: -a gpu_memory_utilization=0.5 -a enforce_eager=true")]
+    f"Example (vLLM): {VLLM_ARGS_EXAMPLE}")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N (builtin engine).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed for sampling and for lm_eval.")]
 JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Cases run at once (each in its own worker); "

