@@ -5,8 +5,6 @@ baseline dtype. The commands and `kvdiag ci` build their cases here."""
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -33,27 +31,11 @@ def resolve_model(model: str | None) -> str:
 
 
 def parse_engine_args(items: Iterable[str] | None) -> dict:
-    """key=value pairs, values typed as JSON where they parse (2, 0.5, true, null, [..]) else strings. One item may
-    hold several, comma-separated as lm_eval's --model_args (``a=1,b=2``), when every part is key=value (a value
-    with commas of its own, ``sizes=[1,2]``, stays whole)."""
-    out = {}
-    for item in (part for given in items or () for part in _split_pairs(given)):
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--engine-arg '{item}' is not key=value")
-        low = raw.strip()
-        try:
-            value = json.loads({"True": "true", "False": "false", "None": "null"}.get(low, low))
-        except ValueError:
-            value = raw
-        out[key.strip().replace("-", "_")] = value
-    return out
+    """-a/--engine-arg key=value pairs (kvdiag.keyvalue: several per item, comma-separated as lm_eval's
+    --model_args; values JSON-ish: ``sizes=[1,2]``, ``name="a,b"``)."""
+    from kvdiag.keyvalue import parse_pairs
 
-
-def _split_pairs(item: str) -> list[str]:
-    parts = item.split(",")
-    keyed = all(re.fullmatch(r"\s*[A-Za-z_][\w-]*\s*=.*", x, re.S) for x in parts)
-    return parts if len(parts) > 1 and keyed else [item]
+    return parse_pairs("--engine-arg", items)
 
 
 def resolve_kv_dtypes(engine: str, user: list[str] | None, *, default_all: bool = True) -> list[str]:
@@ -112,13 +94,13 @@ def check_cases(name: str, target: Target, p) -> tuple:
     check = get(name)
     if check.cases:
         return load(check.cases)(target, p)
-    from kvdiag.engines.base import resolve_engine
+    from kvdiag.engines.base import check_engine_args, resolve_engine
     from kvdiag.models import label as model_label
     from kvdiag.runner import Case
 
     engine = resolve_engine(target.engine)
     model = resolve_model(target.model)
-    base = {"device": target.device, "engine_args": parse_engine_args(target.engine_args),
+    base = {"device": target.device, "engine_args": check_engine_args(engine, parse_engine_args(target.engine_args)),
             "faults": resolve_faults(engine, target.faults),
             **{f.name: getattr(p, f.name) for f in check.option_fields()}}
     variants = load(check.variants)(p) if check.variants else ({"suffix": None},)
@@ -189,11 +171,11 @@ class Sweep:
 def resolve_sweep(target: Target, baseline: str, *, all_names=False) -> Sweep:
     """Validate everything a sweep needs before any worker starts (bad input: UserError, exit 2)."""
     from kvdiag import dtypes
-    from kvdiag.engines.base import engine_dtypes, resolve_engine
+    from kvdiag.engines.base import check_engine_args, engine_dtypes, resolve_engine
     from kvdiag.errors import UserError
 
     engine = resolve_engine(target.engine)
-    engine_args = parse_engine_args(target.engine_args)
+    engine_args = check_engine_args(engine, parse_engine_args(target.engine_args))
     model = resolve_model(target.model)
     valid = engine_dtypes(engine)
     names = resolve_kv_dtypes(engine, target.kv_dtypes) if target.kv_dtypes or not all_names else list(valid)
