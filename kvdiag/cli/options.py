@@ -40,8 +40,9 @@ ResumeOpt = Annotated[Optional[Path], typer.Option(
     "--resume", help="Continue the run in RUN_DIR: cases already recorded in its results.jsonl are skipped.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
 EngineArgOpt = Annotated[Optional[list[str]], typer.Option(
-    "--engine-arg", "-a", help="key=value passed to the engine (typed: 2, 0.5, true, null); repeatable. "
-    "Example: -a gpu_memory_utilization=0.5 -a enforce_eager=true")]
+    "--engine-arg", "-a", help="key=value passed to the engine, several comma-separated as lm_eval's --model_args; "
+    "values JSON-ish (2, 0.5, true, none, [1,2], \"a,b\"); repeatable; a name the engine does not take exits 2 with "
+    "its list. Example: -a gpu_memory_utilization=0.5,enforce_eager=true")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N (builtin engine).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed for sampling and for lm_eval.")]
 JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Cases run at once (each in its own worker); "
