@@ -193,7 +193,7 @@ def engine_arg_names(name: str) -> list[str] | None:
 def check_engine_args(name: str, args: dict) -> dict:
     """``args`` when the engine takes every key (UserError naming the closest valid name and the engine's list
     otherwise), before any worker starts."""
-    valid = engine_arg_names(name)
+    valid = engine_arg_names(name) if args else None
     unknown = [k for k in args if valid is not None and k not in valid]
     if unknown:
         import difflib
