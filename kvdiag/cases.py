@@ -90,12 +90,12 @@ def check_cases(name: str, target: Target, p) -> tuple:
     if check.cases:
         return load(check.cases)(target, p)
     from kvdiag.case import Case
-    from kvdiag.engines.base import resolve_engine
+    from kvdiag.engines.base import check_engine_args, resolve_engine
     from kvdiag.models import label as model_label
 
     engine = resolve_engine(target.engine)
     model = resolve_model(target.model)
-    base = {"device": target.device, "engine_args": parse_engine_args(target.engine_args),
+    base = {"device": target.device, "engine_args": check_engine_args(engine, parse_engine_args(target.engine_args)),
             "faults": resolve_faults(engine, target.faults),
             **{f.name: getattr(p, f.name) for f in check.option_fields()}}
     variants = load(check.variants)(p) if check.variants else ({"suffix": None},)
@@ -166,11 +166,11 @@ class Sweep:
 def resolve_sweep(target: Target, baseline: str, *, all_names=False) -> Sweep:
     """Validate everything a sweep needs before any worker starts (bad input: UserError, exit 2)."""
     from kvdiag import dtypes
-    from kvdiag.engines.base import engine_dtypes, resolve_engine
+    from kvdiag.engines.base import check_engine_args, engine_dtypes, resolve_engine
     from kvdiag.errors import UserError
 
     engine = resolve_engine(target.engine)
-    engine_args = parse_engine_args(target.engine_args)
+    engine_args = check_engine_args(engine, parse_engine_args(target.engine_args))
     model = resolve_model(target.model)
     valid = engine_dtypes(engine)
     names = resolve_kv_dtypes(engine, target.kv_dtypes) if target.kv_dtypes or not all_names else list(valid)

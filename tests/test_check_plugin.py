@@ -81,6 +81,7 @@ def test_the_toy_check_has_a_command_with_its_own_options(plugin):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--rounds" in bad.stderr, bad.stderr
 
 
+@pytest.mark.slow
 def test_the_toy_check_runs_reports_and_compares(plugin, tmp_path):
     ok = kvdiag(plugin, "toy", "-d", "auto", "--rounds", "3", "--mood", "loud", "-o", str(tmp_path / "a"))
     assert ok.returncode == 0, ok.stderr

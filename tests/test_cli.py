@@ -82,5 +82,5 @@ def test_bad_limit_exits_2_before_any_worker(tmp_path):
 def test_engine_args_split_like_lm_evals_model_args():
     from kvdiag.engines.args import parse_engine_args
 
-    assert parse_engine_args(["a=1,b=2", "sizes=[1,2]", "name=x, y"]) == {"a": 1, "b": 2, "sizes": [1, 2],
-                                                                          "name": "x, y"}
+    assert parse_engine_args(["a=1,b=2", "sizes=[1,2]", 'name="x, y"']) == {"a": 1, "b": 2, "sizes": [1, 2],
+                                                                            "name": "x, y"}

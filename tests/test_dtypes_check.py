@@ -126,6 +126,7 @@ def test_out_of_device_memory_is_a_resource_row_never_unsupported(bf16_model, tm
     assert not cases["auto"]["findings"] and rows["auto"]["not_quantized"] is None
 
 
+@pytest.mark.slow
 def test_the_matrix_shows_what_the_cache_stores(tmp_path):
     """Shipped tiny model, builtin engine: int8 stores 1-byte codes and per-token scales, auto the model's bf16;
     bytes per token from the model's config."""

@@ -100,6 +100,7 @@ def test_generate_until_matches_hflm_and_stops_at_until(model_path, engine):
     assert cut == [first[:1]]
 
 
+@pytest.mark.slow
 def test_unknown_task_is_a_user_error():
     with pytest.raises(UserError, match="unknown task 'no_such_task_xyz'.*kv_recall"):
         resolve_tasks(["no_such_task_xyz"])

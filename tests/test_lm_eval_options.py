@@ -89,6 +89,7 @@ def test_the_options_are_in_help():
         assert flag in r.stdout, flag
 
 
+@pytest.mark.slow
 def test_chat_template_and_system_instruction_reach_the_prompt_as_transformers_renders_them(chat_model, tmp_path):
     from transformers import AutoTokenizer
 
@@ -111,6 +112,7 @@ def test_chat_template_and_system_instruction_reach_the_prompt_as_transformers_r
     assert plain["examples"]["kv_recall"]["response"] != got["examples"]["kv_recall"]["response"]
 
 
+@pytest.mark.slow
 def test_gen_kwargs_update_the_tasks_generation(tasks_dir, tmp_path):
     from kvdiag.assets import TINY_MODEL
     from kvdiag.engines.builtin.tokenizer import plain
@@ -128,6 +130,7 @@ def test_gen_kwargs_update_the_tasks_generation(tasks_dir, tmp_path):
     assert lengths["short"] <= 2 < lengths["default"]
 
 
+@pytest.mark.slow
 def test_batch_size_sets_the_requests_per_engine_call(tmp_path):
     calls = {}
     for b in ("auto", "2"):
@@ -139,6 +142,7 @@ def test_batch_size_sets_the_requests_per_engine_call(tmp_path):
     assert calls == {"auto": 1, "2": 5}
 
 
+@pytest.mark.slow
 def test_metadata_reaches_the_task_with_the_model(tasks_dir, tmp_path):
     r = kvdiag("accuracy", "-d", "auto", "-t", "meta_docs", "--include-path", tasks_dir, "--metadata", "n_docs=3",
                "-o", tmp_path / "m", "-q")
@@ -185,6 +189,7 @@ def test_apply_chat_template_takes_an_optional_name():
         "accuracy", "--apply-chat-template", "chatml"]
 
 
+@pytest.mark.slow
 def test_progress_shows_documents_and_their_rate_and_the_case_records_them(tmp_path):
     import os
 
@@ -201,6 +206,7 @@ def test_progress_shows_documents_and_their_rate_and_the_case_records_them(tmp_p
     assert rec["peak_mib"]["gpu"] is None and rec["peak_mib"]["rss"] > 100  # a worker with torch imported
 
 
+@pytest.mark.slow
 def test_engine_args_naming_spec_fields_reach_the_builtin_engine(tmp_path):
     r = kvdiag("accuracy", "-d", "auto", "-t", "kv_recall", "--limit", 2, "-a", "kv_cache_memory=1000", "-o",
                tmp_path / "k", "-q")

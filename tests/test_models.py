@@ -70,6 +70,7 @@ def test_hf_home_locates_the_cache(tmp_path, monkeypatch):
     assert resolve_model("org/name") == str(snap)
 
 
+@pytest.mark.slow
 def test_cli_runs_on_a_cached_hub_model(hub, tmp_path):
     cache, snaps = hub
     r = kvdiag("dtypes", "--check", "-e", "builtin", "-m", "org/name", "-d", "auto", "--format", "json",

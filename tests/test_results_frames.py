@@ -29,6 +29,7 @@ def accuracy_run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_csv_reads_back_one_row_per_case_task_metric(accuracy_run):
     r = kvdiag("report", accuracy_run, "--format", "csv")
     assert r.returncode == 0, r.stderr
@@ -45,6 +46,7 @@ def test_csv_reads_back_one_row_per_case_task_metric(accuracy_run):
         assert (pd.isna(r.delta) and a["delta"] is None) or r.delta == pytest.approx(a["delta"])
 
 
+@pytest.mark.slow
 def test_parquet_holds_the_same_rows(accuracy_run, tmp_path):
     r = kvdiag("report", accuracy_run, "--format", "parquet", "--out", tmp_path / "s.parquet")
     assert r.returncode == 0, r.stderr
@@ -52,6 +54,7 @@ def test_parquet_holds_the_same_rows(accuracy_run, tmp_path):
     pd.testing.assert_frame_equal(got, scores_frame(accuracy_run), check_dtype=False)
 
 
+@pytest.mark.slow
 def test_samples_average_to_lm_evals_scores(accuracy_run):
     """The per-document values, averaged by pandas, are lm_eval's own aggregate scores (an independent sum)."""
     samples = samples_frame(accuracy_run)
@@ -62,6 +65,7 @@ def test_samples_average_to_lm_evals_scores(accuracy_run):
         assert m["mean"] == pytest.approx(scores.loc[key, "value"]) and m["count"] == scores.loc[key, "n"] == 8
 
 
+@pytest.mark.slow
 def test_cases_frame_flattens_the_metrics(accuracy_run):
     cases = cases_frame(accuracy_run).set_index("kv_dtype")
     assert list(cases.index) == ["auto", "int8_per_token_head"]  # int8: its alias

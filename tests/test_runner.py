@@ -23,6 +23,7 @@ def mixed():
             case("failing", 9)]
 
 
+@pytest.mark.slow
 def test_crashes_timeouts_and_errors_become_records(tmp_path, mixed):
     recs = run_cases(mixed, tmp_path, timeout=5, quiet=True)
     assert [r.id for r in recs] == [c.id for c in mixed]  # order and count
@@ -124,6 +125,7 @@ def test_the_fork_server_starts_with_the_workers_env(tmp_path):
     assert out.stdout.split() == ["pass", "PASSIVE", "None"], out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_last_workers_of_a_sweep_get_the_cores_the_finished_ones_freed(tmp_path):
     # 3 cases, 2 at once, 2 cores shared: the first two get 1 thread each, the third (alone once the others end)
     # both cores; torch in a fork-server worker follows the env
@@ -174,6 +176,7 @@ def test_a_crash_on_one_thread_ends_the_cases_running_beside_it_and_the_rest(tmp
     assert recs[2].findings[0].kind == "not_run"
 
 
+@pytest.mark.slow
 def test_a_hung_thread_times_out_alone_and_the_cases_before_it_keep_their_results(tmp_path):
     # each case's timeout counts from its own start, not from the last result of the worker
     cases = [case("hang", 0), case("timed", 1, sleep=1.5), case("timed", 2, sleep=1.5), case("timed", 3, sleep=60)]

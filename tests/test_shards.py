@@ -100,6 +100,7 @@ def full_suite_ids(config: Path) -> set:
     return {c.id for c in build_suite(load_config(config))[0]}
 
 
+@pytest.mark.slow
 def test_two_shards_run_every_case_once_and_merge_into_one_run(shard_runs, tmp_path):
     root = shard_runs
     ran = [{json.loads(x)["id"] for x in (root / f"s{k}" / "results.jsonl").read_text().splitlines()} for k in (1, 2)]
@@ -122,6 +123,7 @@ def test_two_shards_run_every_case_once_and_merge_into_one_run(shard_runs, tmp_p
     assert r.returncode == 0 and f"OK: {len(ran[0] | ran[1])} pass" in r.stdout, r.stdout
 
 
+@pytest.mark.slow
 def test_a_merge_of_different_suites_or_one_shard_twice_exits_2(shard_runs, tmp_path):
     root = shard_runs
     r = kvdiag("report", "--merge", root / "s1", root / "other", "-o", tmp_path / "x")
@@ -131,6 +133,7 @@ def test_a_merge_of_different_suites_or_one_shard_twice_exits_2(shard_runs, tmp_
     assert not (tmp_path / "x" / "results.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_balanced_shard_takes_the_durations_of_an_earlier_run(shard_runs, tmp_path):
     root = shard_runs
     r = kvdiag("report", "--merge", root / "s1", root / "s2", "-o", tmp_path / "all")

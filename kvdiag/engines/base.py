@@ -242,3 +242,30 @@ def engine_dtypes(name: str) -> list[str]:
     if callable(listed):
         return list(listed())
     return list(factory().capabilities.kv_dtypes)
+
+
+def engine_arg_names(name: str) -> list[str] | None:
+    """The ``-a`` keys an engine takes, without starting it: its factory's ``engine_arg_names()``; None when the
+    factory does not say (a plug-in engine without the method: its arguments are not checked)."""
+    if name == "builtin":  # no torch import to check arguments
+        from kvdiag.engines.builtin import engine_arg_names as builtin_names
+
+        return builtin_names()
+    listed = getattr(_factory(name), "engine_arg_names", None)
+    return list(listed()) if callable(listed) else None
+
+
+def check_engine_args(name: str, args: dict) -> dict:
+    """``args`` when the engine takes every key (UserError naming the closest valid name and the engine's list
+    otherwise), before any worker starts."""
+    valid = engine_arg_names(name) if args else None
+    unknown = [k for k in args if valid is not None and k not in valid]
+    if unknown:
+        import difflib
+
+        key = unknown[0]
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise UserError(f"--engine-arg '{key}' is not an argument of engine '{name}'{hint}; valid: "
+                        f"{', '.join(valid)}")
+    return args

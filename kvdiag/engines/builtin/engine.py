@@ -19,7 +19,7 @@ import torch
 
 from kvdiag import dtypes
 from kvdiag.engines.base import Capabilities, Completion, EngineSpec, KVBlockView, Scored
-from kvdiag.engines.builtin import cuda_graph, loader
+from kvdiag.engines.builtin import SPEC_ARGS, cuda_graph, engine_arg_names, loader
 from kvdiag.engines.builtin.block_manager import BlockManager
 from kvdiag.engines.builtin.config import ModelConfig
 from kvdiag.engines.builtin.faults import Faults
@@ -31,7 +31,6 @@ from kvdiag.errors import UserError
 _WEIGHT_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                   "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 TAGS = ("weights", "kv_cache")
-SPEC_ARGS = ("max_model_len", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "dtype")  # -a sets them
 TOKEN_BUDGET, CPU_TOKEN_BUDGET = 8192, 2048  # default new tokens per forward pass (_token_budget)
 
 
@@ -61,6 +60,8 @@ class BuiltinEngine:
     @staticmethod
     def supported_kv_dtypes() -> list[str]:
         return list(dtypes.BUILTIN_DTYPES)
+
+    engine_arg_names = staticmethod(engine_arg_names)  # what -a takes, without starting it
 
     @property
     def capabilities(self) -> Capabilities:

@@ -16,6 +16,7 @@ Defaults that depend on the platform (each overridable by ``--engine-arg``):
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from kvdiag.engines.base import Completion, EngineSpec, Scored
 from kvdiag.errors import EngineUnsupported, first_line
@@ -47,18 +48,9 @@ def cache_dtypes() -> list[str]:
 def _cache_dtypes_from_source() -> list[str] | None:
     """``CacheDType = Literal[...]`` in vllm/config/cache.py, parsed without importing vllm; None if not found."""
     import ast
-    import importlib.util
-    from pathlib import Path
 
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "config" / "cache.py"
-    try:
-        tree = ast.parse(path.read_text())
-    except (OSError, SyntaxError):
-        return None
-    for node in tree.body:
+    tree = _vllm_source("config", "cache.py")
+    for node in tree.body if tree else ():
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["CacheDType"] \
                 and isinstance(node.value, ast.Subscript) and isinstance(node.value.slice, ast.Tuple):
             names = [e.value for e in node.value.slice.elts if isinstance(e, ast.Constant)]
@@ -67,12 +59,62 @@ def _cache_dtypes_from_source() -> list[str] | None:
     return None
 
 
-def _engine_arg_names() -> set[str]:
+def _vllm_source(*parts: str):
+    """The ast of a module of the installed vLLM (``_vllm_source("config", "cache.py")``), read without importing
+    vllm; None when vLLM or the file is missing or does not parse."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        return ast.parse(Path(list(spec.submodule_search_locations)[0], *parts).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def engine_arg_names() -> list[str]:
+    """What ``-a`` takes for vLLM: vllm.EngineArgs' dataclass fields, vllm.LLM.__init__'s named parameters and
+    kvdiag's sampling keys (SAMPLING_ARGS). Read from vLLM's installed source (importing vllm costs ~10 s before
+    any worker starts); imported when the source does not say."""
+    names = _engine_arg_names_from_source() or _engine_arg_names_imported()
+    return sorted(set(names) | set(SAMPLING_ARGS))
+
+
+def _engine_arg_names_from_source() -> set[str] | None:
+    import ast
+
+    args_tree, llm_tree = _vllm_source("engine", "arg_utils.py"), _vllm_source("entrypoints", "llm.py")
+    engine_args = _top_class(args_tree, "EngineArgs")
+    llm = _top_class(llm_tree, "LLM")
+    init = next((n for n in llm.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None) if llm \
+        else None
+    if engine_args is None or init is None or engine_args.bases:  # inherited fields: ask the import
+        return None
+    fields = {n.target.id for n in engine_args.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+              and not re.search(r"\b(ClassVar|InitVar|KW_ONLY)\b", ast.unparse(n.annotation))}
+    params = {a.arg for a in (*init.args.posonlyargs, *init.args.args, *init.args.kwonlyargs)} - {"self"}
+    return fields | params if fields and params else None
+
+
+def _top_class(tree, name: str):
+    import ast
+
+    return next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None) if tree else None
+
+
+def _engine_arg_names_imported() -> set[str]:
+    import contextlib
     import inspect
+    import sys
 
-    from vllm import LLM, EngineArgs
-
-    return {f.name for f in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM.__init__).parameters)
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM's import chatter must not reach --format json
+        from vllm import LLM, EngineArgs
+    params = {p.name for p in inspect.signature(LLM.__init__).parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}
+    return {f.name for f in dataclasses.fields(EngineArgs)} | params
 
 
 def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
@@ -87,7 +129,7 @@ def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
     for key in ("model", "kv_cache_dtype"):
         if key in extra:
             raise ValueError(f"--engine-arg {key}=... conflicts with kvdiag's own option; use --model/--kv-dtype")
-    unknown = sorted(set(extra) - _engine_arg_names())
+    unknown = sorted(set(extra) - _engine_arg_names_imported())
     if unknown:
         raise ValueError(f"unknown vLLM engine arg(s) {', '.join(unknown)} (see vllm.EngineArgs)")
     kw = dict(model=spec.model, kv_cache_dtype=spec.kv_cache_dtype, dtype=spec.dtype, seed=spec.seed,
