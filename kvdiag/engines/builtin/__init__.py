@@ -3,7 +3,7 @@
 Importing this package does not import torch; ``from kvdiag.engines.builtin.engine import BuiltinEngine``.
 """
 
-__all__ = ["BuiltinEngine", "engine_arg_names"]
+__all__ = ["engine_arg_names"]
 
 SPEC_ARGS = ("max_model_len", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "dtype")  # -a sets them
 OWN_ARGS = ("max_num_batched_tokens", "ignore_eos", "cuda_graphs")  # -a keys the engine reads itself
@@ -21,11 +21,3 @@ def shared_gpu_bytes(model: str, engine_args: dict, weights: int) -> int:
     """GPU memory one case takes when cases share a GPU: 2.5 x the weights (weights, activations, KV cache) + 1 GiB
     (the CUDA context)."""
     return int(2.5 * weights) + (1 << 30)
-
-
-def __getattr__(name):
-    if name == "BuiltinEngine":
-        from kvdiag.engines.builtin.engine import BuiltinEngine
-
-        return BuiltinEngine
-    raise AttributeError(name)
