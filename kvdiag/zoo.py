@@ -5,7 +5,9 @@ tokenizer (vocabulary 259), so that ``scripts/train_tiny_model.py --arch NAME`` 
 as it trains the shipped model. ``zoo:NAME`` resolves (``resolve``) to, in this order: a trained folder shipped in
 ``kvdiag/assets/zoo/NAME``; the folder built earlier in the zoo cache (``$KVDIAG_ZOO_DIR``, else
 ``~/.cache/kvdiag/zoo``); else it builds it there now (``build``): random weights from the preset's config, or, for
-``llama`` and ``llama-outlier``, the shipped trained tiny-llama (the latter with ``add_k_outliers`` applied).
+``llama`` and ``llama-outlier``, the shipped trained tiny-llama (the latter with ``add_k_outliers`` applied). A
+random-weight build lives in ``NAME-random``, so that its case ids and reports say so; a trained model put in the
+cache as ``NAME`` (``train_tiny_model.py --arch NAME --out CACHE/NAME``) is taken first.
 docs/zoo.md lists the presets and what the builtin engine does with each.
 """
 
@@ -130,31 +132,30 @@ def is_zoo(model: str) -> bool:
 
 
 def resolve(model: str) -> Path:
-    """``zoo:NAME`` -> its folder: shipped, else in the zoo cache, else built into the cache now (random weights
-    say so on stderr). An unknown name is a UserError listing the zoo."""
+    """``zoo:NAME`` -> its folder: shipped, else trained in the zoo cache (``NAME``), else the random-weight build
+    (``NAME-random``, built now if missing). An unknown name is a UserError listing the zoo."""
     name = model[len(PREFIX):]
-    preset(name)
-    shipped = shipped_dir(name)
-    if (shipped / "config.json").is_file():
-        return shipped
-    folder = zoo_cache() / name
+    p = preset(name)
+    for folder in (shipped_dir(name), zoo_cache() / name):
+        if (folder / "config.json").is_file():
+            return folder
+    folder = zoo_cache() / name if p.from_shipped else zoo_cache() / f"{name}-random"
     if not (folder / MARKER).is_file():
         try:
             build(name, folder)
         except OSError as e:
             raise UserError(f"cannot build zoo model '{name}' in {folder}: {e.strerror or e}") from None
-    if not json.loads((folder / MARKER).read_text()).get("trained"):
-        import sys
-
-        print(f"kvdiag: zoo:{name} has random weights ({folder}); scores mean nothing until it is trained: "
-              f"python scripts/train_tiny_model.py --arch {name} --out {folder}", file=sys.stderr)
     return folder
 
 
 def build(name: str, out: str | Path, *, seed: int = 0, tiny: bool = False) -> Path:
     """Write preset ``name``'s checkpoint to ``out`` (replaced whole, atomically): the shipped tiny-llama for
     ``llama``/``llama-outlier`` (unless ``tiny``), else random weights (transformers' init, ``seed``), in bf16."""
+    from transformers.utils import logging as hf_logging
+
     p = preset(name)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" on stderr, where a refusal's one line goes
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
@@ -175,6 +176,8 @@ def build(name: str, out: str | Path, *, seed: int = 0, tiny: bool = False) -> P
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if bars:
+            hf_logging.enable_progress_bar()
     return out
 
 
