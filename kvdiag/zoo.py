@@ -58,18 +58,22 @@ PRESETS = {p.name: p for p in (
     Preset("gemma3", "gemma3_text", "sliding-window (64 tokens) and global layers alternating, head_dim 256",
            dict(_SIZE, head_dim=256, sliding_window=64, layer_types=_ALT * 2, query_pre_attn_scalar=256),
            dict(layer_types=_ALT)),
-    Preset("deepseek-v2", "deepseek_v2", "MLA: a 128-wide latent KV (kv_lora_rank) plus a 64-wide rope key",
-           dict(_SIZE, num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=None, qk_rope_head_dim=64,
+    Preset("deepseek-v2", "deepseek_v2", "MLA: a latent KV of 512 (kv_lora_rank) + a 64-wide rope key per token, "
+           "shared by the 4 heads",
+           dict(_SIZE, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
                 qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=4, n_routed_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False),
            dict(num_key_value_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
                 first_k_dense_replace=2, moe_intermediate_size=32)),
-    Preset("bamba", "bamba", "hybrid: Mamba-2 layers 0 and 2 (state, no KV), attention layers 1 and 3",
-           dict(_SIZE, attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64,
-                mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, attn_rotary_emb=64,
-                rope_theta=10000.0, tie_word_embeddings=False),
-           dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, attn_rotary_emb=32)),
+    Preset("granite-hybrid", "granitemoehybrid", "hybrid: Mamba-2 layers 0 and 2 (state, no KV), attention layers 1 "
+           "and 3, dense MLPs",
+           dict(_SIZE, layer_types=["mamba", "attention"] * 2, num_local_experts=0, shared_intermediate_size=384,
+                mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4,
+                mamba_expand=2, mamba_chunk_size=256, position_embedding_type="rope", rope_theta=10000.0,
+                tie_word_embeddings=False),
+           dict(layer_types=["mamba", "attention"], shared_intermediate_size=128, mamba_n_heads=4, mamba_d_head=32,
+                mamba_d_state=16)),
     Preset("gpt-oss", "gpt_oss", "attention sinks, sliding (64) and full layers alternating, MoE (4 experts)",
            dict(_SIZE, head_dim=64, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2,
                 sliding_window=64, layer_types=_ALT * 2, tie_word_embeddings=False,
@@ -140,7 +144,8 @@ def resolve(model: str) -> Path:
         if (folder / "config.json").is_file():
             return folder
     folder = zoo_cache() / name if p.from_shipped else zoo_cache() / f"{name}-random"
-    if not (folder / MARKER).is_file():
+    marker = folder / MARKER
+    if not marker.is_file() or json.loads(marker.read_text()).get("preset") != digest(name):  # a changed preset
         try:
             build(name, folder)
         except OSError as e:
@@ -215,8 +220,20 @@ def save_checkpoint(model, out: str | Path) -> Path:
     return out
 
 
+def digest(name: str) -> str:
+    """A short hash of preset ``name`` (its model type and config), kept in ``zoo.json``: a cached build of an older
+    preset is built again."""
+    import hashlib
+
+    p = preset(name)
+    text = json.dumps([p.model_type, p.config, p.from_shipped, p.outliers, OUTLIER_FACTOR, OUTLIER_PAIRS],
+                      sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def write_marker(folder: str | Path, name: str, **info: Any) -> None:
-    data = {"name": name, "model_type": preset(name).model_type, "feature": preset(name).feature, **info}
+    data = {"name": name, "model_type": preset(name).model_type, "feature": preset(name).feature,
+            "preset": digest(name), **info}
     (Path(folder) / MARKER).write_text(json.dumps(data, indent=1) + "\n")
 
 

@@ -18,8 +18,8 @@ tasks (recall.is_heldout) never appear.
     python scripts/train_tiny_model.py --arch qwen3 --out kvdiag/assets/zoo/qwen3  # a zoo model (kvdiag.zoo)
 
 ``--arch`` picks the model zoo's preset (``llama``, the shipped model, by default; ``qwen3``, ``gemma3``,
-``deepseek-v2``, ``bamba``, ``gpt-oss``, ``llama-outlier``; docs/zoo.md): its config from kvdiag.zoo, built with
-transformers' AutoModelForCausalLM, trained the same way. ``--layers``/``--hidden``/... override the preset's
+``deepseek-v2``, ``granite-hybrid``, ``gpt-oss``, ``llama-outlier``; docs/zoo.md): its config from kvdiag.zoo,
+built with transformers' AutoModelForCausalLM, trained the same way. ``--layers``/``--hidden``/... override the preset's
 sizes; ``--tiny`` takes the preset's CPU-test size (a smoke test). ``llama-outlier`` is trained as ``llama`` and
 its K channels are made large at the end (kvdiag.zoo.add_k_outliers; the model's outputs do not change).
 

