@@ -165,18 +165,21 @@ def test_training_runs_for_every_zoo_model_and_saves_a_loadable_checkpoint(name,
     assert (out / "tokenizer.json").read_bytes() == (TINY_MODEL / "tokenizer.json").read_bytes()
 
 
-def test_the_builtin_engine_runs_the_outlier_llama_through_accuracy(tmp_path):
+@pytest.mark.parametrize("name", ["llama-outlier", "qwen3"])
+def test_the_builtin_engine_runs_the_llama_shaped_zoo_models_through_accuracy(name, tmp_path):
     env = {**os.environ, "KVDIAG_ZOO_DIR": str(tmp_path / "zoo")}
-    r = subprocess.run([sys.executable, "-m", "kvdiag", "accuracy", "-m", "zoo:llama-outlier", "--limit", "5",
+    r = subprocess.run([sys.executable, "-m", "kvdiag", "accuracy", "-m", f"zoo:{name}", "--limit", "5",
                         "-d", "auto", "-d", "bf16", "--format", "json", "-o", str(tmp_path / "r")],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     recs = [json.loads(x) for x in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
     last = {x["kv_dtype"]: x["status"] for x in recs}  # a case's record as judged last
     assert last == {"auto": "pass", "bfloat16": "pass"}
-    assert {Path(x["model"]).name for x in recs} == {"llama-outlier"}
+    assert {Path(x["model"]).name for x in recs} == {"llama-outlier" if name == "llama-outlier" else f"{name}-random"}
     scores = [x["metrics"]["scores"]["kv_recall"]["acc"] for x in recs]
-    assert all(s["n"] == 5 and s["score"] == 1.0 for s in scores)  # trained: the shipped model's recall
+    assert all(s["n"] == 5 for s in scores)
+    if name == "llama-outlier":
+        assert all(s["score"] == 1.0 for s in scores)  # trained: the shipped model's recall
 
 
 @pytest.mark.slow
