@@ -257,6 +257,8 @@ def add_k_outliers(folder: str | Path, factor: int = OUTLIER_FACTOR, pairs: int 
     chans = sorted(c for i in range(half - pairs, half) for c in (i, i + half))
     file = folder / "model.safetensors"
     state = load_file(str(file))
+    if any(".k_norm." in n for n in state):
+        raise ValueError(f"{folder}: its K projections are followed by a QK-norm, which would undo the outliers")
     with torch.no_grad():
         for name in [n for n in state if ".k_proj." in n]:
             q_name = name.replace(".k_proj.", ".q_proj.")

@@ -82,6 +82,8 @@ def test_outlier_llama_has_large_k_channels_and_the_same_outputs(tmp_path):
     rest = [c for c in range(64) if c not in chans]
     assert k[..., chans].amax() > 20 * k[..., rest].amax()
     assert json.loads((folder / zoo.MARKER).read_text())["trained"] is True
+    with pytest.raises(ValueError, match="QK-norm"):
+        zoo.add_k_outliers(zoo.build("qwen3", tmp_path / "q", tiny=True))
 
 
 def test_zoo_names_resolve_build_once_and_unknown_names_fail(tmp_path, monkeypatch):
