@@ -150,6 +150,19 @@ def _load_trainer():
     return mod
 
 
+def test_the_default_arch_is_the_shipped_models_recipe():
+    trainer = _load_trainer()
+    model = trainer.build_model(trainer.parse_args(["--out", "unused"]))
+    got = model.config.to_dict()
+    shipped = json.loads((TINY_MODEL / "config.json").read_text())
+    keys = ["architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+            "tie_word_embeddings", "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act"]
+    assert {k: got[k] for k in keys} == {k: shipped[k] for k in keys}
+    wide = trainer.build_model(trainer.parse_args(["--out", "unused", "--hidden", "128", "--heads", "4"]))
+    assert wide.config.head_dim == 32  # llama: head_dim follows hidden / heads, as before --arch
+
+
 @pytest.mark.parametrize("name", ["llama-outlier", "qwen3", "gemma3", "deepseek-v2", "granite-hybrid", "gpt-oss"])
 def test_training_runs_for_every_zoo_model_and_saves_a_loadable_checkpoint(name, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
