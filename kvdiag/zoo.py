@@ -141,16 +141,24 @@ def resolve(model: str) -> Path:
     name = model[len(PREFIX):]
     p = preset(name)
     for folder in (shipped_dir(name), zoo_cache() / name):
-        if (folder / "config.json").is_file():
+        if (folder / "config.json").is_file() and not _stale(folder, name):
             return folder
     folder = zoo_cache() / name if p.from_shipped else zoo_cache() / f"{name}-random"
-    marker = folder / MARKER
-    if not marker.is_file() or json.loads(marker.read_text()).get("preset") != digest(name):  # a changed preset
+    if not (folder / "config.json").is_file() or _stale(folder, name):
         try:
             build(name, folder)
         except OSError as e:
             raise UserError(f"cannot build zoo model '{name}' in {folder}: {e.strerror or e}") from None
     return folder
+
+
+def _stale(folder: Path, name: str) -> bool:
+    """A folder that ``build`` wrote from an older preset (a trained or hand-made folder never is)."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("built") is True and marker.get("preset") != digest(name)
 
 
 def build(name: str, out: str | Path, *, seed: int = 0, tiny: bool = False) -> Path:
@@ -175,7 +183,7 @@ def build(name: str, out: str | Path, *, seed: int = 0, tiny: bool = False) -> P
             trained = False
         if p.outliers:
             add_k_outliers(tmp)
-        write_marker(tmp, name, trained=trained, seed=None if trained else seed)
+        write_marker(tmp, name, built=True, trained=trained, seed=None if trained else seed)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

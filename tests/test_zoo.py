@@ -115,6 +115,17 @@ def test_a_cached_random_build_of_an_older_preset_is_built_again(tmp_path, monke
     assert zoo.resolve("zoo:gemma3") == folder
     assert (folder / "model.safetensors").read_bytes() != b"stale"
     assert zoo.digest("gemma3") != zoo.digest("qwen3")
+    outlier = zoo.resolve("zoo:llama-outlier")  # built from the shipped model, in the cache under its own name
+    marker = json.loads((outlier / zoo.MARKER).read_text())
+    (outlier / zoo.MARKER).write_text(json.dumps({**marker, "preset": "older"}))
+    (outlier / "model.safetensors").write_bytes(b"stale")
+    assert zoo.resolve("zoo:llama-outlier") == outlier and (outlier / "model.safetensors").stat().st_size > 1000
+    trained = tmp_path / "gemma3"  # what train_tiny_model.py writes: never rebuilt, whatever its preset
+    trained.mkdir()
+    (trained / "config.json").write_text("{}")
+    zoo.write_marker(trained, "gemma3", trained=True)
+    (trained / zoo.MARKER).write_text((trained / zoo.MARKER).read_text().replace(zoo.digest("gemma3"), "older"))
+    assert zoo.resolve("zoo:gemma3") == trained and (trained / "config.json").read_text() == "{}"
 
 
 def test_an_unknown_zoo_name_exits_2_with_one_line(tmp_path):
