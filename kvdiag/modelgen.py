@@ -217,22 +217,16 @@ PRESETS = {"qwen2-0.5b": QWEN2_05B, "llama-3.1-8b": LLAMA31_8B}
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m kvdiag.modelgen PRESET OUT [--device cuda]``: write a preset's random-weight checkpoint (a
-    benchmark size, or a model zoo name: kvdiag.zoo, docs/zoo.md)."""
+    """``python -m kvdiag.modelgen PRESET OUT [--device cuda]``: write a preset's random-weight checkpoint."""
     import argparse
 
-    from kvdiag import zoo
-
     ap = argparse.ArgumentParser(prog="python -m kvdiag.modelgen", description=main.__doc__)
-    ap.add_argument("preset", choices=sorted(PRESETS) + zoo.names())
+    ap.add_argument("preset", choices=sorted(PRESETS))
     ap.add_argument("out")
-    ap.add_argument("--device", default="cpu", help="where to draw the weights (cpu, cuda; not for zoo models)")
+    ap.add_argument("--device", default="cpu", help="where to draw the weights (cpu, cuda)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    if a.preset in PRESETS:
-        print(make_random_model(a.out, seed=a.seed, device=a.device, **PRESETS[a.preset]))
-    else:
-        print(zoo.build(a.preset, a.out, seed=a.seed))
+    print(make_random_model(a.out, seed=a.seed, device=a.device, **PRESETS[a.preset]))
 
 
 if __name__ == "__main__":

@@ -278,3 +278,20 @@ def add_k_outliers(folder: str | Path, factor: int = OUTLIER_FACTOR, pairs: int 
             state[name], state[q_name] = k, q
     save_file(state, str(file), metadata={"format": "pt"})
     return chans
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvdiag.zoo NAME OUT [--seed N]``: write zoo model NAME's checkpoint to OUT (random weights;
+    ``llama`` and ``llama-outlier``: the shipped trained weights)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvdiag.zoo", description=main.__doc__)
+    ap.add_argument("name", choices=names())
+    ap.add_argument("out")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    print(build(a.name, a.out, seed=a.seed))
+
+
+if __name__ == "__main__":
+    main()
