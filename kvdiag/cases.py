@@ -33,6 +33,20 @@ def resolve_model(model: str | None) -> str:
     return resolve(model)
 
 
+def engine_model(engine: str, model: str | None) -> str:
+    """:func:`resolve_model`, and for the builtin engine the model's architecture checked too, so that a model it
+    does not run (a zoo model of another family, say) is one line and exit 2 before any worker starts."""
+    folder = resolve_model(model)
+    if engine == "builtin" and model is not None:
+        from kvdiag.engines.builtin.config import ModelConfig
+
+        try:
+            ModelConfig.from_path(folder)
+        except UserError as e:
+            raise UserError(f"model {model}: {e}") from None
+    return folder
+
+
 def resolve_kv_dtypes(engine: str, user: list[str] | None, *, default_all: bool = True) -> list[str]:
     from kvdiag import dtypes
     from kvdiag.engines.base import engine_dtypes, resolve_engine
@@ -94,7 +108,7 @@ def check_cases(name: str, target: Target, p) -> tuple:
     from kvdiag.models import label as model_label
 
     engine = resolve_engine(target.engine)
-    model = resolve_model(target.model)
+    model = engine_model(engine, target.model)
     base = {"device": target.device, "engine_args": check_engine_args(engine, parse_engine_args(target.engine_args)),
             "faults": resolve_faults(engine, target.faults),
             **{f.name: getattr(p, f.name) for f in check.option_fields()}}
@@ -171,7 +185,7 @@ def resolve_sweep(target: Target, baseline: str, *, all_names=False) -> Sweep:
 
     engine = resolve_engine(target.engine)
     engine_args = check_engine_args(engine, parse_engine_args(target.engine_args))
-    model = resolve_model(target.model)
+    model = engine_model(engine, target.model)
     valid = engine_dtypes(engine)
     names = resolve_kv_dtypes(engine, target.kv_dtypes) if target.kv_dtypes or not all_names else list(valid)
     try:

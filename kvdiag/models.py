@@ -32,7 +32,14 @@ _TRUE = ("1", "ON", "YES", "TRUE")
 
 
 def resolve(model: str) -> str:
-    """The checked local folder of ``model`` (a folder, or a hub id); UserError (exit 2) otherwise."""
+    """The checked local folder of ``model`` (a folder, a hub id, or ``zoo:NAME``, kvdiag.zoo); UserError (exit 2)
+    otherwise."""
+    from kvdiag import zoo
+
+    if zoo.is_zoo(model):
+        folder = zoo.resolve(model)
+        check_folder(folder, model)
+        return str(folder.resolve())
     path = Path(model).expanduser()
     if path.is_dir():
         check_folder(path, model)

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Generate the shipped lm_eval task data (kvdiag/tasks/data/*.jsonl), deterministically.
+"""Generate the shipped lm_eval task data (kvdiag/tasks/data/*.jsonl), deterministically, or a task of your own
+difficulty.
 
     python scripts/make_tasks.py                 # rewrites kvdiag/tasks/data/
     python scripts/make_tasks.py --out-dir /tmp/x
+    python scripts/make_tasks.py --name kv_recall_hard --pairs 150-190 --first-frac 0.1 --out-dir /tmp/hard
+    kvdiag accuracy --include-path /tmp/hard -t kv_recall_hard
 
 kv_recall:       200 documents, 16 pairs, the asked key anywhere in the context.
 kv_recall_long:  100 documents, 64-96 pairs (~650-970 tokens), the asked key in
@@ -11,6 +14,12 @@ Each document offers 4 choices, all values of the same context (the right one
 and 3 others). Keys are drawn only from the held-out keys (recall.is_heldout),
 which training never uses, and with seeds of their own. Uses Python's `random`
 (stable across versions), so the bytes are reproducible.
+
+With --name, one task of that name goes to --out-dir: NAME.jsonl, NAME.yaml and a copy of kv_utils.py (the YAML's
+loader), ready for ``--include-path``. Its difficulty: --pairs (context length, 10 tokens a pair), --first-frac
+(where the asked key is), --queries Q (Q answered queries between the context and the asked one: the training
+format, and what a long generation leaves in the cache before the answer), --generate (the model writes the value,
+greedy, scored by exact match of all digits, instead of choosing among 4; --gen-toks caps the generation).
 """
 
 from __future__ import annotations
@@ -19,12 +28,13 @@ import argparse
 import json
 import math
 import random
+import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvdiag.tasks import recall  # noqa: E402
+from kvdiag.tasks import TASKS_DIR, recall  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "kvdiag" / "tasks" / "data"
@@ -36,7 +46,8 @@ SPECS = {
 }
 
 
-def make_doc(rng: random.Random, keys: list[int], idx: int, n_pairs: int, first_frac: float) -> dict:
+def make_doc(rng: random.Random, keys: list[int], idx: int, n_pairs: int, first_frac: float,
+             queries: int = 0) -> dict:
     key_ids = rng.sample(keys, n_pairs)
     values = rng.sample(range(recall.N_VALUES), n_pairs)
     pairs = [(recall.key_text(k), recall.value_text(v)) for k, v in zip(key_ids, values)]
@@ -45,40 +56,100 @@ def make_doc(rng: random.Random, keys: list[int], idx: int, n_pairs: int, first_
     others = rng.sample([v for i, (_, v) in enumerate(pairs) if i != position], 3)
     choices = others + [value]
     rng.shuffle(choices)
-    return {
+    answered = [pairs[i] for i in rng.sample([i for i in range(n_pairs) if i != position], queries)] if queries else []
+    doc = {
         "id": idx,
-        "context": recall.prompt(pairs, key),
+        "context": recall.prompt(pairs, key, answered),
         "choices": choices,
         "answer": choices.index(value),
         "key": key,
         "position": position,
         "n_pairs": n_pairs,
     }
+    if queries:
+        doc["queries"] = queries
+    return doc
 
 
-def make_task(name: str) -> list[dict]:
-    seed, n_docs, (lo, hi), first_frac = SPECS[name]
+def make_task(name: str, spec: tuple | None = None, queries: int = 0) -> list[dict]:
+    seed, n_docs, (lo, hi), first_frac = spec or SPECS[name]
     rng = random.Random(seed)
     keys = [k for k in range(recall.N_KEYS) if recall.is_heldout(k)]
-    return [make_doc(rng, keys, i, rng.randint(lo, hi), first_frac) for i in range(n_docs)]
+    return [make_doc(rng, keys, i, rng.randint(lo, hi), first_frac, queries) for i in range(n_docs)]
+
+
+def write_jsonl(path: Path, docs: list[dict]) -> Path:
+    path.write_text("\n".join(json.dumps(doc, ensure_ascii=True) for doc in docs) + "\n", encoding="ascii")
+    return path
 
 
 def write_all(out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name in SPECS:
-        path = out_dir / f"{name}.jsonl"
-        lines = [json.dumps(doc, ensure_ascii=True) for doc in make_task(name)]
-        path.write_text("\n".join(lines) + "\n", encoding="ascii")
-        paths.append(path)
-    return paths
+    return [write_jsonl(out_dir / f"{name}.jsonl", make_task(name)) for name in SPECS]
+
+
+def task_yaml(name: str, describe: str, generate: bool, gen_toks: int) -> str:
+    """The lm_eval config of a custom task: the shipped tasks' multiple choice, or a greedy generation of the value
+    scored by exact match of its digits."""
+    head = (f"# {describe} (scripts/make_tasks.py)\ntag:\n  - kvdiag_custom\ntask: {name}\ndataset_path: json\n"
+            f"dataset_kwargs:\n  data_files:\n    test: {name}.jsonl\ncustom_dataset: !function kv_utils.load_json\n"
+            "test_split: test\ndoc_to_text: context\n")
+    if not generate:
+        return head + ("output_type: multiple_choice\ndoc_to_choice: choices\ndoc_to_target: answer\n"
+                       'target_delimiter: ""\nmetric_list:\n  - metric: acc\n    aggregation: mean\n'
+                       "    higher_is_better: true\nmetadata:\n  version: 1.0\n")
+    return head + ("output_type: generate_until\ndoc_to_target: \"{{choices[answer]}}\"\ntarget_delimiter: \"\"\n"
+                   f"generation_kwargs:\n  until: [\" \", \";\"]\n  max_gen_toks: {gen_toks}\n  do_sample: false\n"
+                   "  temperature: 0.0\nfilter_list:\n  - name: value\n    filter:\n      - function: regex\n"
+                   f"        regex_pattern: \"(\\\\d{{{recall.VALUE_LEN}}})\"\n      - function: take_first\n"
+                   "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+                   "metadata:\n  version: 1.0\n")
+
+
+def write_custom(a, out_dir: Path) -> list[Path]:
+    lo, _, hi = a.pairs.partition("-")
+    pairs = (int(lo), int(hi or lo))
+    spec = (a.seed, a.docs, pairs, a.first_frac)
+    docs = make_task(a.name, spec, a.queries)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    describe = (f"{a.docs} documents, {pairs[0]}-{pairs[1]} pairs, the key in the first {a.first_frac:g} of them, "
+                f"{a.queries} answered queries first, " + ("generated" if a.generate else "4 choices"))
+    (out_dir / f"{a.name}.yaml").write_text(task_yaml(a.name, describe, a.generate, a.gen_toks))
+    shutil.copy2(TASKS_DIR / "kv_utils.py", out_dir / "kv_utils.py")
+    return [write_jsonl(out_dir / f"{a.name}.jsonl", docs), out_dir / f"{a.name}.yaml"]
+
+
+def _check(p, a) -> None:
+    if a.name is None:
+        return
+    if a.name in SPECS or not a.name.replace("_", "").isalnum():
+        p.error(f"--name {a.name!r}: give a new task name (letters, digits, _), not a shipped one")
+    if a.out_dir == DEFAULT_OUT:
+        p.error("--name needs --out-dir (a folder to pass to kvdiag accuracy --include-path)")
+    lo, _, hi = a.pairs.partition("-")
+    ok = lo.isdigit() and (not hi or hi.isdigit()) and 4 <= int(lo) <= int(hi or lo) <= recall.N_KEYS // 16
+    if not ok:
+        p.error(f"--pairs {a.pairs!r}: N or LO-HI, at least 4")
+    if not 0 < a.first_frac <= 1 or a.docs < 1 or a.queries < 0 or a.gen_toks < recall.VALUE_LEN:
+        p.error("--first-frac in (0, 1], --docs >= 1, --queries >= 0, --gen-toks >= the value's digits")
+    if a.queries >= int(lo):
+        p.error(f"--queries {a.queries}: fewer than the pairs ({lo})")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--name", help="write one task of this name and the difficulty below (default: the shipped)")
+    p.add_argument("--pairs", default="16", help="pairs per context: N or LO-HI (10 tokens a pair)")
+    p.add_argument("--first-frac", type=float, default=1.0, help="the asked key is in this first part of pairs")
+    p.add_argument("--docs", type=int, default=100)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--queries", type=int, default=0, help="answered queries before the asked key")
+    p.add_argument("--generate", action="store_true", help="generate the value (exact match), not 4 choices")
+    p.add_argument("--gen-toks", type=int, default=8, help="max_gen_toks of --generate")
     args = p.parse_args(argv)
-    for path in write_all(args.out_dir):
+    _check(p, args)
+    for path in write_custom(args, args.out_dir) if args.name else write_all(args.out_dir):
         print(path)
 
 

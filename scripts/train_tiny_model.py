@@ -15,6 +15,13 @@ tasks (recall.is_heldout) never appear.
 
     python scripts/train_tiny_model.py --out kvdiag/assets/tiny-llama            # CUDA if present
     python scripts/train_tiny_model.py --out /tmp/tiny --device cpu                # same recipe on CPU
+    python scripts/train_tiny_model.py --arch qwen3 --out kvdiag/assets/zoo/qwen3  # a zoo model (kvdiag.zoo)
+
+``--arch`` picks the model zoo's preset (``llama``, the shipped model, by default; ``qwen3``, ``gemma3``,
+``deepseek-v2``, ``granite-hybrid``, ``gpt-oss``, ``llama-outlier``; docs/zoo.md): its config from kvdiag.zoo,
+built with transformers' AutoModelForCausalLM, trained the same way. ``--layers``/``--hidden``/... override the preset's
+sizes; ``--tiny`` takes the preset's CPU-test size (a smoke test). ``llama-outlier`` is trained as ``llama`` and
+its K channels are made large at the end (kvdiag.zoo.add_k_outliers; the model's outputs do not change).
 
 The defaults are the shipped recipe: ~1 min on an H100, ~50 min on 2 CPU cores
 (2.36 s/step measured at the longest contexts). The result is saved in bfloat16
@@ -35,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvdiag import modelgen  # noqa: E402
+from kvdiag import modelgen, zoo  # noqa: E402
 from kvdiag.tasks import recall  # noqa: E402
 
 SPACE, EQ, SEMI = ord(" "), ord("="), ord(";")
@@ -61,13 +68,17 @@ def parse_args(argv=None):
     p.add_argument("--key-len", type=int, default=recall.KEY_LEN)
     p.add_argument("--value-len", type=int, default=recall.VALUE_LEN)
     p.add_argument("--max-queries", type=int, default=32)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=384)
-    p.add_argument("--max-positions", type=int, default=2048)
+    p.add_argument("--arch", default="llama", choices=zoo.names(), help="the zoo preset to train (docs/zoo.md)")
+    p.add_argument("--tiny", action="store_true", help="the preset's few-layer CPU-test size (smoke tests)")
+    p.add_argument("--layers", type=int, default=None, help="default: the preset's (4)")
+    p.add_argument("--hidden", type=int, default=None, help="default: the preset's (256)")
+    p.add_argument("--heads", type=int, default=None, help="default: the preset's (4)")
+    p.add_argument("--kv-heads", type=int, default=None, help="default: the preset's (2)")
+    p.add_argument("--head-dim", type=int, default=None, help="default: the preset's (llama: hidden / heads)")
+    p.add_argument("--intermediate", type=int, default=None, help="default: the preset's (384)")
+    p.add_argument("--max-positions", type=int, default=None, help="default: the preset's (2048)")
     p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--eval-rows", type=int, default=64, help="sequences of the 16-pair check (long: a quarter)")
     p.add_argument("--time-limit", type=float, default=0, help="stop training after this many seconds (0: none)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     return p.parse_args(argv)
@@ -139,30 +150,14 @@ def check_format(rng, key_pool):
 
 # ---------------------------------------------------------------- model
 def build_model(args):
-    from transformers import AutoModelForCausalLM
-
-    cfg = modelgen._config(
-        "llama",
-        vocab_size=modelgen.BYTE_VOCAB_SIZE,
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        intermediate_size=args.intermediate,
-        max_position_embeddings=args.max_positions,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=modelgen.BOS_ID,
-        eos_token_id=modelgen.EOS_ID,
-        pad_token_id=modelgen.PAD_ID,
-        initializer_range=0.02,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    return model
+    """The --arch preset's model (kvdiag.zoo) with the size options applied, transformers' random init."""
+    sizes = dict(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                 num_key_value_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate,
+                 max_position_embeddings=args.max_positions)
+    if zoo.preset(args.arch).model_type == "llama" and args.head_dim is None and (args.hidden or args.heads):
+        cfg = zoo.hf_config(args.arch, tiny=args.tiny, **sizes)
+        sizes["head_dim"] = cfg.hidden_size // cfg.num_attention_heads
+    return zoo.random_model(args.arch, seed=args.seed, tiny=args.tiny, **sizes)
 
 
 @torch.no_grad()
@@ -263,6 +258,7 @@ def main(argv=None):
     )
     print(json.dumps({"params": n_params, "args": vars(args)}), flush=True)
     log = []
+    rows16, rows_long = args.eval_rows, max(1, args.eval_rows // 4)
     cur = Curriculum(args)
     t0 = time.time()
     tokens = 0
@@ -298,8 +294,8 @@ def main(argv=None):
             rec = {"step": step, "n": n, "n_max": cur.n_max, "ema": round(cur.ema, 3), "rows": rows,
                    "loss": round(loss.item(), 4), "s": round(time.time() - t0, 1)}
             if (step % args.eval_every == 0 and step) or step == args.steps - 1 or stop:
-                rec["acc16"] = evaluate(model, device, eval_rng, eval_keys, 64, 16, 16, None, amp)
-                rec["acc_long_early"] = evaluate(model, device, eval_rng, eval_keys, 16, 64, 96, 0.1, amp)
+                rec["acc16"] = evaluate(model, device, eval_rng, eval_keys, rows16, 16, 16, None, amp)
+                rec["acc_long_early"] = evaluate(model, device, eval_rng, eval_keys, rows_long, 64, 96, 0.1, amp)
             log.append(rec)
             print(json.dumps(rec), flush=True)
         if stop:
@@ -310,18 +306,17 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = model.to(torch.bfloat16).cpu()
-    model.config.dtype = torch.bfloat16
     cpu, no_amp = torch.device("cpu"), lambda: torch.autocast("cpu", enabled=False)
     final = {
-        "acc16_bf16": evaluate(model, cpu, np.random.default_rng(7), eval_keys, 32, 16, 16, None, no_amp),
-        "acc_long_early_bf16": evaluate(model, cpu, np.random.default_rng(8), eval_keys, 8, 64, 96, 0.1, no_amp),
+        "acc16_bf16": evaluate(model, cpu, np.random.default_rng(7), eval_keys, max(1, rows16 // 2), 16, 16, None,
+                               no_amp),
+        "acc_long_early_bf16": evaluate(model, cpu, np.random.default_rng(8), eval_keys, max(1, rows_long // 2), 64,
+                                        96, 0.1, no_amp),
     }
-    model.save_pretrained(out)
-    modelgen.add_legacy_config_keys(out)
-    modelgen.save_tokenizer(out, model_max_length=args.max_positions)
-    gen_cfg = {"bos_token_id": modelgen.BOS_ID, "eos_token_id": modelgen.EOS_ID, "pad_token_id": modelgen.PAD_ID,
-               "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    zoo.save_checkpoint(model, out)
+    if zoo.preset(args.arch).outliers:
+        zoo.add_k_outliers(out)
+    zoo.write_marker(out, args.arch, trained=True, seed=args.seed, steps=steps_done, **final)
     summary = {
         "params": n_params,
         "train_seconds": round(train_s, 1),

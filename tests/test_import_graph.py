@@ -19,7 +19,8 @@ SOURCES = {"kvdiag": ROOT / "kvdiag", "kvdiag.kernels": ROOT / "kernels"}  # pac
 # Lowest first; a module may import from its own layer and those below. The same order is in docs/DESIGN.md.
 LAYERS = [
     ("foundation", ["kvdiag", "kvdiag.errors", "kvdiag.dtypes", "kvdiag.results", "kvdiag.models",
-                    "kvdiag.modelgen", "kvdiag.assets", "kvdiag.case", "kvdiag.gpus", "kvdiag.keyvalue"]),
+                    "kvdiag.modelgen", "kvdiag.zoo", "kvdiag.assets", "kvdiag.case", "kvdiag.gpus",
+                    "kvdiag.keyvalue"]),
     ("kernels", ["kvdiag.kernels"]),
     ("engines", ["kvdiag.engines"]),
     ("measuring and evaluation", ["kvdiag.memory", "kvdiag.memory_holders", "kvdiag.engine_processes",

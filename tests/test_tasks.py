@@ -143,3 +143,79 @@ def test_shipped_model_recalls_through_lm_eval(task, limit, floor):
     res = lm_eval.simple_evaluate(model=_TransformersLM(TINY_MODEL), tasks=[task], limit=limit, bootstrap_iters=0,
                                   task_manager=task_manager(include_defaults=False))
     assert res["results"][task]["acc,none"] >= floor
+
+
+# ---------------------------------------------------------------- tasks of your own difficulty
+def _make_task(tmp_path, *args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tasks.py"), "--out-dir", str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _load_tasks(folder, names):
+    from kvdiag.tasks import task_manager
+
+    tm = task_manager(include_paths=[folder], include_defaults=False)
+    if hasattr(tm, "load"):
+        return tm.load(names)["tasks"]
+    from lm_eval.tasks import get_task_dict
+
+    return get_task_dict(names, tm)
+
+
+def test_make_tasks_writes_a_task_of_the_asked_pairs_position_and_queries(tmp_path, monkeypatch):
+    r = _make_task(tmp_path, "--name", "kv_x", "--pairs", "20-24", "--first-frac", "0.25", "--queries", "3",
+                   "--docs", "30", "--seed", "5")
+    assert r.returncode == 0, r.stderr
+    docs = [json.loads(line) for line in (tmp_path / "kv_x.jsonl").read_text().splitlines()]
+    assert len(docs) == 30 and len({d["n_pairs"] for d in docs}) > 1
+    for doc in docs:
+        body, _, asked = doc["context"].partition(" ;")
+        pairs = dict(p.split("=") for p in body.split(" "))
+        assert len(pairs) == doc["n_pairs"] and 20 <= doc["n_pairs"] <= 24
+        assert list(pairs).index(doc["key"]) == doc["position"] < -(-0.25 * doc["n_pairs"] // 1)
+        queries = asked.split(" ")[1:]  # " k1=v1 k2=v2 k3=v3 key="
+        assert len(queries) == 4 and queries[-1] == f"{doc['key']}="
+        answered = dict(q.split("=") for q in queries[:-1])
+        assert doc["key"] not in answered and all(pairs[k] == v for k, v in answered.items())  # the right values
+        assert doc["choices"][doc["answer"]] == pairs[doc["key"]]
+    again = tmp_path / "again"
+    assert _make_task(again, "--name", "kv_x", "--pairs", "20-24", "--first-frac", "0.25", "--queries", "3",
+                      "--docs", "30", "--seed", "5").returncode == 0
+    assert (again / "kv_x.jsonl").read_bytes() == (tmp_path / "kv_x.jsonl").read_bytes()  # deterministic
+    monkeypatch.chdir(ROOT)  # the YAML's data and loader are found beside it, from any directory
+    tasks = _load_tasks(str(tmp_path), ["kv_x"])
+    assert [d["context"] for d in tasks["kv_x"].test_docs()] == [d["context"] for d in docs]
+
+
+def test_make_tasks_generate_variant_is_a_generation_task_scored_by_exact_match(tmp_path):
+    assert _make_task(tmp_path, "--name", "kv_g", "--generate", "--gen-toks", "6", "--docs", "5").returncode == 0
+    task = _load_tasks(str(tmp_path), ["kv_g"])["kv_g"]
+    assert task.OUTPUT_TYPE == "generate_until"
+    doc = next(iter(task.test_docs()))
+    assert task.doc_to_target(doc) == doc["choices"][doc["answer"]]
+    assert task.config.generation_kwargs["max_gen_toks"] == 6
+    from lm_eval.filters.extraction import RegexFilter
+
+    [flt] = task.config.filter_list  # the value: the first 4 digits the model writes
+    regex = RegexFilter(regex_pattern=flt["filter"][0]["regex_pattern"])
+    assert list(regex.apply([["0932"], [" 0932 ; ab"], ["93"]], [doc] * 3)) == [["0932"], ["0932"], ["[invalid]"]]
+
+
+@pytest.mark.parametrize("args", [["--name", "kv_recall"], ["--name", "kv_y", "--pairs", "2"],
+                                  ["--name", "kv_y", "--pairs", "8", "--queries", "8"], ["--name", "kv y"]])
+def test_make_tasks_bad_knobs_exit_2_without_writing(tmp_path, args):
+    r = _make_task(tmp_path / "out", *args)
+    assert r.returncode == 2 and "error:" in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_harder_task_shows_a_loss_on_the_shipped_model(tmp_path):
+    """The shipped model scores 1.0 on the shipped tasks; past the 100 pairs it was trained on it does not."""
+    assert _make_task(tmp_path / "t", "--name", "kv_hard", "--pairs", "150-190", "--first-frac", "0.1",
+                      "--docs", "40").returncode == 0
+    r = subprocess.run([sys.executable, "-m", "kvdiag", "accuracy", "--include-path", str(tmp_path / "t"), "-t",
+                        "kv_hard", "-d", "auto", "-o", str(tmp_path / "r")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads((tmp_path / "r" / "results.jsonl").read_text().splitlines()[-1])
+    score = rec["metrics"]["scores"]["kv_hard"]["acc"]
+    assert score["n"] == 40 and 0.5 <= score["score"] <= 0.95

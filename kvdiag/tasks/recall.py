@@ -53,6 +53,7 @@ def question_text(key: str) -> str:
     return f" {key}="
 
 
-def prompt(pairs: list[tuple[str, str]], key: str) -> str:
-    """The text a task scores continuations after; the answer follows with no separator."""
-    return context_text(pairs) + question_text(key)
+def prompt(pairs: list[tuple[str, str]], key: str, answered: list[tuple[str, str]] = ()) -> str:
+    """The text a task scores continuations after; the answer follows with no separator. ``answered`` pairs come
+    first as queries already answered (`` ; k1=v1 k2=v2 key=``, the training format)."""
+    return context_text(pairs) + "".join(question_text(k) + v for k, v in answered) + question_text(key)

@@ -10,6 +10,15 @@ from kvdiag.errors import UserError
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
+# model types of the model zoo (kvdiag.zoo) and kin -> what the builtin engine lacks for them
+LACKS = {
+    "gemma2": "per-layer sliding windows, logit soft-capping, GeGLU and sandwich norms",
+    "gemma3_text": "per-layer sliding windows and local rope, GeGLU and sandwich norms",
+    "deepseek_v2": "MLA (a compressed latent KV cache)", "deepseek_v3": "MLA (a compressed latent KV cache)",
+    "bamba": "Mamba-2 state layers", "falcon_h1": "Mamba-2 state layers", "granitemoehybrid": "Mamba-2 state layers",
+    "nemotron_h": "Mamba-2 state layers", "zamba2": "Mamba-2 state layers",
+    "gpt_oss": "attention sinks and MoE layers",
+}
 
 
 @dataclass
@@ -40,7 +49,9 @@ class ModelConfig:
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         arch = cfg.get("model_type", "")
         if arch not in ARCHS:
-            raise UserError(f"the builtin engine runs {', '.join(ARCHS)} models, not model_type '{arch}'")
+            lacks = f" (it has no {LACKS[arch]})" if arch in LACKS else ""
+            raise UserError(f"the builtin engine runs {', '.join(ARCHS)} models, not model_type '{arch}'{lacks}; "
+                            "--engine vllm runs more")
         if cfg.get("hidden_act", "silu") != "silu":
             raise UserError(f"the builtin engine supports hidden_act 'silu', not '{cfg['hidden_act']}'")
         if cfg.get("quantization_config"):
