@@ -1,6 +1,6 @@
 """A case and what a worker gives its case function: the lowest layer of running cases (docs/DESIGN.md, "Running
-cases"). The runner (kvdiag/runner.py) runs cases in workers (kvdiag/worker.py); both, the checks and the progress
-lines build on this module, which imports none of them.
+cases"). The runner (kvdiag/run/runner.py) runs cases in workers (kvdiag/run/worker.py); both, the checks and the
+progress lines build on this module, which imports none of them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The GPUs of this machine and the ones a worker may use, without importing torch or initialising CUDA (NVML,
-else the ``/dev/nvidiaN`` device files). The scheduler (kvdiag/scheduling.py) and the memory measurements
-(kvdiag/memory.py, kvdiag/engine_processes.py) read them here."""
+else the ``/dev/nvidiaN`` device files). The scheduler (kvdiag/run/scheduling.py) and the memory measurements
+(kvdiag/measure/memory.py, kvdiag/measure/processes.py) read them here."""
 
 from __future__ import annotations
 

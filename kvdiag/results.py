@@ -131,8 +131,9 @@ class RunRecord:
     run_dir: str | None = None
     summary: dict = field(default_factory=dict)
     analysis: dict = field(default_factory=dict)  # cross-case results (comparisons, matrices)
-    shard: dict = field(default_factory=dict)  # kvdiag ci --shard: suite, index, count (kvdiag.shards)
-    models: dict = field(default_factory=dict)  # model folder -> revision and content hash (kvdiag.provenance)
+    shard: dict = field(default_factory=dict)  # kvdiag ci --shard: suite, index, count (kvdiag.run.shards)
+    # model folder -> revision and content hash (kvdiag.evaluation.provenance)
+    models: dict = field(default_factory=dict)
     schema_version: int | None = SCHEMA_VERSION  # None: a run.json written before run.json had a version
 
     def to_json(self) -> dict:

@@ -1,4 +1,4 @@
-"""Test-only holders for kvdiag.memory: tensors kept by a module global, an lru_cache keyed by a bound
+"""Test-only holders for kvdiag.measure.memory: tensors kept by a module global, an lru_cache keyed by a bound
 method, a closure, a class attribute; and a fake engine whose shutdown() forgets to drop its tensors."""
 
 import functools
@@ -141,7 +141,7 @@ class SleepPoolEngine(LeakyEngine):
 
 
 def fake_cuda_snapshot(real):
-    """kvdiag.memory.snapshot with FakeDevice's counters as the CUDA measures."""
+    """kvdiag.measure.memory.snapshot with FakeDevice's counters as the CUDA measures."""
 
     def snap(stage, cycle, cuda=False, census=None):
         s = real(stage, cycle, False, census)

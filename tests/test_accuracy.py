@@ -291,8 +291,8 @@ def test_unknown_dtype_or_task_exits_2_with_one_line():
 
 def test_default_jobs_share_the_cpu_cores_only_for_builtin_cases_on_cpu(monkeypatch):
     from kvdiag.cli.options import Isolate
-    from kvdiag.runner import Case
-    from kvdiag.scheduling import case_threads, default_jobs, preload, worker_env
+    from kvdiag.run.runner import Case
+    from kvdiag.run.scheduling import case_threads, default_jobs, preload, worker_env
 
     def cases(engine, device, n):
         return [Case("accuracy", engine, "m", f"d{i}", "t:f", params={"device": device}) for i in range(n)]

@@ -51,8 +51,8 @@ def test_pyproject_tool_table_is_read_with_its_lines(tmp_path, capsys):
 
 
 def test_shipped_config_builds_cases_for_every_check():
-    from kvdiag.ci_config import load_config
-    from kvdiag.ci_suite import build_suite
+    from kvdiag.ci.config import load_config
+    from kvdiag.ci.suite import build_suite
 
     cfg = load_config(REPO / "kvdiag.toml")
     cases, analyzers = build_suite(cfg)
@@ -67,7 +67,7 @@ def test_shipped_config_builds_cases_for_every_check():
 
 
 def test_config_is_found_in_the_current_folder(tmp_path, monkeypatch, capsys):
-    from kvdiag.ci_config import find_config
+    from kvdiag.ci.config import find_config
 
     monkeypatch.chdir(tmp_path)
     code, err = run_cli(capsys, "ci")
@@ -98,8 +98,8 @@ def test_several_models_get_their_own_groups_and_analyses(tmp_path):
     import shutil
 
     from kvdiag.assets import TINY_MODEL
-    from kvdiag.ci_config import load_config
-    from kvdiag.ci_suite import build_suite
+    from kvdiag.ci.config import load_config
+    from kvdiag.ci.suite import build_suite
 
     shutil.copytree(TINY_MODEL, tmp_path / "other")
     cfg = tmp_path / "kvdiag.toml"

@@ -9,10 +9,10 @@ import sys
 
 from rich.console import Console
 
-from kvdiag.progress import Progress
 from kvdiag.report.views import wake_cycle
 from kvdiag.results import CaseResult, RunRecord, write_run_json
-from kvdiag.runner import Case
+from kvdiag.run.progress import Progress
+from kvdiag.run.runner import Case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"]

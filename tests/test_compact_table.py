@@ -6,7 +6,7 @@ import io
 import numpy as np
 from rich.console import Console
 
-from kvdiag.lm_eval_results import task_groups
+from kvdiag.evaluation.lm_eval_results import task_groups
 from kvdiag.report.compact import compact_rows
 from kvdiag.report.views import accuracy
 from kvdiag.results import CaseResult, RunRecord

@@ -4,7 +4,7 @@ import pytest
 
 from kvdiag.report.baseline import Side
 from kvdiag.report.compare import compare
-from kvdiag.runner import Case
+from kvdiag.run.runner import Case
 
 stats = pytest.importorskip("scipy.stats")
 

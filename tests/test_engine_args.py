@@ -10,7 +10,7 @@ import pytest
 
 from kvdiag.engines.args import parse_engine_args
 from kvdiag.errors import UserError
-from kvdiag.lm_eval_options import key_values
+from kvdiag.evaluation.lm_eval_options import key_values
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

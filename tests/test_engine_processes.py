@@ -1,4 +1,4 @@
-"""The whole engine's memory: the processes it starts (kvdiag/engine_processes.py), their GPU memory as NVML
+"""The whole engine's memory: the processes it starts (kvdiag/measure/processes.py), their GPU memory as NVML
 tells it (faked here: no GPU), and memleak's verdict on processes that outlive shutdown (checks/leftover.py)."""
 
 import os
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvdiag import engine_processes as ep
 from kvdiag.checks import leftover
-from kvdiag.runner import Case, run_cases
+from kvdiag.measure import processes as ep
+from kvdiag.run.runner import Case, run_cases
 
 MB = 1 << 20
 
@@ -163,7 +163,7 @@ def test_memory_the_leftover_processes_hold_is_named_as_theirs():
     """The builtin orphan_worker_process fault on an H100 was first blamed on torch's cuBLAS workspaces: the driver's
     views grew by what the processes held."""
     from kvdiag.checks.memleak import Cycle, judge
-    from kvdiag.memory import Snapshot, Survivors
+    from kvdiag.measure.memory import Snapshot, Survivors
 
     def snap(stage, cycle, used):
         return Snapshot(stage, cycle, 500 * MB, 0, 0, 0, {}, cuda_allocated=32 * MB, cuda_reserved=32 * MB,

@@ -23,13 +23,10 @@ LAYERS = [
                     "kvdiag.keyvalue"]),
     ("kernels", ["kvdiag.kernels"]),
     ("engines", ["kvdiag.engines"]),
-    ("measuring and evaluation", ["kvdiag.memory", "kvdiag.memory_holders", "kvdiag.engine_processes",
-                                  "kvdiag.bench", "kvdiag.lm_eval_adapter", "kvdiag.lm_eval_options",
-                                  "kvdiag.lm_eval_results", "kvdiag.provenance", "kvdiag.tasks"]),
+    ("measuring and evaluation", ["kvdiag.measure", "kvdiag.bench", "kvdiag.evaluation", "kvdiag.tasks"]),
     ("checks", ["kvdiag.checks"]),
     ("report", ["kvdiag.report"]),
-    ("running cases", ["kvdiag.cases", "kvdiag.orchestrate", "kvdiag.scheduling", "kvdiag.runner", "kvdiag.worker",
-                       "kvdiag.progress", "kvdiag.shards", "kvdiag.ci_config", "kvdiag.ci_suite"]),
+    ("running cases", ["kvdiag.run", "kvdiag.ci"]),
     ("cli", ["kvdiag.cli", "kvdiag.__main__"]),
 ]
 ORDER = " < ".join(name for name, _ in LAYERS)

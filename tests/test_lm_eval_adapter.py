@@ -14,7 +14,7 @@ from hf_engine import HFEngine  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from kvdiag.errors import UserError  # noqa: E402
-from kvdiag.lm_eval_adapter import EngineLM, resolve_tasks, run_tasks  # noqa: E402
+from kvdiag.evaluation.lm_eval_adapter import EngineLM, resolve_tasks, run_tasks  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -158,7 +158,7 @@ def test_the_probe_stays_off_while_any_thread_evaluates_and_comes_back_after_the
     # cases on threads (--isolate run on the CPU) overlap: A in, B in, A out, B out
     import lm_eval.evaluator as ev
 
-    from kvdiag.lm_eval_adapter import _without_env_probe
+    from kvdiag.evaluation.lm_eval_adapter import _without_env_probe
 
     own = ev.add_env_info
     a, b = _without_env_probe(), _without_env_probe()
@@ -174,7 +174,7 @@ def test_kvdiags_own_tasks_resolve_without_importing_lm_eval():
     import subprocess
     import sys
 
-    script = ("import sys; from kvdiag.cases import _tasks; "
+    script = ("import sys; from kvdiag.run.cases import _tasks; "
               "print(_tasks(None, None), _tasks(['kv_recall,kv_recall'], None), 'lm_eval' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "(['kv_recall', 'kv_recall_long'], False) (['kv_recall'], False) False", out.stderr

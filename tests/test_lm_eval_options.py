@@ -10,7 +10,7 @@ import pytest
 
 from kvdiag.cli.app import optional_values
 from kvdiag.errors import UserError
-from kvdiag.lm_eval_options import key_values
+from kvdiag.evaluation.lm_eval_options import key_values
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_DOC = json.loads((ROOT / "kvdiag/tasks/data/kv_recall.jsonl").read_text().splitlines()[0])
@@ -216,7 +216,7 @@ def test_engine_args_naming_spec_fields_reach_the_builtin_engine(tmp_path):
 
 
 def test_a_long_prompt_is_kept_by_its_ends():
-    from kvdiag.lm_eval_results import EXAMPLE_CHARS, _clip
+    from kvdiag.evaluation.lm_eval_results import EXAMPLE_CHARS, _clip
 
     text = "".join(chr(97 + i % 26) for i in range(50_000))
     got = _clip(text)

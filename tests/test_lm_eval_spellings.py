@@ -13,7 +13,7 @@ from kvdiag.cli.app import main
 @pytest.fixture
 def caught(monkeypatch):
     """The cases and run directory each command hands to orchestrate.execute, which runs nothing."""
-    import kvdiag.orchestrate
+    import kvdiag.run.orchestrate
 
     calls = []
 
@@ -21,7 +21,7 @@ def caught(monkeypatch):
         calls.append({"cases": cases, "run_dir": Path(run_dir)})
         return 0
 
-    monkeypatch.setattr(kvdiag.orchestrate, "execute", execute)
+    monkeypatch.setattr(kvdiag.run.orchestrate, "execute", execute)
     return calls
 
 
@@ -132,6 +132,6 @@ def test_a_folder_named_like_a_backend_is_a_model(caught, tmp_path, monkeypatch)
 def test_backend_names_are_lm_evals():
     from lm_eval.models import MODEL_MAPPING
 
-    from kvdiag.lm_eval_options import backend_names
+    from kvdiag.evaluation.lm_eval_options import backend_names
 
     assert backend_names() == set(MODEL_MAPPING)

@@ -9,8 +9,8 @@ import pytest
 
 from kvdiag.checks import memleak
 from kvdiag.checks.memleak import Cycle, judge
-from kvdiag.memory import MiB, Snapshot, Survivors
-from kvdiag.runner import Case, run_cases
+from kvdiag.measure.memory import MiB, Snapshot, Survivors
+from kvdiag.run.runner import Case, run_cases
 
 SMALL = {"device": "cpu", "num_blocks": 16, "num_prompts": 2, "max_tokens": 4}
 

@@ -1,4 +1,4 @@
-"""kvdiag.memory: census, survivors, snapshots; kvdiag.memory_holders: who holds what survived."""
+"""kvdiag.measure.memory: census, survivors, snapshots; kvdiag.measure.holders: who holds what survived."""
 
 import gc
 
@@ -6,8 +6,8 @@ import memleak_fakes as fakes
 import pytest
 import torch
 
-from kvdiag.memory import MiB, snapshot, survivors, take_census
-from kvdiag.memory_holders import FROZEN, holders
+from kvdiag.measure.holders import FROZEN, holders
+from kvdiag.measure.memory import MiB, snapshot, survivors, take_census
 
 SIZES = {"global": 1 << 20, "model": 64, "class": 1 << 18, "closure": 1 << 16}  # float32 elements
 

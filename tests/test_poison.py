@@ -17,7 +17,7 @@ from conftest import TEST_DEVICE
 
 from kvdiag.checks import kv_tensors, poison
 from kvdiag.engines.base import KVBlockView, KVLayer
-from kvdiag.runner import Case
+from kvdiag.run.runner import Case
 
 S3 = ["whole_page_reads", "no_zero_fresh_blocks"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag import provenance
 from kvdiag.assets import TINY_MODEL
+from kvdiag.evaluation import provenance
 from kvdiag.results import SCHEMA_VERSION, RunRecord
 
 ROOT = Path(__file__).resolve().parents[1]

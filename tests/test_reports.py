@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
-from kvdiag.runner import Case
+from kvdiag.run.runner import Case
 
 DATA = Path(__file__).parent / "data"
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvdiag.results import read_jsonl
-from kvdiag.runner import Case, run_cases
+from kvdiag.run.runner import Case, run_cases
 
 
 def case(fn, n, **params):
@@ -116,7 +116,7 @@ def test_the_fork_server_starts_with_the_workers_env(tmp_path):
         import os, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_runner import case
-        from kvdiag.runner import run_cases
+        from kvdiag.run.runner import run_cases
         recs = run_cases([case("server_env", 0)], {str(tmp_path)!r}, quiet=True, timeout=30, preload=("case_fns",),
                          env={{"OMP_WAIT_POLICY": "PASSIVE"}})
         print(recs[0].status, recs[0].metrics.get("server_wait_policy"), os.environ.get("OMP_WAIT_POLICY"))"""

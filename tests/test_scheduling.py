@@ -1,4 +1,4 @@
-"""GPU cases run one per visible GPU at a time, whatever --jobs says (kvdiag.scheduling, applied in execute).
+"""GPU cases run one per visible GPU at a time, whatever --jobs says (kvdiag.run.scheduling, applied in execute).
 
 No GPU here: the tests fake the GPU count; the cases only sleep and report when they ran and on which GPU."""
 
@@ -8,9 +8,9 @@ import os
 import pytest
 
 from kvdiag import gpus as gpus_module
-from kvdiag import scheduling
 from kvdiag.engines import vllm as vllm_traits
-from kvdiag.runner import Case
+from kvdiag.run import scheduling
+from kvdiag.run.runner import Case
 
 CAPPED = "kvdiag: --jobs"
 
@@ -35,7 +35,7 @@ def gpus(monkeypatch):
 def execute(cs, tmp_path, capsys, jobs, quiet=False):
     """(case records, kvdiag's --jobs lines on stderr) of a run through the path every command takes."""
     from kvdiag.cli.options import Format
-    from kvdiag.orchestrate import execute
+    from kvdiag.run.orchestrate import execute
 
     assert execute("t", cs, tmp_path, fmt=Format.json, timeout=60, jobs=jobs, quiet=quiet) == 0
     out, err = capsys.readouterr()
@@ -95,7 +95,7 @@ def test_what_is_not_capped_and_what_one_named_gpu_allows(gpus, capsys):
 
 
 def test_builtin_default_jobs_follow_the_same_rule(gpus, monkeypatch):
-    from kvdiag.scheduling import default_jobs
+    from kvdiag.run.scheduling import default_jobs
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     gpus(1)

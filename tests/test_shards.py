@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag import shards
 from kvdiag.errors import UserError
-from kvdiag.runner import Case
+from kvdiag.run import shards
+from kvdiag.run.runner import Case
 
 CONFIG = """
 kv_dtypes = ["auto", "fp8"]
@@ -94,8 +94,8 @@ def shard_runs(tmp_path_factory):
 
 
 def full_suite_ids(config: Path) -> set:
-    from kvdiag.ci_config import load_config
-    from kvdiag.ci_suite import build_suite
+    from kvdiag.ci.config import load_config
+    from kvdiag.ci.suite import build_suite
 
     return {c.id for c in build_suite(load_config(config))[0]}
 

@@ -17,7 +17,7 @@ from conftest import TEST_DEVICE
 
 from kvdiag.checks import greedy, mem_probe, wake_cycle
 from kvdiag.engines.base import Completion
-from kvdiag.runner import Case
+from kvdiag.run.runner import Case
 
 MiB = 1 << 20
 
@@ -46,7 +46,7 @@ def test_compare_counts_nonfinite_logprobs_and_keeps_nan_deltas():
 
 
 def snap(n, stage="s"):
-    from kvdiag.memory import Snapshot
+    from kvdiag.measure.memory import Snapshot
 
     return Snapshot(stage, 1, rss=0, frozen=0, tensors=3, tensor_bytes=n * MiB,
                     by_device={"cpu": {"count": 3, "bytes": n * MiB}})
@@ -67,7 +67,7 @@ def test_memory_judgement(before, asleep, awake, problems):
 
 
 def cuda_snap(stage, allocated, driver):
-    from kvdiag.memory import Snapshot
+    from kvdiag.measure.memory import Snapshot
 
     return Snapshot(stage, 1, rss=0, frozen=0, tensors=3, tensor_bytes=0, by_device={},
                     cuda_allocated=allocated * MiB, cuda_reserved=allocated * MiB, driver_used=driver * MiB)

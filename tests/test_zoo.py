@@ -141,7 +141,7 @@ def test_an_unknown_zoo_name_exits_2_with_one_line(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(set(zoo.names()) - BUILTIN_RUNS))
 def test_the_builtin_engine_refuses_other_families_with_one_line_before_any_worker(name, tmp_path, monkeypatch):
-    from kvdiag.cases import engine_model
+    from kvdiag.run.cases import engine_model
 
     monkeypatch.setenv("KVDIAG_ZOO_DIR", str(tmp_path))
     real_build = zoo.build

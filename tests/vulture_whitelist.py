@@ -6,7 +6,7 @@ from vulture.whitelist_utils import Whitelist
 _ = Whitelist()
 
 # found by name in a string: the check registry's "module:function" fields, the engine registry, task YAML
-_.accuracy_cases  # checks/accuracy.py: cases="kvdiag.cases:accuracy_cases"
+_.accuracy_cases  # checks/accuracy.py: cases="kvdiag.run.cases:accuracy_cases"
 _.dtypes_cases  # checks/dtypes_matrix.py
 _.run_case  # Check(worker=...) of accuracy and dtypes_matrix
 _.memory_rows  # checks/memleak.py: compare="kvdiag.report.compare:memory_rows"

@@ -19,7 +19,7 @@ from kvdiag.checks.common import engine_failed, start_or_record
 from kvdiag.checks.engine_use import acquire_engine, release_engine, startup_once
 from kvdiag.checks.registry import Check, option
 from kvdiag.errors import UserError
-from kvdiag.lm_eval_options import AUTO_BATCH
+from kvdiag.evaluation.lm_eval_options import AUTO_BATCH
 
 SAMPLES = ".samples.json"
 DRIFT = ".drift.npz"
@@ -75,7 +75,7 @@ class AccuracyParams:
 def run_case(case, ctx):
     """One dtype: drift probe, then the lm_eval tasks."""
     from kvdiag.checks.prompts import case_prompts
-    from kvdiag.lm_eval_adapter import EngineLM, run_tasks
+    from kvdiag.evaluation.lm_eval_adapter import EngineLM, run_tasks
 
     p, times = case.params, {"startup": startup_once()}
     t, cpu = time.perf_counter(), _cpu_time()
@@ -250,7 +250,7 @@ CHECK = Check(
     "accuracy", "kvdiag.checks.accuracy:run_case", AccuracyParams,
     help="Score lm_eval tasks and token-level drift for each kv dtype against a baseline dtype.",
     render="kvdiag.report.views:accuracy", plots="kvdiag.report.plots:accuracy_plots",
-    compare="kvdiag.report.compare:score_rows", cases="kvdiag.cases:accuracy_cases", gpu_share=True,
+    compare="kvdiag.report.compare:score_rows", cases="kvdiag.run.cases:accuracy_cases", gpu_share=True,
     # 10 documents of kv_recall: enough for a collapse; drift (measured in every case) catches what they cannot
     selftest={"tasks": ["kv_recall"], "include_paths": [], "include_defaults": False, "limit": 10,
               "num_fewshot": None, "seed": 0, "num_prompts": 2})

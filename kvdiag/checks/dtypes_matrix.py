@@ -176,4 +176,5 @@ CHECK = Check(
     "dtypes", "kvdiag.checks.dtypes_matrix:run_case", DtypesParams, timeout=300.0,
     help="The kv dtype support matrix: does the engine start with each dtype, is the output finite, bit-identical "
     "or within drift of 'auto', and what its cache stores.",
-    render="kvdiag.report.views:dtypes", cases="kvdiag.cases:dtypes_cases", gpu_share=True, selftest={"num_prompts": 2})
+    render="kvdiag.report.views:dtypes", cases="kvdiag.run.cases:dtypes_cases", gpu_share=True,
+    selftest={"num_prompts": 2})

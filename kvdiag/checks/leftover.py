@@ -12,7 +12,7 @@ those still alive (their GPU memory is NVML's, where NVML's pids are this machin
 
 from __future__ import annotations
 
-from kvdiag.memory import MiB
+from kvdiag.measure.memory import MiB
 
 WAIT_S = 10.0
 NAMED = 4  # processes named in a message

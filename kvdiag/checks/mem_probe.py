@@ -1,6 +1,6 @@
 """Memory around a sleep/wake cycle, judged on the device the KV cache lives on.
 
-Snapshots come from :mod:`kvdiag.memory` (RSS, tensor census by device, and on CUDA
+Snapshots come from :mod:`kvdiag.measure.memory` (RSS, tensor census by device, and on CUDA
 ``memory_allocated``/``reserved``, the driver's and NVML's views). ``judge`` decides on
 CUDA by whichever of ``memory_allocated`` and the driver's used memory shows the sleep: an
 engine that frees its tensors shows it in ``memory_allocated``; vLLM's sleep-mode allocator
@@ -17,9 +17,9 @@ MiB = 1 << 20
 
 
 def measure(device, stage: str, cycle: int):
-    """A :class:`kvdiag.memory.Snapshot` after a garbage collection (no ``empty_cache``: what the
+    """A :class:`kvdiag.measure.memory.Snapshot` after a garbage collection (no ``empty_cache``: what the
     engine hands back to the driver is its own doing)."""
-    from kvdiag.memory import snapshot
+    from kvdiag.measure.memory import snapshot
 
     gc.collect()
     if device.type == "cuda":

@@ -4,7 +4,7 @@ Per kv dtype, in a fresh worker: a baseline snapshot, then each cycle creates an
 short workload (prefill + decode of a few prompts), snapshots, shuts the engine down, cleans up (``gc.collect``,
 ``torch.cuda.empty_cache`` on CUDA) and snapshots again, still holding the engine object: what ``shutdown()`` did
 not release is named as held by it. The engine's memory is that of every process it started, on every GPU it
-uses (``kvdiag/engine_processes.py``). :func:`judge` gives the verdict, one policy for every engine
+uses (``kvdiag/measure/processes.py``). :func:`judge` gives the verdict, one policy for every engine
 (docs/DESIGN.md, "memleak"):
 
 - *Retention*: after every shutdown, the first included, memory beyond the baseline on CUDA allocated / reserved
@@ -32,10 +32,9 @@ from dataclasses import asdict, dataclass, field
 from kvdiag.checks import greedy, leftover, surviving
 from kvdiag.checks.common import detector_disabled, engine_spec
 from kvdiag.checks.registry import Check, option
-from kvdiag.engine_processes import wait_children
 from kvdiag.engines.base import create_engine
 from kvdiag.errors import EngineUnsupported, first_line
-from kvdiag.memory import (
+from kvdiag.measure.memory import (
     Census,
     MiB,
     Snapshot,
@@ -48,6 +47,7 @@ from kvdiag.memory import (
     take_census,
     to_mib,
 )
+from kvdiag.measure.processes import wait_children
 
 RETAIN_MIN = 64 * MiB
 RETAIN_FRACTION = 0.05  # the retention limit: max(64 MiB, 5% of the engine's peak)
@@ -86,7 +86,7 @@ class Cycle:
     """What one cycle left after shutdown: the survivors and who holds them, and memory held outside Python."""
 
     survivors: Survivors
-    holders: list = field(default_factory=list)  # kvdiag.memory_holders.Holder, largest first
+    holders: list = field(default_factory=list)  # kvdiag.measure.holders.Holder, largest first
     pools: list = field(default_factory=list)  # the engine's held_after_shutdown(): [{"holder", "bytes", ...}]
     private_pool_bytes: int | None = None  # CUDA memory in private pools (CUDA graphs, MemPools) after shutdown
     processes: dict = field(default_factory=dict)  # started during the run, alive after shutdown (leftover.py)
@@ -120,7 +120,7 @@ def run(case, ctx):
     counts = [c.survivors.small_count for c in cycles]
     if len(counts) > 1 and all(b > a for a, b in zip(counts, counts[1:])) and \
             not detector_disabled("memleak.holders"):  # tiny survivors that keep coming
-        from kvdiag.memory_holders import holders
+        from kvdiag.measure.holders import holders
 
         last = cycles[-1].survivors
         cycles[-1].holders = holders(last.keys | set(list(last.small_keys)[:MAX_SMALL_ATTRIBUTED]))
@@ -158,7 +158,7 @@ def prepare(engine: str, cuda: bool, device: str) -> int:
 
 
 def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps: list) -> Cycle:
-    from kvdiag.memory_holders import holders
+    from kvdiag.measure.holders import holders
 
     engine = create_engine(case.engine)
     if cuda:

@@ -42,7 +42,7 @@ class Check:
     plots: str | None = None  # "module:function(cases, title_suffix) -> [svg]" for report.html
     compare: str | None = None  # "module:function(old_case, new_case, settings) -> [row]" for kvdiag compare
     cases: str | None = None  # "module:function(target, params) -> (cases, analyze)" when not one case per dtype and
-    # variant (accuracy, dtypes: a sweep against a baseline dtype; kvdiag.cases)
+    # variant (accuracy, dtypes: a sweep against a baseline dtype; kvdiag.run.cases)
     gpu_share: bool = False  # its builtin-engine cases may share a GPU (it measures no device memory; scheduling)
     isolate: bool = True  # takes --isolate (memleak: every dtype always in its own worker)
     timeout: float = 900.0  # seconds a case may run

@@ -1,11 +1,11 @@
 """memleak's finding on tensors that survive shutdown (docs/DESIGN.md, "memleak"): those the census sees after a
-shutdown that the baseline did not have, with the holder :mod:`kvdiag.memory_holders` names. A set whose count or
+shutdown that the baseline did not have, with the holder :mod:`kvdiag.measure.holders` names. A set whose count or
 bytes grow every cycle fails; the same small set every cycle is a warning (a process-lifetime cache).
 """
 
 from __future__ import annotations
 
-from kvdiag.memory import MiB, to_mib
+from kvdiag.measure.memory import MiB, to_mib
 
 
 def findings(rec, cycles: list, retain: float) -> None:

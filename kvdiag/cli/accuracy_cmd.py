@@ -27,7 +27,8 @@ GenKwargsOpt = o.field_option(A, "gen_kwargs")
 MetadataOpt = o.field_option(A, "metadata")
 
 
-LM_EVAL_MODULES = ("kvdiag.lm_eval_adapter", "lm_eval.evaluator")  # what the workers' fork server pre-imports
+# what the workers' fork server pre-imports
+LM_EVAL_MODULES = ("kvdiag.evaluation.lm_eval_adapter", "lm_eval.evaluator")
 
 
 def accuracy(
@@ -71,9 +72,9 @@ def accuracy(
     lm_eval's spellings work too: --model_args (= -a), --num_fewshot, --batch_size, --output_path (= -o),
     --gen_kwargs, --apply_chat_template, --fewshot_as_multiturn, --system_instruction, --include_path.
     """
-    from kvdiag.cases import Target, check_cases
-    from kvdiag.orchestrate import execute, make_run_dir
-    from kvdiag.scheduling import case_threads, default_jobs, preload, worker_env
+    from kvdiag.run.cases import Target, check_cases
+    from kvdiag.run.orchestrate import execute, make_run_dir
+    from kvdiag.run.scheduling import case_threads, default_jobs, preload, worker_env
 
     p = A(tasks=tasks or [], include_paths=include_path or [], baseline=baseline, limit=limit,
           num_fewshot=num_fewshot, seed=seed, batch_size=batch_size, apply_chat_template=apply_chat_template,

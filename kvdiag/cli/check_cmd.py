@@ -47,9 +47,9 @@ def command_for(check):
         raise ValueError(f"check '{check.name}': option {clash[0]} is one every check takes")
 
     def command(**kw) -> None:
-        from kvdiag.cases import Target, check_cases
-        from kvdiag.orchestrate import execute, make_run_dir
-        from kvdiag.scheduling import gpu_jobs
+        from kvdiag.run.cases import Target, check_cases
+        from kvdiag.run.orchestrate import execute, make_run_dir
+        from kvdiag.run.scheduling import gpu_jobs
 
         values = {n: getattr(kw[n], "value", kw[n]) for n, _, _ in own if kw[n] is not None}
         p = check.make(values)

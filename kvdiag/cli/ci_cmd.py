@@ -53,13 +53,13 @@ def ci(
     (cycles, threshold_mib, tasks, limit, max_drop, alpha, levels, value, ...); [compare] max_drop,
     alpha, mem_tolerance_mib. An unknown key is an error that lists the valid ones.
     """
-    from kvdiag import shards
-    from kvdiag.ci_config import find_config, load_config
-    from kvdiag.ci_suite import build_suite
+    from kvdiag.ci.config import find_config, load_config
+    from kvdiag.ci.suite import build_suite
     from kvdiag.errors import UserError
-    from kvdiag.orchestrate import execute
     from kvdiag.report.baseline import load_side
-    from kvdiag.scheduling import gpu_jobs, worker_env
+    from kvdiag.run import shards
+    from kvdiag.run.orchestrate import execute
+    from kvdiag.run.scheduling import gpu_jobs, worker_env
 
     part = shards.parse_shard(shard) if shard is not None else None
     if durations is not None and part is None:
@@ -108,7 +108,7 @@ def ci(
 
 def _run_dir(cfg, output_dir, resume) -> Path:
     from kvdiag.errors import UserError
-    from kvdiag.orchestrate import make_run_dir
+    from kvdiag.run.orchestrate import make_run_dir
 
     try:
         return make_run_dir(output_dir or (Path(cfg.output_dir) if cfg.output_dir else None), "ci", resume)

@@ -50,8 +50,8 @@ def dtypes(
 
 def _list(engine, kv_dtype, fmt) -> None:
     from kvdiag import dtypes as registry
-    from kvdiag.cases import resolve_kv_dtypes
     from kvdiag.engines.base import engine_dtypes, resolve_engine
+    from kvdiag.run.cases import resolve_kv_dtypes
 
     engine = resolve_engine(engine)
     names = resolve_kv_dtypes(engine, kv_dtype) if kv_dtype else engine_dtypes(engine)
@@ -79,9 +79,9 @@ def _list(engine, kv_dtype, fmt) -> None:
 
 def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs, output_dir, timeout,
            resume, quiet, fault) -> int:
-    from kvdiag.cases import Target, check_cases
-    from kvdiag.orchestrate import execute, make_run_dir
-    from kvdiag.scheduling import default_jobs, preload, worker_env
+    from kvdiag.run.cases import Target, check_cases
+    from kvdiag.run.orchestrate import execute, make_run_dir
+    from kvdiag.run.scheduling import default_jobs, preload, worker_env
 
     target = Target(engine, model, kv_dtype, device, engine_arg, fault, isolate)
     cases, analyze = check_cases("dtypes", target, CHECK.params(max_kl=max_kl, min_top1=min_top1))

@@ -45,7 +45,7 @@ def report(
     from kvdiag.results import exit_code_for, load_run
 
     if merge:
-        from kvdiag.shards import merge as merge_runs
+        from kvdiag.run.shards import merge as merge_runs
 
         if output_dir is None:
             raise UserError("--merge needs --output-dir/-o for the merged run")

@@ -52,7 +52,7 @@ def selftest(
     import os
 
     from kvdiag.checks import selftest as st
-    from kvdiag.orchestrate import execute, make_run_dir
+    from kvdiag.run.orchestrate import execute, make_run_dir
 
     cases = st.build_cases(faults, checks, device=device, isolate=isolate.value)
     run_dir = make_run_dir(output_dir, "selftest")

@@ -1,4 +1,4 @@
-"""Imported once by the workers' fork server (``kvdiag.runner``) for a run of vLLM cases: vLLM, the modules an
+"""Imported once by the workers' fork server (``kvdiag.run.runner``) for a run of vLLM cases: vLLM, the modules an
 engine start imports, transformers and lm_eval. Every worker is forked from that server, so a case starts with them
 instead of paying ~20 s of imports. Nothing here may initialise CUDA (a forked CUDA context is unusable):
 ``cuda_untouched()`` says whether that held, and the GPU tests assert it.
@@ -15,7 +15,7 @@ MODULES = ("vllm.v1.engine.llm_engine", "vllm.v1.engine.core", "vllm.v1.executor
            "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner",
            "vllm.model_executor.models.llama", "vllm.model_executor.model_loader",
            "vllm.v1.attention.backends.flash_attn", "vllm.v1.attention.backends.triton_attn",
-           "vllm.v1.sample.sampler", "transformers", "lm_eval.evaluator", "kvdiag.lm_eval_adapter")
+           "vllm.v1.sample.sampler", "transformers", "lm_eval.evaluator", "kvdiag.evaluation.lm_eval_adapter")
 
 import_vllm()
 for _name in MODULES:

@@ -6,7 +6,7 @@ measurement: "No available memory for the cache blocks", "Error in memory profil
 The size holds every sequence the engine may run at once, ``max_num_seqs x max_model_len`` tokens of the model's
 K+V at its own precision (a quantized dtype gets more blocks from the same bytes). vLLM still checks at start that
 ``gpu_memory_utilization`` of the device is free; kvdiag sets it to what the engine needs (``utilization``).
-Nothing here imports vLLM or torch: the scheduler (kvdiag.scheduling) reads the same numbers in the parent.
+Nothing here imports vLLM or torch: the scheduler (kvdiag.run.scheduling) reads the same numbers in the parent.
 """
 
 from __future__ import annotations

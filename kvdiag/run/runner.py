@@ -1,5 +1,5 @@
 """Cases -> isolated worker processes -> results (docs/DESIGN.md, "Running cases"); what runs inside a worker
-is kvdiag/worker.py, the progress lines kvdiag/progress.py.
+is kvdiag/run/worker.py, the progress lines kvdiag/run/progress.py.
 
 Each group of cases runs in its own *spawned* worker process (CUDA-safe; or forked from a
 fork server that pre-imported the heavy modules, when the caller names them). The engine
@@ -22,8 +22,8 @@ from typing import Iterable
 
 from kvdiag.case import LOG_TAIL_CHARS, STAGE_MARK, Case, WorkerContext, call_target, safe_name, share_cores
 from kvdiag.gpus import VISIBLE as GPU_ENV
-from kvdiag.progress import make_progress
 from kvdiag.results import CaseResult, append_jsonl, read_jsonl
+from kvdiag.run.progress import make_progress
 
 __all__ = ["Case", "WorkerContext", "call_target", "run_cases"]  # Case and WorkerContext live in kvdiag.case
 
@@ -110,12 +110,12 @@ class _Worker:
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{safe_name(cases[0].id if len(cases) == 1 else cases[0].group or cases[0].id)}.log"
-        from kvdiag.worker import worker_main
+        from kvdiag.run.worker import worker_main
 
         ctx = _mp_context(preload)
         self.conn, child = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
-            target=worker_main,  # kvdiag.worker
+            target=worker_main,  # kvdiag.run.worker
             args=([asdict(c) for c in cases], str(run_dir), str(self.log_path), child, os.getpid(), env, threads),
             daemon=False,
         )
@@ -234,7 +234,7 @@ def run_cases(
     one group that its worker runs at once, on threads (only for case functions that are safe to run so); a
     crash or a timeout then ends the cases the worker was running, and the rest of its group. ``gpus``: GPUs
     (CUDA_VISIBLE_DEVICES entries) to give the workers one each, no two workers at once the same
-    (``kvdiag.scheduling``); a worker waits for a free one."""
+    (``kvdiag.run.scheduling``); a worker waits for a free one."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     results_path = run_dir / "results.jsonl"

@@ -20,7 +20,7 @@ from itertools import groupby
 from lm_eval.api.model import TemplateLM
 
 from kvdiag.errors import UserError
-from kvdiag.lm_eval_results import examples, summarize, task_groups, task_hashes
+from kvdiag.evaluation.lm_eval_results import examples, summarize, task_groups, task_hashes
 
 PROGRESS_S = float(os.environ.get("KVDIAG_PROGRESS_S", "10"))  # seconds between progress lines of a case
 
@@ -256,7 +256,7 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
     (``summarize``). ``apply_chat_template``: a template name ('default': the tokenizer's), as lm_eval's option."""
     from lm_eval import simple_evaluate
 
-    from kvdiag.lm_eval_options import CHAT_TEMPLATE_DEFAULT
+    from kvdiag.evaluation.lm_eval_options import CHAT_TEMPLATE_DEFAULT
 
     template = True if apply_chat_template == CHAT_TEMPLATE_DEFAULT else (apply_chat_template or False)
     meta = json.dumps(metadata, sort_keys=True, default=str) if metadata else None
@@ -292,7 +292,8 @@ def _without_env_probe():
     working directory); ``get_git_commit_hash`` is ``git describe --always`` in the working directory: the commit of
     whatever repository the user runs from, not kvdiag's nor lm_eval's. kvdiag records instead, once per run:
     the versions of torch, triton, transformers, lm_eval, vllm, the platform, devices and driver
-    (``environment``), kvdiag's own commit and dirty flag (``environment.kvdiag_commit``; kvdiag.provenance), and
+    (``environment``), kvdiag's own commit and dirty flag (``environment.kvdiag_commit``;
+    kvdiag.evaluation.provenance), and
     per case the worker's torch and CUDA (``environment``). kvdiag reads neither field from lm_eval's results.
     Calls on several threads at once: the first one in replaces them, the last one out puts them back."""
     import lm_eval.evaluator as ev

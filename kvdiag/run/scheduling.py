@@ -187,7 +187,7 @@ def _builtin_on_cpu(cases: list) -> bool:
 
 
 def preload(cases: list, *modules: str) -> tuple[str, ...]:
-    """What the workers' fork server imports once (kvdiag.runner): the engine's own ``PRELOAD`` (builtin: torch,
+    """What the workers' fork server imports once (kvdiag.run.runner): the engine's own ``PRELOAD`` (builtin: torch,
     the engine, the ``tokenizers`` library; vLLM: vllm and what an engine start imports) and ``modules``; nothing
     for an engine that names none, or for a run of several engines."""
     from kvdiag.engines.base import preload_modules

@@ -25,7 +25,7 @@ def resolve_model(model: str | None) -> str:
     Hugging Face cache (kvdiag.models). Resolved here, once, so that the workers only see a folder."""
     if model is None:
         return default_model()
-    from kvdiag.lm_eval_options import refuse_backend
+    from kvdiag.evaluation.lm_eval_options import refuse_backend
     from kvdiag.models import resolve
 
     refuse_backend(model)
@@ -129,7 +129,7 @@ def accuracy_cases(target: Target, p) -> tuple:
     """(cases, analyze) of ``kvdiag accuracy`` with AccuracyParams ``p``: one case per dtype, the baseline first,
     and the analysis that judges them against it."""
     from kvdiag.checks.accuracy import analyze
-    from kvdiag.lm_eval_options import lm_eval_params
+    from kvdiag.evaluation.lm_eval_options import lm_eval_params
 
     sweep = resolve_sweep(target, p.baseline)
     task_names, need_defaults = _tasks(p.tasks, p.include_paths)
@@ -151,7 +151,7 @@ def _tasks(tasks, include_path) -> tuple[list[str], bool]:
     names = [n.strip() for t in tasks or () for n in t.split(",") if n.strip()] or list(DEFAULT_TASKS)
     if not include_path and set(names) <= set(DEFAULT_TASKS):  # kvdiag's own tasks: known without lm_eval's
         return list(dict.fromkeys(names)), False  # task index (importing it costs the run ~1.6 s before any worker)
-    from kvdiag.lm_eval_adapter import resolve_tasks
+    from kvdiag.evaluation.lm_eval_adapter import resolve_tasks
 
     return resolve_tasks(names, tuple(str(p) for p in include_path or ()))
 

@@ -5,7 +5,7 @@ A :class:`Snapshot` takes, where present: process RSS, ``gc.get_freeze_count()``
 tensor census (live tensors by device; bytes counted once per storage), and on CUDA
 ``torch.cuda.memory_allocated/reserved``, the driver's used memory (``mem_get_info``)
 and NVML's per-process usage. :func:`survivors` compares two censuses; :func:`holders`
-(in :mod:`kvdiag.memory_holders`) names what keeps the survivors alive.
+(in :mod:`kvdiag.measure.holders`) names what keeps the survivors alive.
 
 Objects frozen by ``gc.freeze()`` are invisible to ``gc.get_objects()``: tensors created
 before the freeze do not show in the census at all.
@@ -17,7 +17,7 @@ import gc
 import os
 from dataclasses import asdict, dataclass, field
 
-from kvdiag.engine_processes import children, gpu_view
+from kvdiag.measure.processes import children, gpu_view
 
 MiB = 1 << 20
 SMALL_TENSOR_BYTES = 4096  # survivors below this are counted, not attributed

@@ -1,4 +1,4 @@
-"""Inside a worker process (started by :mod:`kvdiag.runner`): its output into the case log, a watch on kvdiag
+"""Inside a worker process (started by :mod:`kvdiag.run.runner`): its output into the case log, a watch on kvdiag
 itself, and its cases one after the other (or several at once on threads), each record sent back as soon as it is
 done. A case function that raises becomes that case's ``error`` record (``resource`` for out of device memory)."""
 

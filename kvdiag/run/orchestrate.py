@@ -48,7 +48,7 @@ def environment() -> dict:
     """Versions (kvdiag's and its git commit), devices, without importing torch or initialising CUDA in kvdiag's
     own process."""
     import kvdiag
-    from kvdiag.provenance import kvdiag_git
+    from kvdiag.evaluation.provenance import kvdiag_git
 
     git = kvdiag_git()
     env = {
@@ -114,16 +114,16 @@ def execute(
     threads: int = 1,
 ) -> int:
     """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed). ``threads``: see
-    :func:`kvdiag.runner.run_cases`. ``jobs`` is capped at one case per GPU when cases run on GPUs, each worker
-    given its own (:mod:`kvdiag.scheduling`).
+    :func:`kvdiag.run.runner.run_cases`. ``jobs`` is capped at one case per GPU when cases run on GPUs, each worker
+    given its own (:mod:`kvdiag.run.scheduling`).
 
     ``finish(run)`` (optional) runs on the finished run before run.json is written: it may add to
     run.analysis, set run.exit_code (which is first derived from the case statuses) and write reports.
     """
-    from kvdiag.provenance import models_record
+    from kvdiag.evaluation.provenance import models_record
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
-    from kvdiag.runner import run_cases
-    from kvdiag.scheduling import cap_jobs
+    from kvdiag.run.runner import run_cases
+    from kvdiag.run.scheduling import cap_jobs
 
     jobs, gpus = cap_jobs(cases, jobs, quiet=quiet)
     started = now()

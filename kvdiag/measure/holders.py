@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvdiag.memory import MiB, live_tensors, storage_key
+from kvdiag.measure.memory import MiB, live_tensors, storage_key
 
 MAX_DEPTH = 48
 MAX_NODES = 50_000
