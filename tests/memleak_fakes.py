@@ -1,11 +1,13 @@
 """Test-only holders for kvdiag.measure.memory: tensors kept by a module global, an lru_cache keyed by a bound
-method, a closure, a class attribute; and a fake engine whose shutdown() forgets to drop its tensors."""
+method, a closure, a class attribute; a fake engine whose shutdown() forgets to drop its tensors; and plug-in
+engines built on the builtin engine that keep their KV cache, or a small unrelated buffer, in a module dict."""
 
 import functools
 
 import torch
 
 from kvdiag.engines.base import Capabilities, Completion
+from kvdiag.engines.builtin.engine import BuiltinEngine
 
 GLOBAL_LIST: list = []
 CLOSURE = None
@@ -150,3 +152,30 @@ def fake_cuda_snapshot(real):
         return s
 
     return snap
+
+
+KEPT: dict = {}  # what the keeper engines keep after shutdown
+
+
+class KVKeeperEngine(BuiltinEngine):
+    """The builtin engine (a real KV view) whose shutdown() first puts its whole KV cache, every layer's k, v and
+    scales, in a module dict; the next start replaces it: the same small cache survives every shutdown, nothing
+    grows, all of it under the 64 MiB retention limit."""
+
+    name = "kv-keeper"
+
+    def shutdown(self):
+        KEPT["kv"] = list(self.kv.layers) if self.kv is not None else None
+        super().shutdown()
+
+
+class BufferKeeperEngine(BuiltinEngine):
+    """The same engine keeping one small unrelated buffer instead (48 KiB, created by the first start only): a
+    process-lifetime cache, not the KV cache."""
+
+    name = "buffer-keeper"
+
+    def start(self, spec):
+        super().start(spec)
+        if "buffer" not in KEPT:
+            KEPT["buffer"] = torch.zeros(12 * 1024)

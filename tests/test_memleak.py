@@ -132,6 +132,9 @@ def test_engine_object_that_keeps_its_tensors_is_named_a_warning_while_it_stays_
         ("warning", "the engine object (LeakyEngine) after shutdown()")]
     assert held[0].evidence["path"] == "LeakyEngine.kv" and held[0].evidence["bytes"] == MiB
     assert rec.metrics["survivor_mib"] == [1, 1]
+    unknown = [f for f in rec.findings if f.kind == "kv_identity_unknown"]  # no kv_blocks(): said once
+    assert [f.severity for f in unknown] == ["info"] and "judged by its size only" in unknown[0].message
+    assert rec.metrics["kv_cache_storages"] == [None, None]
 
 
 def test_a_process_lifetime_cache_is_a_warning_with_its_holder():
@@ -242,6 +245,13 @@ def test_planted_leaks_are_found_with_their_holders(random_model, tmp_path):
     assert status == {"fp8": "pass", "int8_per_token_head": "fail", "fp8_per_token_head": "fail"}
     assert holders("scale_cache_registry/int8_per_token_head") == [
         "module global kvdiag.engines.builtin.faults._SCALE_CACHES"]
+    kept = {rid: [f.evidence for f in r.findings if f.kind == "kv_cache_survived"] for rid, r in recs.items()}
+    (kv_list,), (scales,) = kept["global_kv_list/auto"], kept["scale_cache_registry/int8_per_token_head"]
+    assert kv_list["holder"] == "module global kvdiag.engines.builtin.faults._KV_TENSORS"
+    assert kv_list["survived"] == kv_list["storages"] and kv_list["cycles"] == [1, 2, 3]  # k and v: all of it
+    assert scales["holder"] == "module global kvdiag.engines.builtin.faults._SCALE_CACHES"
+    assert 2 * scales["survived"] == scales["storages"]  # the scales: two of each layer's four storages
+    assert kept["scale_cache_registry/fp8"] == []  # per-tensor fp8 has no scale caches to keep
 
 
 @pytest.mark.slow
@@ -279,3 +289,65 @@ def test_cli_rejects_fault_for_other_engines_and_bad_dtype():
     for args in (["--engine", "vllm", "--fault", "global_kv_list"], ["-d", "int4"], ["--fault", "nope"]):
         out = subprocess.run([sys.executable, "-m", "kvdiag", "memleak", *args], capture_output=True, text=True)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr)
+
+
+def tiny_kv(dtype: str, num_blocks: int = SMALL["num_blocks"], block_size: int = 16) -> tuple[int, int]:
+    """(storages, bytes) of the tiny model's KV cache, from its config.json: k and v per layer, and a float32 scale
+    per token and head for each on the per-token-head dtypes."""
+    from kvdiag.assets import TINY_MODEL
+
+    cfg = json.loads((TINY_MODEL / "config.json").read_text())
+    slots = num_blocks * block_size * cfg["num_key_value_heads"]
+    per_token_head = dtype.endswith("per_token_head")
+    elem = {"auto": 2, "int8_per_token_head": 1}[dtype]
+    layer = 2 * slots * cfg["head_dim"] * elem + (2 * slots * 4 if per_token_head else 0)
+    return cfg["num_hidden_layers"] * (4 if per_token_head else 2), cfg["num_hidden_layers"] * layer
+
+
+def run_tiny(engine: str, dtype: str, cycles: int = 2):
+    from kvdiag.assets import TINY_MODEL
+
+    memleak_fakes.KEPT.clear()
+    try:
+        return memleak.run(Case("memleak", engine, str(TINY_MODEL), dtype, "kvdiag.checks.memleak:run",
+                                params={**SMALL, "cycles": cycles}), None)
+    finally:
+        memleak_fakes.KEPT.clear()
+
+
+def test_a_kv_cache_kept_in_a_module_dict_fails_whatever_its_size_naming_the_holder():
+    """The whole KV cache (k, v and scales: 0.27 MiB, far under the 64 MiB retention limit) kept in a module dict
+    after shutdown: known by identity from the engine's KV view, it fails (before: a warning, exit 0)."""
+    rec = run_tiny("memleak_fakes:KVKeeperEngine", "int8_per_token_head")
+    storages, nbytes = tiny_kv("int8_per_token_head")
+    assert rec.status == "fail", [f.message for f in rec.findings]
+    (f,) = [f for f in rec.findings if f.kind == "kv_cache_survived"]
+    assert f.severity == "error" and f.evidence["holder"] == "module global memleak_fakes.KEPT"
+    assert (f.evidence["survived"], f.evidence["storages"]) == (storages, storages) == (16, 16)
+    assert f.evidence["survived_mib"] == pytest.approx(nbytes / MiB, abs=1e-3) and f.evidence["cycles"] == [1, 2]
+    assert f"{storages} of its {storages} KV cache and scale storages" in f.message
+    assert "held by module global memleak_fakes.KEPT" in f.message
+    assert not [x for x in rec.findings if x.kind == "retained"]  # under the size limit: identity decides
+    assert rec.metrics["kv_survived_storages"] == [storages, storages]
+
+
+def test_a_small_unrelated_buffer_kept_after_shutdown_stays_a_warning():
+    """The same engine keeping a 48 KiB buffer instead: the KV cache is recorded and gone, the buffer a warning."""
+    rec = run_tiny("memleak_fakes:BufferKeeperEngine", "int8_per_token_head")
+    storages, nbytes = tiny_kv("int8_per_token_head")
+    assert rec.status == "pass", [f.message for f in rec.findings]
+    assert [(f.severity, f.kind, f.evidence.get("holder")) for f in rec.findings if f.severity != "info"] == [
+        ("warning", "tensor_survived", "module global memleak_fakes.KEPT")]
+    assert rec.metrics["kv_cache_storages"] == [storages, storages]
+    assert rec.metrics["kv_cache_mib"] == [pytest.approx(nbytes / MiB, abs=1e-3)] * 2
+    assert rec.metrics["kv_survived_storages"] == [0, 0]
+
+
+def test_the_clean_builtin_engine_has_its_kv_cache_recorded_and_passes():
+    rec = run_tiny("builtin", "auto")
+    storages, nbytes = tiny_kv("auto")
+    assert rec.status == "pass" and not [f for f in rec.findings if f.severity != "info"], rec.findings
+    assert not [f for f in rec.findings if f.kind == "kv_identity_unknown"]
+    assert rec.metrics["kv_cache_storages"] == [storages, storages] == [8, 8]
+    assert rec.metrics["kv_cache_mib"] == [pytest.approx(nbytes / MiB, abs=1e-3)] * 2
+    assert rec.metrics["kv_survived_storages"] == [0, 0]

@@ -119,9 +119,10 @@ def test_selftest_catches_every_fault_with_its_intended_check(tmp_path):
 
 @pytest.mark.slow
 def test_a_blinded_detector_shows_as_missed_and_fails_the_selftest(tmp_path):
-    """Without memleak's referrer census the small scale-cache leak goes unnoticed: the selftest must say so."""
+    """Without memleak's referrer census and its KV identity check the small scale-cache leak goes unnoticed: the
+    selftest must say so."""
     r = kvdiag("selftest", "--fault", "scale_cache_registry", "--fault", "gc_freeze_not_undone", "-f", "json",
-               "-o", str(tmp_path / "run"), env={"KVDIAG_TEST_DISABLE": "memleak.holders"})
+               "-o", str(tmp_path / "run"), env={"KVDIAG_TEST_DISABLE": "memleak.holders,memleak.kv_identity"})
     assert r.returncode == 1, r.stderr[-3000:]
     a = json.loads(r.stdout)["analysis"]["selftest"]
     rows = {x["fault"]: x for x in a["faults"]}

@@ -91,5 +91,6 @@ def device_info() -> dict:
 def detector_disabled(name: str) -> bool:
     """For kvdiag's own tests only: ``KVDIAG_TEST_DISABLE=memleak.holders`` (comma-separated names) switches
     that detector off, so a test can show that `kvdiag selftest` reports the fault it exists for as missed.
-    Detectors: ``memleak.holders`` (the referrer census that names what holds a surviving tensor)."""
+    Detectors: ``memleak.holders`` (the referrer census that names what holds a surviving tensor),
+    ``memleak.kv_identity`` (the KV cache's storages, known by identity, alive after shutdown)."""
     return name in os.environ.get(TEST_DISABLE_ENV, "").replace(" ", "").split(",")

@@ -19,6 +19,8 @@ uses (``kvdiag/measure/processes.py``). :func:`judge` gives the verdict, one pol
   the peak) in every step.
 - *Survivors* (tensors the census sees that the baseline did not have): the same small set every cycle is a
   warning with its holder; a set whose count or bytes grow every cycle fails.
+- *The KV cache by identity*: any storage of the engine's KV cache or scale tensors (its ``kv_blocks()`` view
+  during the workload) still alive after shutdown fails, whatever its size, with its holder (``kv_identity.py``).
 - *Restart impossible*: an engine that started once and cannot start again in this process (vLLM sleep mode on
   CUDA) fails with the engine's message; the cycles before it are judged.
 - Objects left frozen by ``gc.freeze()`` fail.
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from kvdiag.checks import greedy, leftover, surviving
+from kvdiag.checks import greedy, kv_identity, leftover, surviving
 from kvdiag.checks.common import detector_disabled, engine_spec
 from kvdiag.checks.registry import Check, option
 from kvdiag.engines.base import create_engine
@@ -90,6 +92,8 @@ class Cycle:
     pools: list = field(default_factory=list)  # the engine's held_after_shutdown(): [{"holder", "bytes", ...}]
     private_pool_bytes: int | None = None  # CUDA memory in private pools (CUDA graphs, MemPools) after shutdown
     processes: dict = field(default_factory=dict)  # started during the run, alive after shutdown (leftover.py)
+    kv: kv_identity.KVRecord | None = None  # the KV cache's storages during the workload, those left after shutdown
+    kv_unknown: str | None = None  # why the engine gave no KV view
 
 
 class RestartImpossible(Exception):
@@ -172,6 +176,7 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
             raise
         raise RestartImpossible(f"{type(e).__name__}: {first_line(e)[:400]}") from e
     engine.generate(prompts, p.max_tokens)
+    kv, kv_unknown = kv_identity.record(engine)
     snaps.append(snapshot("after-workload", n, cuda))
     engine.shutdown()
     cleanup(cuda)
@@ -179,12 +184,14 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
     now = take_census()
     snaps.append(snapshot("after-shutdown", n, cuda, now))
     s = survivors(base, now)
+    named = {id(engine): f"the engine object ({type(engine).__name__}) after shutdown()"}
+    if kv is not None:
+        kv_identity.check(kv, now, named)
     del now
-    held = holders(s.keys, {id(engine): f"the engine object ({type(engine).__name__}) after shutdown()"}) \
-        if s.keys and not detector_disabled("memleak.holders") else []
+    held = holders(s.keys, named) if s.keys and not detector_disabled("memleak.holders") else []
     pools = getattr(engine, "held_after_shutdown", None)
     return Cycle(s, held, list(pools()) if callable(pools) else [], private_pool_bytes() if cuda else None,
-                 leftover.new_processes(snaps[0], snaps[-1]))
+                 leftover.new_processes(snaps[0], snaps[-1]), kv, kv_unknown)
 
 
 # --------------------------------------------------------------------------- verdict
@@ -244,6 +251,7 @@ def judge(rec, snaps: list[Snapshot], cycles: list[Cycle], threshold_mib: float 
         _restart_finding(rec, restart, held)
     leftover.findings(rec, [c.processes for c in cycles])
     surviving.findings(rec, cycles, lim.retain)  # the holders first: they name what a growth finding measures
+    kv_identity.findings(rec, cycles)
     grew = _growth_findings(rec, growth, lim, cublas, leftover.gpu_bytes([c.processes for c in cycles]))
     small = {m: to_mib(v[0]) for m, v in held.items() if v and v[0] > lim.growth_tol(m) and m not in grew | kept}
     if small:
@@ -362,6 +370,8 @@ HELP = (
     "tensor bytes, CUDA allocated or reserved, by more than max(16 MiB, 1% of the peak) on RSS, driver\n"
     "used and NVML;\n"
     "surviving tensors whose count or bytes grow every cycle;\n"
+    "the KV cache by identity - any storage of the engine's KV cache or scales (its kv_blocks() view) still\n"
+    "alive after shutdown, whatever its size, with its holder;\n"
     "restart impossible - the engine started once and cannot start again in this process (vLLM sleep mode\n"
     "on CUDA), with the engine's message;\n"
     "objects left frozen by gc.freeze();\n"
