@@ -245,3 +245,37 @@ def test_an_engine_wider_than_the_visible_gpus_is_refused_before_any_worker(gpus
     with pytest.raises(UserError):  # the path every command takes, before any worker
         execute(spanning(4), tmp_path, capsys, jobs=1)
     assert not (tmp_path / "logs").exists()
+
+
+def test_cuda_asked_with_no_gpu_visible_is_refused_in_one_line_before_any_worker(gpus, monkeypatch, tmp_path,
+                                                                                  capsys):
+    from kvdiag.errors import UserError
+
+    gpus(0)  # no GPU on the machine (no driver)
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(UserError) as e:
+            scheduling.cap_jobs(cases("builtin", device), 1)
+        message = str(e.value)
+        assert f"--device {device} asked for a CUDA GPU but none is visible" in message
+        assert "no NVIDIA GPU or driver" in message and "--device cpu" in message and "--device auto" in message
+        assert "GPUs a case" not in message and "\n" not in message
+    gpus(2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPUs there, hidden from kvdiag
+    with pytest.raises(UserError, match=r"CUDA_VISIBLE_DEVICES='' hides the machine's 2 GPUs; run on the CPU"):
+        execute(cases("builtin", "cuda"), tmp_path, capsys, jobs=1)  # the path every command takes
+    assert not (tmp_path / "logs").exists()
+    assert scheduling.cap_jobs(cases("builtin", "auto"), 1) == (1, ())  # auto falls back to the CPU
+    assert [scheduling.gpus_word(n) for n in (0, 1, 2)] == ["0 GPUs", "1 GPU", "2 GPUs"]
+
+
+def test_memleak_device_cuda_without_a_gpu_exits_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "kvdiag", "memleak", "--device", "cuda", "-o", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("kvdiag: error: --device cuda asked for a CUDA GPU")
+    assert "--device cpu" in run.stderr and "GPUs a case" not in run.stderr
+    assert not (tmp_path / "r" / "logs").exists()  # no worker started

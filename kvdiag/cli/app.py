@@ -178,4 +178,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kvdiag: internal error: {type(e).__name__}: {e} (set KVDIAG_DEBUG=1 for the traceback)",
               file=sys.stderr)
         sys.exit(EXIT_INTERNAL)
+    if rv == 130:  # typer (>= 0.2x) turns Ctrl-C into exit code 130 itself, silently
+        print("kvdiag: interrupted", file=sys.stderr)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -286,5 +286,8 @@ def run_cases(
     finally:
         for w in active:  # interrupted: leave no worker behind
             w.proc.kill()
+        for w in active:  # reaped and its pipe closed, not left to multiprocessing's exit handler
+            w.proc.join()
+            w.conn.close()
         progress.close()
     return [done[c.id] for c in cases if c.id in done]

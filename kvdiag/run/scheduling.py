@@ -129,12 +129,14 @@ def cap_jobs(cases: list, jobs: int, *, quiet: bool = False) -> tuple[int, tuple
     import sys
 
     where = place(cases)
+    if where.gpu and not where.gpus:
+        no_gpu(cases)
     if where.gpu and not where.device and where.per_case > len(where.gpus):
         from kvdiag.engines.base import span_args
         from kvdiag.errors import UserError
 
         spans = " x ".join(dict.fromkeys(a for c in cases for a in span_args(c.engine)))
-        raise UserError(f"the engine spans {where.per_case} GPUs a case ({spans} in -a) but "
+        raise UserError(f"the engine spans {gpus_word(where.per_case)} a case ({spans} in -a) but "
                         f"{len(where.gpus)} {'is' if len(where.gpus) == 1 else 'are'} visible")
     slots = where.slots
     if slots is not None and jobs > slots:
@@ -144,6 +146,24 @@ def cap_jobs(cases: list, jobs: int, *, quiet: bool = False) -> tuple[int, tuple
             print(f"kvdiag: --jobs {jobs} capped at {slots}: {where.why()} ({reason})", file=sys.stderr, flush=True)
         jobs = slots
     return jobs, where.pin
+
+
+def no_gpu(cases: list) -> None:
+    """Refuse (UserError) cases that asked for CUDA on a machine where no GPU is visible, saying why none is."""
+    from kvdiag import gpus
+    from kvdiag.errors import UserError
+
+    device = next(str(c.params.get("device")) for c in cases if on_gpu(c, []))
+    hidden, env = gpus.gpu_count(), os.environ.get(VISIBLE)
+    why = (f"{VISIBLE}={env!r} hides the machine's {gpus_word(hidden)}" if hidden and env is not None
+           else "no NVIDIA GPU or driver found (NVML, /dev/nvidia*)")
+    raise UserError(f"--device {device} asked for a CUDA GPU but none is visible: {why}; "
+                    f"run on the CPU with --device cpu, or --device auto (a GPU when one is visible, else the CPU)")
+
+
+def gpus_word(n: int) -> str:
+    """``1 GPU``, ``2 GPUs``."""
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
 # ---------------------------------------------------------------- the CPU: jobs, threads, pre-imports

@@ -41,6 +41,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm (lm_eval's progress bars) a thread lock instead of its default multiprocessing RLock. In a
+    worker from the fork server that RLock is a named semaphore registered with kvdiag's resource tracker; a worker
+    that never exits normally (killed on Ctrl-C or at a timeout, or ended by ``_watch_parent`` when kvdiag is
+    killed) never unregisters it, and the tracker then warns "There appear to be N leaked semaphore objects" on
+    kvdiag's stderr. The worker's bars only go to its case log: no other process shares them."""
+    try:
+        import threading
+
+        from tqdm import tqdm
+    except ImportError:  # no tqdm (no lm_eval): nothing to do
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def worker_main(cases: list[dict], run_dir: str, log_path: str, conn, parent_pid: int, env: dict,
                  threads: int = 1) -> None:
     # Everything the worker and its native libraries print goes to the case log.
@@ -56,6 +71,7 @@ def worker_main(cases: list[dict], run_dir: str, log_path: str, conn, parent_pid
     if "torch" in sys.modules and env.get("OMP_NUM_THREADS"):  # preloaded by a fork server: set what it read
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     _watch_parent(parent_pid)
+    _thread_lock_for_tqdm()
     import threading
 
     lock = threading.Lock()
