@@ -28,7 +28,7 @@ MetadataOpt = o.field_option(A, "metadata")
 
 
 # what the workers' fork server pre-imports
-LM_EVAL_MODULES = ("kvdiag.evaluation.lm_eval_adapter", "lm_eval.evaluator")
+LM_EVAL_MODULES = ("kvdiag.evaluation.lm_eval_adapter", "lm_eval.evaluator", "kvdiag.evaluation.preloaded")
 
 
 def accuracy(
@@ -72,6 +72,7 @@ def accuracy(
     lm_eval's spellings work too: --model_args (= -a), --num_fewshot, --batch_size, --output_path (= -o),
     --gen_kwargs, --apply_chat_template, --fewshot_as_multiturn, --system_instruction, --include_path.
     """
+    from kvdiag.evaluation.preloaded import env_for
     from kvdiag.run.cases import Target, check_cases
     from kvdiag.run.orchestrate import execute, make_run_dir
     from kvdiag.run.scheduling import case_threads, default_jobs, preload, worker_env
@@ -84,8 +85,10 @@ def accuracy(
     cases, analyze = check_cases("accuracy", target, p)
     run_dir = make_run_dir(output_dir, "accuracy", resume)
     jobs = jobs or default_jobs(cases)
+    modules = preload(cases, *LM_EVAL_MODULES)
+    env = {**worker_env(jobs), **(env_for(cases) if modules else {})}  # the fork server loads the tasks once
     code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
-                   jobs=jobs, env=worker_env(jobs), preload=preload(cases, *LM_EVAL_MODULES), analyze=analyze,
+                   jobs=jobs, env=env, preload=modules, analyze=analyze,
                    threads=case_threads(cases, isolate, jobs), finish=reports_into(run_dir))
     raise typer.Exit(code)
 

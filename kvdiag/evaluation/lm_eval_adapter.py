@@ -20,6 +20,7 @@ from itertools import groupby
 from lm_eval.api.model import TemplateLM
 
 from kvdiag.errors import UserError
+from kvdiag.evaluation import preloaded
 from kvdiag.evaluation.lm_eval_results import examples, summarize, task_groups, task_hashes
 
 PROGRESS_S = float(os.environ.get("KVDIAG_PROGRESS_S", "10"))  # seconds between progress lines of a case
@@ -214,6 +215,45 @@ def task_manager(include_paths: tuple[str, ...] = (), include_defaults: bool = F
     return build(include_paths, include_defaults, json.loads(metadata) if metadata else None)
 
 
+class _Loaded:
+    """A TaskManager whose ``load`` gives the tasks the fork server loaded (``preloaded``), once."""
+
+    def __init__(self, tm, loaded):
+        self._tm, self._loaded = tm, loaded
+
+    def load(self, task_list):
+        out, self._loaded = self._loaded, None
+        return out if out is not None else self._tm.load(task_list)
+
+    def __getattr__(self, name):
+        return getattr(self._tm, name)
+
+
+def check_tasks_load(tasks: list[str], include_paths: tuple[str, ...] = (), include_defaults: bool = False,
+                     metadata: dict | None = None) -> None:
+    """Load the run's tasks in kvdiag's own process before any worker starts: a task whose data cannot be had (a
+    dataset the hub does not give, offline and not in the Hugging Face cache; a missing file) is bad input, one
+    line and exit 2 in seconds, instead of every worker trying. What it loaded stays in the Hugging Face datasets
+    cache, where the workers' fork server reads it (``preloaded``)."""
+    import logging
+
+    meta = json.dumps(metadata, sort_keys=True, default=str) if metadata else None
+    quiet = logging.getLogger("lm_eval")  # its notes on the task configs belong to the workers' logs, not here
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        task_manager(tuple(include_paths), include_defaults, meta).load(list(tasks))
+    except Exception as e:  # noqa: BLE001 - whatever lm_eval or datasets raise, the user's input is the cause
+        from kvdiag.errors import first_line
+
+        offline = any(os.environ.get(v) in ("1", "true", "True") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+        hint = " (offline: HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set and the data is not in the Hugging Face " \
+               "cache)" if offline else ""
+        raise UserError(f"task(s) {', '.join(tasks)}: cannot load their data: {type(e).__name__}: "
+                        f"{first_line(e)[:300]}{hint}") from None
+    finally:
+        quiet.setLevel(level)
+
+
 def resolve_tasks(names: list[str], include_paths: tuple[str, ...] = ()) -> tuple[list[str], bool]:
     """Validate task names (globs allowed) before any worker starts.
 
@@ -260,9 +300,10 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
 
     template = True if apply_chat_template == CHAT_TEMPLATE_DEFAULT else (apply_chat_template or False)
     meta = json.dumps(metadata, sort_keys=True, default=str) if metadata else None
+    tm = task_manager(include_paths, include_defaults, meta)
+    loaded = preloaded.take(preloaded.key(tasks, include_paths, include_defaults, metadata))
     with _without_env_probe():
-        res = simple_evaluate(model=lm, tasks=list(tasks),
-                              task_manager=task_manager(include_paths, include_defaults, meta),
+        res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm if loaded is None else _Loaded(tm, loaded),
                               log_samples=True, limit=limit, num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
                               random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                               fewshot_random_seed=seed, apply_chat_template=template,
@@ -271,7 +312,7 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
     out = summarize(res)
     cfg = res.get("config") or {}
     out["settings"] = {"batch_size": lm.batch_size, "engine_calls": lm.engine_calls,
-                       "chat_template": apply_chat_template,
+                       "tasks_preloaded": loaded is not None, "chat_template": apply_chat_template,
                        "fewshot_as_multiturn": bool(fewshot_as_multiturn), "system_instruction": system_instruction,
                        "gen_kwargs": cfg.get("gen_kwargs"), "examples": examples(res),
                        "groups": task_groups(res.get("group_subtasks") or {}), "tasks": task_hashes(res)}

@@ -130,12 +130,17 @@ def accuracy_cases(target: Target, p) -> tuple:
     and the analysis that judges them against it."""
     from kvdiag.checks.accuracy import analyze
     from kvdiag.evaluation.lm_eval_options import lm_eval_params
+    from kvdiag.tasks import DEFAULT_TASKS
 
     sweep = resolve_sweep(target, p.baseline)
     task_names, need_defaults = _tasks(p.tasks, p.include_paths)
     params = {"tasks": task_names, "include_paths": [str(x) for x in p.include_paths or ()],
               "include_defaults": need_defaults, "limit": _limit(p.limit), "num_fewshot": p.num_fewshot, "seed": p.seed,
               **lm_eval_params(p, sweep.model, sweep.spec["engine_args"])}
+    if need_defaults or p.include_paths or set(task_names) - set(DEFAULT_TASKS):  # not only kvdiag's own tasks
+        from kvdiag.evaluation.lm_eval_adapter import check_tasks_load
+
+        check_tasks_load(task_names, tuple(params["include_paths"]), need_defaults, params.get("metadata"))
     cases = sweep_cases("accuracy", "kvdiag.checks.accuracy:run_case", sweep, params, target.isolate)
     return cases, lambda run: analyze(run, baseline=sweep.baseline, max_drop=p.max_drop, alpha=p.alpha,
                                       max_kl=p.max_kl, min_top1=p.min_top1)

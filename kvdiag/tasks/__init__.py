@@ -5,6 +5,7 @@ Data: ``data/*.jsonl``, written by ``scripts/make_tasks.py``; format: ``recall.p
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 TASKS_DIR = Path(__file__).resolve().parent
@@ -14,11 +15,71 @@ DEFAULT_TASKS = ["kv_recall", "kv_recall_long"]
 def task_manager(include_paths=(), include_defaults: bool = True, metadata: dict | None = None):
     """An ``lm_eval`` TaskManager that knows kvdiag's tasks plus any ``include_paths``.
 
-    ``include_defaults=False`` leaves out lm_eval's own ~10k task configs (indexing
-    them takes ~10 s), for when only kvdiag's tasks are needed. ``metadata`` reaches every task's config (as
-    lm_eval's --metadata).
+    ``include_defaults=False`` leaves out lm_eval's own ~15k task configs, for when only kvdiag's tasks are needed.
+    With them, their index comes from ``default_index()`` (read from disk after the first time). ``metadata``
+    reaches every task's config (as lm_eval's --metadata).
     """
     from lm_eval.tasks import TaskManager
 
     paths = [str(TASKS_DIR)] + [str(p) for p in include_paths]
-    return TaskManager(include_path=paths, include_defaults=include_defaults, metadata=metadata)
+    if not include_defaults:
+        return TaskManager(include_path=paths, include_defaults=False, metadata=metadata)
+    tm = TaskManager(include_path=paths, include_defaults=False, metadata=metadata)
+    try:
+        _merge_index(tm, default_index())
+    except Exception:  # noqa: BLE001 - another lm_eval's internals: index the slow way
+        return TaskManager(include_path=paths, include_defaults=True, metadata=metadata)
+    return tm
+
+
+def index_cache() -> Path:
+    """Where lm_eval's task index is kept: ``$KVDIAG_CACHE``, else ``$XDG_CACHE_HOME/kvdiag``, else ~/.cache/kvdiag."""
+    import os
+
+    return Path(os.environ.get("KVDIAG_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "kvdiag"
+                ).expanduser()
+
+
+def default_index() -> dict:
+    """lm_eval's own task index ({name: entry}, ~15k YAML files: 7-17 s to read on 2 cores), read once per installed
+    lm_eval and kept in ``index_cache()`` (16 MB; about a second to read back). A changed lm_eval (version, or its
+    tasks folder touched) is indexed again."""
+    import pickle
+    from importlib.metadata import version
+
+    import lm_eval.tasks
+    from lm_eval.tasks._index import TaskIndex
+
+    root = Path(lm_eval.tasks.__file__).parent
+    cache = index_cache() / f"lm_eval-{version('lm_eval')}-{int(root.stat().st_mtime)}-tasks.pkl"
+    try:
+        return pickle.loads(cache.read_bytes())
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        pass
+    index = TaskIndex.build([root])
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
+        tmp.replace(cache)
+    except OSError:  # a read-only home: index each time
+        pass
+    return index
+
+
+def _merge_index(tm, defaults: dict) -> None:
+    """lm_eval's TaskManager with ``defaults`` under its own paths' entries (later paths win, as lm_eval merges)."""
+    from collections import defaultdict
+    from itertools import chain
+
+    from lm_eval.tasks._index import Kind
+
+    index = {**defaults, **tm._index}
+    buckets = defaultdict(list)
+    for k, e in index.items():
+        buckets[e.kind].append(k)
+    tm._index = index
+    tm._all_tasks = sorted(index)
+    tm._all_subtasks = sorted(chain.from_iterable(buckets[k] for k in {Kind.TASK, Kind.PY_TASK}))
+    tm._all_groups = sorted(buckets[Kind.GROUP])
+    tm._all_tags = sorted(buckets[Kind.TAG])
