@@ -54,14 +54,10 @@ CHECK = Check("toy", "toy_kvcheck:run", ToyParams, help="Count rounds, the toy w
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory) -> dict:
     """A folder that holds the toy package and its dist-info with the entry point, on PYTHONPATH."""
-    root = tmp_path_factory.mktemp("plugin")
-    (root / "toy_kvcheck.py").write_text(TOY)
-    info = root / "toy_kvcheck-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-kvcheck\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[kvdiag.checks]\ntoy = toy_kvcheck:CHECK\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-               COLUMNS="200")
+    from plugins import install
+
+    env = {**install(tmp_path_factory.mktemp("plugin"), "toy_kvcheck", TOY, "kvdiag.checks", "toy = toy_kvcheck:CHECK"),
+           "COLUMNS": "200"}
     return env
 
 
