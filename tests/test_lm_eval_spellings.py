@@ -34,10 +34,15 @@ def built(caught, *args):
 
 @pytest.fixture(scope="module")
 def tasks_dir(tmp_path_factory) -> Path:
+    import shutil
+
     d = tmp_path_factory.mktemp("tasks")
     src = Path(__file__).resolve().parents[1] / "kvdiag/tasks"
     (d / "kv_recall_copy.yaml").write_text((src / "kv_recall.yaml").read_text().replace("task: kv_recall",
                                                                                          "task: kv_recall_copy"))
+    for helper in ("kv_utils.py", "recall.py"):  # the task's own functions and data: kvdiag loads it up front
+        shutil.copy(src / helper, d / helper)
+    shutil.copytree(src / "data", d / "data")
     return d
 
 
