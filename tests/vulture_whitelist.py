@@ -43,3 +43,4 @@ _.PAIR_TOKENS  # tasks/recall.py (scripts/train_tiny_model.py)
 _.cuda_untouched  # engines/vllm/preimport.py: asserted by tests/test_vllm_gpu.py on a GPU
 _.display_type_rich  # cli/app.py: click's parameter attribute that typer's rich help reads
 _.schema_version  # results.RunRecord: a field of run.json, read by its users
+_._all_tasks, _._all_subtasks, _._all_groups, _._all_tags  # lm_eval's TaskManager fields (kvdiag.tasks._merge_index)

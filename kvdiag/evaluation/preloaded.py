@@ -34,12 +34,11 @@ def take(k: str):
 
 
 def _load(k: str) -> None:
-    from kvdiag.evaluation.lm_eval_adapter import task_manager
+    from kvdiag.tasks import task_manager
 
     tasks, include_paths, include_defaults, metadata = json.loads(k)
-    meta = json.dumps(metadata, sort_keys=True, default=str) if metadata else None
     try:
-        _LOADED[k] = task_manager(tuple(include_paths), include_defaults, meta).load(list(tasks))
+        _LOADED[k] = task_manager(tuple(include_paths), include_defaults, metadata or None).load(list(tasks))
     except Exception:  # noqa: BLE001 - the worker loads them itself and says what failed
         pass
 
