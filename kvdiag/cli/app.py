@@ -17,7 +17,7 @@ app = typer.Typer(
     name="kvdiag",
     help="KV-cache diagnostics and accuracy checks for LLM inference engines.\n\n"
     "Every check runs the engine in-process, one worker process per case, and writes "
-    "results.jsonl + run.json into a run directory. Exit codes: 0 all passed or skipped, "
+    "results.jsonl + run.json into a run directory. Exit codes: 0 all passed or unsupported, "
     "1 a check failed, crashed or timed out, 2 bad input, 3 kvdiag itself failed.",
     no_args_is_help=True,
     add_completion=True,

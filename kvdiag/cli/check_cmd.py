@@ -1,7 +1,7 @@
 """`kvdiag memleak`, `kvdiag wake-cycle`, `kvdiag poison` and every plug-in check (``kvdiag.checks`` entry point):
 a command made from the check's registry entry. The options every check command takes (engine, model, kv dtypes,
 jobs, device, ...), the check's own options from its params, its --help from its ``help``; it runs one case per kv
-dtype and variant, prints the check's table and exits 0 (all passed or skipped) or 1."""
+dtype and variant, prints the check's table and exits 0 (all passed or unsupported) or 1."""
 
 from __future__ import annotations
 

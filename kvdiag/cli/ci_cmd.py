@@ -44,7 +44,7 @@ def ci(
     """Run the suite a config file describes: checks x engines x models x kv dtypes, one run directory.
 
     Writes results.jsonl, run.json, report.md (appended to $GITHUB_STEP_SUMMARY when set),
-    report.html (plots) and junit.xml. Exit code 0 when every case passed or was skipped
+    report.html (plots) and junit.xml. Exit code 0 when every case passed or was unsupported
     (and nothing regressed against --baseline), 1 otherwise, 2 for a bad config (file:line).
 
     Config keys: top level engines, models ("tiny-llama" = the shipped model), kv_dtypes, device,

@@ -1,6 +1,6 @@
 """What changed between two runs (OLD, NEW: run directories or baseline files), and did anything regress.
 
-- Cases matched by id. A case that passed (or was skipped) in OLD and fails, errors, crashes
+- Cases matched by id. A case that passed (or was unsupported) in OLD and fails, errors, crashes
   or times out in NEW is a regression; the reverse is an improvement.
 - Accuracy scores, per task and metric: the paired per-document test (McNemar / paired
   bootstrap, ``checks/stats.py``) when both sides kept their samples, else a z-test on the two
