@@ -150,6 +150,10 @@ def test_the_matrix_shows_what_the_cache_stores(tmp_path):
     assert st["auto"]["k_bytes_per_token"] == 2 * per_byte and st["auto"]["layers"] == layers
     assert rows["auto"]["stores"] == "bf16" and rows["auto"]["kv_bytes_per_token"] == 4 * per_byte
     assert {v["not_quantized"] for v in rows.values()} == {None}
+    # the storage audit: every layer full attention, counted, with its dtype and bytes per token of one layer
+    assert rows["auto"]["layers"] == f"{layers} full bf16 {4 * per_byte // layers} B/token"
+    int8_layer = (2 * per_byte + 2 * layers * heads * 4) // layers
+    assert rows["int8_per_token_head"]["layers"] == f"{layers} full int8+scales {int8_layer} B/token"
     from rich.console import Console
 
     from kvdiag.report.views import dtypes as _render
@@ -159,3 +163,8 @@ def test_the_matrix_shows_what_the_cache_stores(tmp_path):
     _render(load_run(tmp_path / "run"), con)
     table = con.export_text()
     assert "stores" in table and "int8 +scales" in table and f"{2 * per_byte} +{2 * layers * heads * 4}" in table
+    assert f"{layers} full int8+scales {int8_layer} B/token" in table.replace("\n", "")
+    from kvdiag.report.markdown import render_markdown
+
+    assert f"| int8_per_token_head | pass | int8 +scales | {layers} full int8+scales {int8_layer} B/token |" in (
+        render_markdown(load_run(tmp_path / "run")))

@@ -40,15 +40,15 @@ def storage_summary(view) -> dict:
         names = [str(t.dtype).removeprefix("torch.") for t in (layer.k, layer.v)]
         sizes.update({n: t.element_size() for n, t in zip(names, (layer.k, layer.v))})
         layer_dtypes.append(names[0] if names[0] == names[1] else "/".join(names))
-        k, v = k + _token_bytes(layer.k, view), v + _token_bytes(layer.v, view)
+        k, v = k + token_bytes(layer.k, view), v + token_bytes(layer.v, view)
         for t in (layer.k_scale, layer.v_scale):
             if t is not None:
-                scales, scale = True, scale + _token_bytes(t, view)
+                scales, scale = True, scale + token_bytes(t, view)
     return {"layers": len(view.layers), "layer_dtypes": layer_dtypes, "element_bytes": sizes,
             "k_bytes_per_token": k, "v_bytes_per_token": v, "scale_bytes_per_token": scale, "scales": scales}
 
 
-def _token_bytes(t, view) -> int:
+def token_bytes(t, view) -> int:
     """Bytes one token (slot) takes in ``t``, shaped [num_blocks, block_size, ...]; 0 for a per-tensor scale."""
     if t.dim() < 2 or tuple(t.shape[:2]) != (view.num_blocks, view.block_size):
         return 0

@@ -15,12 +15,19 @@ DRIFT = ("kv dtype", "KL mean", "KL max", "top-1 agreement")
 
 def tables(run) -> list[tuple[str, tuple[str, ...], list[list[str]]]]:
     """(title, header, rows) of each table: per accuracy analysis of the run (`kvdiag ci` keeps one per engine and
-    model, as ``accuracy/ENGINE/MODEL``); none when the run has none."""
+    model, as ``accuracy/ENGINE/MODEL``), the storage audit of a dtypes run; none when the run has neither."""
     out = []
     for key, a in run.analysis.items():
         if (key == "accuracy" or key.startswith("accuracy/")) and isinstance(a, dict) and a.get("rows"):
             out += _tables(a, "" if key == "accuracy" else f" ({key.partition('/')[2]})")
+        if key == "dtypes" and isinstance(a, dict) and a.get("rows"):
+            out.append(("What each kv dtype's cache stores (the storage audit)", STORAGE,
+                        [[r["kv_dtype"], r["result"], r.get("stores") or "-", r.get("layers") or "-"]
+                         for r in a["rows"]]))
     return out
+
+
+STORAGE = ("kv dtype", "result", "stores", "layers (kind, dtype, size)")
 
 
 def _tables(a: dict, suffix: str) -> list:

@@ -132,12 +132,13 @@ def dtypes(run, con) -> None:
     t = Table(title=f"kv dtype support matrix of engine '{run.cases[0].engine if run.cases else '?'}' "
               f"(drift vs '{a.get('baseline')}')", title_justify="left")
     for col in ("kv dtype", "result", "starts", "finite", "== auto", "KL mean", "top-1", "stores",
-                "K+V (+scales) B/token", "detail"):
+                "K+V (+scales) B/token", "layers (kind, dtype, size)", "detail"):
         t.add_column(col, overflow="fold", max_width=70 if col == "detail" else None, no_wrap=col == "kv dtype")
     for r in a.get("rows", []):
         t.add_row(r["kv_dtype"], f"[{STYLE.get(r['result'], '')}]{r['result']}[/]", _yn(r["started"]),
                   _yn(r["finite"]), _yn(r["identical_to_auto"]), fmt_value(r["mean_kl"]),
-                  fmt_value(r["top1_agreement"]), _stores(r), _token_bytes(r), escape(r["detail"] or ""))
+                  fmt_value(r["top1_agreement"]), _stores(r), _token_bytes(r), escape(r.get("layers") or "-"),
+                  escape(r["detail"] or ""))
     con.print(t)
 
 

