@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
+from kvdiag.case import LOG_TAIL_CHARS
 from kvdiag.engines.base import Engine, EngineSpec, create_engine
+from kvdiag.errors import EngineUnsupported
 
 TEST_DISABLE_ENV = "KVDIAG_TEST_DISABLE"
 
@@ -31,7 +33,8 @@ def start_engine(case, weights_from: Engine | None = None, **overrides) -> Engin
     return engine
 
 
-REFUSALS = ("EngineUnsupported", "NotImplementedError", "ValueError", "ValidationError")  # how engines say "not here"
+REFUSALS = (EngineUnsupported, NotImplementedError, ValueError)  # how engines say "not here" (pydantic's
+# ValidationError, vLLM's config errors, is a ValueError)
 
 
 def refused(exc: BaseException) -> str | None:
@@ -40,7 +43,7 @@ def refused(exc: BaseException) -> str | None:
     memory is never a refusal (``errors.resource_failure``)."""
     from kvdiag.errors import first_line, resource_failure
 
-    if resource_failure(exc) or not any(t.__name__ in REFUSALS for t in type(exc).__mro__):
+    if resource_failure(exc) or not isinstance(exc, REFUSALS):
         return None
     return first_line(exc)
 
@@ -54,7 +57,8 @@ def engine_failed(case, exc: BaseException, stage: str, **metrics):
     from kvdiag.errors import first_line, resource_failure
 
     resource = resource_failure(exc)
-    rec = case.result("error" if resource else "crashed", metrics=metrics, log_tail=traceback.format_exc()[-4000:])
+    rec = case.result("error" if resource else "crashed", metrics=metrics,
+                      log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:])
     rec.add("error", "resource" if resource else "crashed",
             resource or f"{stage}: {type(exc).__name__}: {first_line(exc)}"[:500], stage=stage)
     return rec

@@ -176,6 +176,7 @@ def engine_traits(name: str):
     - ``PRELOAD``: modules the workers' fork server imports once for the whole run (none of them may initialise
       CUDA); a worker forked from it starts with them instead of importing them again;
     - ``SPAN_ARGS``: the engine arguments whose product is the GPUs one engine spans;
+    - ``engine_arg_names()``: the ``-a`` keys it takes;
     - ``shared_gpu_bytes(model, engine_args, weights)``: GPU memory one case needs when cases share a GPU
       (``weights``: the checkpoint's bytes), or None when its cases must not share one.
     """
@@ -245,13 +246,9 @@ def engine_dtypes(name: str) -> list[str]:
 
 
 def engine_arg_names(name: str) -> list[str] | None:
-    """The ``-a`` keys an engine takes, without starting it: its factory's ``engine_arg_names()``; None when the
-    factory does not say (a plug-in engine without the method: its arguments are not checked)."""
-    if name == "builtin":  # no torch import to check arguments
-        from kvdiag.engines.builtin import engine_arg_names as builtin_names
-
-        return builtin_names()
-    listed = getattr(_factory(name), "engine_arg_names", None)
+    """The ``-a`` keys an engine takes, without starting it: its ``engine_arg_names()`` (``engine_traits``: the
+    package of kvdiag's engines, a plug-in's factory); None when it does not say (its arguments are not checked)."""
+    listed = getattr(engine_traits(name), "engine_arg_names", None)
     return list(listed()) if callable(listed) else None
 
 

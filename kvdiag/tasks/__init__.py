@@ -5,6 +5,7 @@ Data: ``data/*.jsonl``, written by ``scripts/make_tasks.py``; format: ``recall.p
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -40,10 +41,12 @@ def index_cache() -> Path:
                 ).expanduser()
 
 
+@functools.lru_cache(maxsize=1)
 def default_index() -> dict:
     """lm_eval's own task index ({name: entry}, ~15k YAML files: 7-17 s to read on 2 cores), read once per installed
-    lm_eval and kept in ``index_cache()`` (16 MB; about a second to read back). A changed lm_eval (version, or its
-    tasks folder touched) is indexed again."""
+    lm_eval and kept in ``index_cache()`` (16 MB; about a second to read back), and once per process (the workers
+    forked from the fork server that read it have it; lm_eval deep-copies an entry's config before using it). A
+    changed lm_eval (version, or its tasks folder touched) is indexed again."""
     import pickle
     from importlib.metadata import version
 

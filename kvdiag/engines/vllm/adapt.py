@@ -166,9 +166,9 @@ def _explicit_kv(spec: EngineSpec, max_model_len: int) -> dict:
     if spec.num_blocks:
         kv = max(sizing.MIN_KV, spec.num_blocks * spec.block_size * sizing.token_bytes(spec.model))
     total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0
-    weights = weights_bytes(spec.model)
-    return {"kv_cache_memory_bytes": kv, "gpu_memory_utilization": sizing.utilization(
-        int(1.2 * weights) + kv + sizing.OVERHEAD, total)}
+    weights = weights_bytes(spec.model)  # the same bytes the scheduler counted (sizing.shared_need)
+    return {"kv_cache_memory_bytes": kv, "gpu_memory_utilization": sizing.utilization(sizing.footprint(weights, kv),
+                                                                                        total)}
 
 
 def _max_model_len(spec: EngineSpec) -> int:

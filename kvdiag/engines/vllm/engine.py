@@ -54,12 +54,6 @@ class VllmEngine:
         """vLLM's ``CacheDType`` names, without starting an engine (a newer vLLM's dtypes appear as they come)."""
         return adapt.cache_dtypes()
 
-    @staticmethod
-    def engine_arg_names() -> list[str]:
-        """What ``-a`` takes (vllm.EngineArgs' fields, vllm.LLM's parameters, kvdiag's sampling keys), read
-        from vLLM's source without importing it."""
-        return adapt.engine_arg_names()
-
     @property
     def capabilities(self) -> Capabilities:
         return self._caps or Capabilities(kv_dtypes=tuple(self.supported_kv_dtypes()),

@@ -52,6 +52,11 @@ def shared_need(model: str, engine_args: dict, weights: int) -> int | None:
     seqs = int(engine_args.get("max_num_seqs") or DEFAULT_SEQS)
     length = int(engine_args.get("max_model_len") or DEFAULT_LEN)
     kv = int(engine_args.get("kv_cache_memory_bytes") or kv_cache_bytes(model, seqs, length))
+    return footprint(weights, kv)
+
+
+def footprint(weights: int, kv: int) -> int:
+    """GPU memory of one engine: 1.2 x its weights, its KV cache and OVERHEAD."""
     return int(1.2 * weights) + kv + OVERHEAD
 
 
