@@ -10,7 +10,7 @@ _.accuracy_cases  # checks/accuracy.py: cases="kvdiag.run.cases:accuracy_cases"
 _.dtypes_cases  # checks/dtypes_matrix.py
 _.run_case  # Check(worker=...) of accuracy and dtypes_matrix
 _.memory_rows  # checks/memleak.py: compare="kvdiag.report.compare:memory_rows"
-_.memleak_plots, _.wake_cycle_plots, _.accuracy_plots  # Check(plots=...)
+_.memleak_plots, _.wake_cycle_plots, _.accuracy_plots, _.dtypes_plots  # Check(plots=...)
 _.memleak, _.wake_cycle, _.poison  # Check(render="kvdiag.report.views:...")
 _.VllmEngine  # engines/base.py: "vllm": "kvdiag.engines.vllm.engine:VllmEngine"
 _.load_json  # tasks/*.yaml: custom_dataset: !function kv_utils.load_json

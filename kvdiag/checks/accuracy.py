@@ -205,7 +205,7 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
     for rec in run.cases:
         verdicts.reset(rec)
     base = next((c for c in run.cases if c.kv_dtype == baseline and c.params.get("role") == "baseline"), None)
-    rows, changed = [], []
+    rows, changed, by_position = [], [], []
     base_ok = base is not None and base.status == "pass"
     base_samples = json.loads(artifact_path(run, base, "samples").read_text()) if base_ok else {}
     base_probe = drift.load(artifact_path(run, base, "drift")) if base_ok else None
@@ -230,11 +230,12 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
             d = drift.compare(base_probe, drift.load(artifact_path(run, rec, "drift")))
             lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"), max_kl=max_kl, min_top1=min_top1)
             rows += verdicts.judge_case(rec, base, base_samples, samples, d, lim, max_drop=max_drop, alpha=alpha)
+            by_position += [r for r in [verdicts.position_row(rec)] if r]
             changed.append(rec)
     for rec in changed:
         append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
     run.analysis["accuracy"] = {"baseline": baseline, "max_drop": max_drop, "alpha": alpha, "rows": rows,
-                                "timings": total_timings(run.cases)}
+                                "drift_by_position": by_position, "timings": total_timings(run.cases)}
 
 
 def total_timings(cases) -> dict:

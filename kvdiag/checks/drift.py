@@ -1,12 +1,17 @@
 """Token-level drift of a kv dtype against a baseline, over the fixed prompt set.
 
 Worker side: ``collect`` scores the prompts teacher-forced (the whole next-token
-distribution when the engine gives it, else its top-k) and generates greedily;
-``save``/``load`` put that in a case artifact. Parent side: ``compare`` measures a
-case against the baseline case and ``judge`` holds it to its dtype family's limits.
+distribution when the engine gives it, else its top-k), scores the long fixed continuation
+of each generation prompt the same way (``Prompt.long``, its first ``LONG_TOKENS`` tokens)
+and generates greedily; ``save``/``load`` put that in a case artifact. Parent side:
+``compare`` measures a case against the baseline case and ``judge`` holds it to its dtype
+family's limits; ``grows`` says where KL grows with the position (``drift_position.py``).
 
 Metrics: mean/max KL(baseline || dtype) per position, top-1 agreement, max |Δ logprob|
-of the teacher-forced token, first (prompt, position) where greedy generations differ.
+of the teacher-forced token, first (prompt, position) where greedy generations differ; and
+by position (``by_position``): KL and top-1 per position bucket (1-16, 17-32, 33-64, ...) of
+the prompts' continuations and of the long continuation. The totals, which the limits judge,
+are over the prompts' continuations only (as they were calibrated).
 Top-1 agreement counts a position as agreeing when the dtype's top token is one the
 baseline ranks within ``TIE_NATS`` of its own top: a flip between near-tied tokens is
 what any rounding does on a flat distribution, not a change of the model's answer.
@@ -18,35 +23,62 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 
+from kvdiag.checks import drift_position
+
 TOP_K = 64  # top-k kept when the engine gives no full distribution (or it would be too big to store)
-MAX_FULL_BYTES = 256 << 20  # full distributions above this are reduced to top-k before saving
+MAX_FULL_BYTES = 256 << 20  # full distributions of the prompts above this are reduced to top-k before saving
 GREEDY_TOKENS = 16
+LONG_TOKENS = 128  # tokens of each long continuation scored (buckets 1-16 ... 65-128)
+# The long continuations keep only the top 16 of each position (in the artifact as two arrays, ~200 KB for 12
+# prompts): on the shipped model their KL per bucket is within 0.1% of the full distributions'.
+LONG_TOP_K = 16
 TIE_NATS = 0.1  # baseline logprobs this close to its top count as tied for top-1 agreement
 
 
 # ------------------------------------------------------------------ worker side
 
 
-def collect(engine, prompts, *, greedy_tokens: int = GREEDY_TOKENS) -> dict:
-    """Teacher-forced scores and greedy tokens of ``prompts`` (kvdiag.checks.prompts.Prompt)."""
-    import torch
-
-    full = bool(engine.capabilities.full_logits)
-    top_k = -1 if full else min(TOP_K, engine.capabilities.max_logprobs or TOP_K)
-    scored = engine.score([p.context for p in prompts], [p.continuation for p in prompts], top_k=top_k)
-    out = {"over": "full" if full else "top-k", "chosen": [list(map(float, s.logprobs)) for s in scored]}
-    if full:
-        dists = [torch.as_tensor(s.distributions).float().cpu().numpy() for s in scored]
-        if sum(d.size for d in dists) * 4 > MAX_FULL_BYTES:
-            out["over"], out["top"] = "top-k", [_topk_dicts(d, TOP_K) for d in dists]
-        else:
-            out["dists"] = dists
-    else:
-        out["top"] = [[{int(t): float(v) for t, v in pos.items()} for pos in s.top_logprobs] for s in scored]
+def collect(engine, prompts, *, greedy_tokens: int = GREEDY_TOKENS, long_tokens: int = LONG_TOKENS) -> dict:
+    """Teacher-forced scores, long continuations' scores (``long``) and greedy tokens of ``prompts``
+    (kvdiag.checks.prompts.Prompt)."""
+    out = _scores(engine, [p.context for p in prompts], [p.continuation for p in prompts], MAX_FULL_BYTES, TOP_K)
+    long = [p for p in prompts if p.long]
+    if long and long_tokens > 0:
+        out["long"] = _scores(engine, [p.generate for p in long],
+                              [first_tokens(engine, p.long, long_tokens) for p in long], 0, LONG_TOP_K)
     gens = engine.generate([p.generate for p in prompts], greedy_tokens, greedy=True)
     out["greedy"] = [list(map(int, g.token_ids)) for g in gens]
     out["greedy_logprobs"] = [list(map(float, g.logprobs)) for g in gens]
     return out
+
+
+def _scores(engine, contexts, continuations, max_full_bytes: int, keep: int) -> dict:
+    """``over`` (full or top-k), ``chosen`` (each continuation token's logprob) and ``dists`` (full) or ``top``
+    (the top ``keep`` of each position; full distributions above ``max_full_bytes`` are reduced to that)."""
+    import torch
+
+    full = bool(engine.capabilities.full_logits)
+    top_k = -1 if full else min(keep, engine.capabilities.max_logprobs or keep)
+    scored = engine.score(contexts, continuations, top_k=top_k)
+    out = {"over": "full" if full else "top-k", "chosen": [list(map(float, s.logprobs)) for s in scored]}
+    if full:
+        dists = [torch.as_tensor(s.distributions).float().cpu().numpy() for s in scored]
+        if sum(d.size for d in dists) * 4 > max_full_bytes:
+            out["over"], out["top"] = "top-k", [_topk_dicts(d, keep) for d in dists]
+        else:
+            out["dists"] = dists
+    else:
+        out["top"] = [[{int(t): float(v) for t, v in pos.items()} for pos in s.top_logprobs] for s in scored]
+    return out
+
+
+def first_tokens(engine, text: str, n: int) -> list[int]:
+    """The first ``n`` token ids of ``text`` as a continuation (without what the tokenizer puts before any text,
+    a BOS)."""
+    ids, lead = list(engine.encode(text)), list(engine.encode(""))
+    if lead and ids[:len(lead)] == lead:
+        ids = ids[len(lead):]
+    return ids[:n]
 
 
 def _topk_dicts(dist, k: int) -> list[dict[int, float]]:
@@ -62,19 +94,50 @@ def finite(data: dict) -> bool:
     """No NaN/inf in what the engine returned for the prompts (logprobs may be -inf only in distributions)."""
     import numpy as np
 
-    vals = [v for row in data["chosen"] + data["greedy_logprobs"] for v in row]
+    sections = [data] + ([data["long"]] if "long" in data else [])
+    vals = [v for row in data["greedy_logprobs"] + [r for sec in sections for r in sec["chosen"]] for v in row]
     return all(math.isfinite(v) for v in vals) and not any(bool(np.isnan(d).any()) for d in data.get("dists", []))
 
 
 def save(data: dict, path) -> None:
-    """numpy's .npz (no pickle): the distributions as float32 arrays, everything else as one JSON string. The
-    parent that compares the dtypes then needs numpy only, not torch (~1.8 s of import)."""
+    """numpy's .npz (no pickle): the distributions as float32 arrays (``distI``), the long continuations' tokens'
+    logprobs and top-k token ids and logprobs as arrays (``longchI``, ``longidI``, ``longlpI``), everything else as
+    one JSON string. The parent that compares the dtypes then needs numpy only, not torch (~1.8 s of import)."""
     import numpy as np
 
     meta = {k: v for k, v in data.items() if k != "dists"}
     arrays = {f"dist{i}": np.asarray(d, dtype=np.float32) for i, d in enumerate(data.get("dists", []))}
+    if "long" in data:
+        long = _long_top(data["long"])
+        meta["long"] = {"over": "top-k"}
+        for i, (chosen, rows) in enumerate(zip(long["chosen"], long["top"])):
+            arrays[f"longch{i}"] = np.asarray(chosen, dtype=np.float32)
+            arrays[f"longid{i}"], arrays[f"longlp{i}"] = _pack(rows)
     with open(path, "wb") as f:
         np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+
+
+def _long_top(section: dict) -> dict:
+    """A long-continuation section as top-k (``LONG_TOP_K`` of full distributions)."""
+    if "top" in section:
+        return section
+    return {**section, "over": "top-k", "top": [_topk_dicts(d, LONG_TOP_K) for d in section["dists"]]}
+
+
+def _pack(rows: list[dict[int, float]]):
+    """Top-k dicts of a prompt's positions as two arrays [positions, k]: token ids (-1 pads a shorter row) and
+    their logprobs (float32, as the full distributions are stored)."""
+    import numpy as np
+
+    k = max((len(r) for r in rows), default=0)
+    ids, lps = np.full((len(rows), k), -1, dtype=np.int32), np.zeros((len(rows), k), dtype=np.float32)
+    for j, r in enumerate(rows):
+        ids[j, :len(r)], lps[j, :len(r)] = list(r), list(r.values())
+    return ids, lps
+
+
+def _unpack(ids, lps) -> list[dict[int, float]]:
+    return [{int(t): float(v) for t, v in zip(i, lp) if t >= 0} for i, lp in zip(ids.tolist(), lps.tolist())]
 
 
 def load(path) -> dict:
@@ -86,12 +149,21 @@ def load(path) -> dict:
         return torch.load(path, weights_only=True)
     with np.load(path, allow_pickle=False) as z:
         data = json.loads(str(z["meta"]))
-        dists = sorted((int(k[4:]), z[k]) for k in z.files if k.startswith("dist"))
+        arrays = {prefix: [a for _, a in sorted((int(k[len(prefix):]), z[k]) for k in z.files
+                                                if k.startswith(prefix) and k[len(prefix):].isdigit())]
+                  for prefix in ("dist", "longch", "longid", "longlp")}
+    _restore(data, arrays["dist"])
+    if "long" in data:
+        data["long"]["chosen"] = [a.tolist() for a in arrays["longch"]]
+        data["long"]["top"] = [_unpack(i, lp) for i, lp in zip(arrays["longid"], arrays["longlp"])]
+    return data
+
+
+def _restore(data: dict, dists: list) -> None:
     if "top" in data:  # JSON object keys are strings
         data["top"] = [[{int(t): v for t, v in pos.items()} for pos in rows] for rows in data["top"]]
     if dists or data.get("over") == "full":
-        data["dists"] = [d for _, d in dists]
-    return data
+        data["dists"] = dists
 
 
 # ------------------------------------------------------------------ parent side
@@ -99,26 +171,39 @@ def load(path) -> dict:
 
 def compare(base: dict, test: dict) -> dict:
     """Drift of ``test`` against ``base`` (both from ``collect`` over the same prompts)."""
+    over, kls, agree = _per_position(base, test)
+    flat_kl = [x for row in kls for x in row]
+    flat_agree = [x for row in agree for x in row]
+    dlp = [abs(x - y) for bx, tx in zip(base["chosen"], test["chosen"]) for x, y in zip(bx, tx)]
+    first = first_divergence(base["greedy"], test["greedy"])
+    identical = (dlp and max(dlp) == 0 and first is None and _same_dists(base, test, over))
+    by_position = {"prompts": drift_position.buckets(kls, agree)}
+    if "long" in base and "long" in test:
+        _, long_kls, long_agree = _per_position(base["long"], test["long"])
+        by_position["long"] = drift_position.buckets(long_kls, long_agree)
+    return {
+        "drift_over": over,
+        "positions": len(flat_kl),
+        "mean_kl": _nan_mean(flat_kl),
+        "max_kl": _nan_max(flat_kl),
+        "top1_agreement": sum(flat_agree) / len(flat_agree) if flat_agree else float("nan"),
+        "max_abs_dlogprob": _nan_max(dlp),
+        "first_divergence": first,
+        "identical": bool(identical),
+        "by_position": by_position,
+    }
+
+
+def _per_position(base: dict, test: dict) -> tuple[str, list[list[float]], list[list[bool]]]:
+    """(over, KL per position, top-1 agreement per position), one list per prompt, of a scored section."""
     over = "full" if base["over"] == test["over"] == "full" else "top-k"
     kls, agree = [], []
     for i in range(len(base["chosen"])):
         k, a = (_full_pos(base["dists"][i], test["dists"][i]) if over == "full"
                 else _topk_pos(_tops(base, i), _tops(test, i)))
-        kls += k
-        agree += a
-    dlp = [abs(x - y) for bx, tx in zip(base["chosen"], test["chosen"]) for x, y in zip(bx, tx)]
-    first = first_divergence(base["greedy"], test["greedy"])
-    identical = (dlp and max(dlp) == 0 and first is None and _same_dists(base, test, over))
-    return {
-        "drift_over": over,
-        "positions": len(kls),
-        "mean_kl": _nan_mean(kls),
-        "max_kl": _nan_max(kls),
-        "top1_agreement": sum(agree) / len(agree) if agree else float("nan"),
-        "max_abs_dlogprob": _nan_max(dlp),
-        "first_divergence": first,
-        "identical": bool(identical),
-    }
+        kls.append(k)
+        agree.append(a)
+    return over, kls, agree
 
 
 def _tops(data: dict, i: int) -> list[dict[int, float]]:
@@ -264,3 +349,22 @@ def judge(metrics: dict, lim: Limits) -> list[str]:
         if v != v or worse(v, limit):
             bad.append(f"{key} {v:.4g} beyond the {lim.family} limit {limit:g}")
     return bad
+
+
+def grows(d: dict, lim: Limits) -> list[tuple[str, dict]]:
+    """Where KL grows with the position (``drift_position.grows`` against the dtype's mean-KL limit): per scored
+    section that grows, a line and its evidence (the section, the first and last judged buckets, their mean KL,
+    the ratio, the limit); empty when none grows."""
+    out = []
+    for section, rows in (d.get("by_position") or {}).items():
+        g = drift_position.grows(rows, lim.mean_kl)
+        if g is not None:
+            ratio = f"{g['ratio']:.1f}x" if g["ratio"] is not None else "from 0"
+            out.append((f"KL grows with the position along the {SECTION_WORDS.get(section, section)}: mean KL "
+                        f"{g['first_kl']:.3g} at positions {g['first']}, {g['last_kl']:.3g} at {g['last']} ({ratio}; "
+                        f"above the {lim.family} limit {lim.mean_kl:g})", {"section": section, **g,
+                                                                           "limit": lim.mean_kl}))
+    return out
+
+
+SECTION_WORDS = {"prompts": "prompts' continuations", "long": f"long continuations ({LONG_TOKENS} tokens)"}

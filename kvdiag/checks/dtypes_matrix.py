@@ -3,7 +3,8 @@
 For every dtype string the engine knows: does the engine start with it, does a short
 greedy generation come back finite, is an explicit unquantized dtype equal to the
 model's dtype bit-identical to ``auto``, is the drift against ``auto`` within the
-dtype family's limits. Rows: ``pass``, ``unsupported`` (the engine's own words),
+dtype family's limits (KL growing with the position: a ``drift_grows`` warning, the
+row still passes). Rows: ``pass``, ``unsupported`` (the engine's own words),
 ``resource`` (the device ran out of memory: another engine on the GPU, most often; an
 error of the run, never ``unsupported``), ``crashed``, ``wrong``. An explicit unquantized
 dtype equal to the model's dtype is what ``auto`` stores: refusing it while ``auto`` works
@@ -81,7 +82,7 @@ def cache_storage(engine) -> dict | None:
 
 
 def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) -> None:
-    from kvdiag.checks.verdicts import reset
+    from kvdiag.checks.verdicts import position_row, reset
     from kvdiag.results import append_jsonl
 
     folder = Path(run.run_dir) / "artifacts"
@@ -98,19 +99,22 @@ def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) 
         if row["result"] == "wrong":
             rec.status = "fail"
             rec.add("error", "wrong", row["detail"])
-        if row["not_quantized"]:
-            rec.add("warning", "not_quantized", row["not_quantized"])
-            row["detail"] = "; ".join(x for x in (row["detail"], row["not_quantized"]) if x)
+        warnings = [("not_quantized", row["not_quantized"], {})] if row["not_quantized"] else []
+        warnings += [("drift_grows", msg, evidence) for msg, evidence in row.pop("drift_grows")]
+        for kind, msg, evidence in warnings:
+            rec.add("warning", kind, msg, **evidence)
+            row["detail"] = "; ".join(x for x in (row["detail"], msg) if x)
         if rec.status in ("pass", "fail"):
             append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
-    run.analysis["dtypes"] = {"baseline": base.kv_dtype if base else None, "rows": rows}
+    run.analysis["dtypes"] = {"baseline": base.kv_dtype if base else None, "rows": rows,
+                              "drift_by_position": [r for r in map(position_row, run.cases) if r]}
 
 
 def _row(rec, base, base_probe, folder: Path, max_kl, min_top1) -> dict:
     started = bool(rec.metrics.get("started", rec.status == "pass"))
     row = {"kv_dtype": rec.kv_dtype, "result": "pass", "started": started,
            "finite": rec.metrics.get("finite"), "identical_to_auto": None, "mean_kl": None, "top1_agreement": None,
-           "detail": ""}
+           "detail": "", "drift_grows": []}
     first = rec.findings[0].message if rec.findings else ""
     if rec.status in NOT_RUN_STATUSES:
         wrong = drift.wrongly_refused(rec, base)
@@ -132,7 +136,7 @@ def _row(rec, base, base_probe, folder: Path, max_kl, min_top1) -> dict:
     lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"), max_kl=max_kl, min_top1=min_top1)
     rec.metrics.update(drift=d, drift_limits=lim.to_json())
     row.update(identical_to_auto=d["identical"] if lim.family in ("identical", "unquantized") else None,
-               mean_kl=d["mean_kl"], top1_agreement=d["top1_agreement"])
+               mean_kl=d["mean_kl"], top1_agreement=d["top1_agreement"], drift_grows=drift.grows(d, lim))
     problems = drift.judge(d, lim)
     if problems:
         return {**row, "result": "wrong", "detail": "; ".join(problems)}
@@ -190,5 +194,5 @@ CHECK = Check(
     "dtypes", "kvdiag.checks.dtypes_matrix:run_case", DtypesParams, timeout=300.0,
     help="The kv dtype support matrix: does the engine start with each dtype, is the output finite, bit-identical "
     "or within drift of 'auto', and what its cache stores.",
-    render="kvdiag.report.views:dtypes", cases="kvdiag.run.cases:dtypes_cases", gpu_share=True,
-    selftest={"num_prompts": 2})
+    render="kvdiag.report.views:dtypes", plots="kvdiag.report.plots:dtypes_plots",
+    cases="kvdiag.run.cases:dtypes_cases", gpu_share=True, selftest={"num_prompts": 2})

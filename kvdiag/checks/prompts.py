@@ -9,6 +9,13 @@ Deterministic: the same prompts in every run, every process, every Python versio
   asks three keys with their answers, so the scored positions are where the model
   must read values back from the KV cache.
 - ``text``: short English passages for any other model.
+
+Each prompt also has a long continuation of its generation prompt (``long``, at least ``LONG_CHARS``
+characters; the drift probe scores its first ``drift.LONG_TOKENS`` tokens teacher-forced, checks/drift.py):
+for ``recall``, the answer to the asked key, then every pair of the context asked again in the training format
+(`` k1=v1 k2=v2 ...``, shuffled, repeated until long enough), so every value read back comes from further along
+the cache; for ``text``, the passage's continuation and then the other passages in turn. It is fixed text, the
+same for every kv dtype, so that positions align between them all along it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 RECALL_SEED = 5150
 N_PROMPTS = 12
 QUERIES = 3
+LONG_CHARS = 600  # >= 128 tokens of a byte tokenizer (1 a character) or of English BPE (~4 characters a token)
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,7 @@ class Prompt:
     context: str  # prefilled into the KV cache
     continuation: str  # scored teacher-forced after the context
     generate: str  # greedy generation starts from this text
+    long: str = ""  # a long fixed continuation of ``generate`` (drift by position along it)
 
 
 def recall_prompts(n: int = N_PROMPTS, seed: int = RECALL_SEED) -> list[Prompt]:
@@ -43,8 +52,19 @@ def recall_prompts(n: int = N_PROMPTS, seed: int = RECALL_SEED) -> list[Prompt]:
         asked = rng.sample(range(n_pairs), min(QUERIES, n_pairs))
         context = recall.context_text(pairs)
         continuation = "".join(recall.question_text(pairs[j][0]) + pairs[j][1] for j in asked)
-        out.append(Prompt(context, continuation, context + recall.question_text(pairs[asked[0]][0])))
+        out.append(Prompt(context, continuation, context + recall.question_text(pairs[asked[0]][0]),
+                          _recall_long(pairs, pairs[asked[0]][1], random.Random(seed + 1 + i))))
     return out
+
+
+def _recall_long(pairs: list[tuple[str, str]], answer: str, rng: random.Random) -> str:
+    """The asked key's answer, then the context's pairs asked again in the training format, each round shuffled."""
+    from kvdiag.tasks import recall
+
+    text = answer
+    while len(text) < LONG_CHARS:
+        text += "".join(recall.question_text(k) + v for k, v in rng.sample(pairs, len(pairs)))
+    return text
 
 
 _TEXT = [
@@ -68,7 +88,16 @@ _TEXT = [
 
 
 def text_prompts(n: int = 8) -> list[Prompt]:
-    return [Prompt(c, x, c) for c, x in _TEXT[:n]]
+    return [Prompt(c, x, c, _text_long(i)) for i, (c, x) in enumerate(_TEXT[:n])]
+
+
+def _text_long(i: int) -> str:
+    """Passage ``i``'s continuation, then the next passages whole, in turn, until long enough."""
+    text, j = _TEXT[i][1], i
+    while len(text) < LONG_CHARS:
+        j = (j + 1) % len(_TEXT)
+        text += " " + "".join(_TEXT[j])
+    return text
 
 
 def is_shipped_model(model: str) -> bool:

@@ -3,7 +3,8 @@
 A metric is ``ok``, ``regression`` (the drop exceeds ``max_drop`` and the paired test is
 significant at ``alpha``) or ``collapse`` (NaN, non-finite outputs, or below half of
 the baseline while dropping more than ``max_drop``). A dtype whose drift exceeds its
-family's limits gets ``drift``. Any of these makes the case ``fail``.
+family's limits gets ``drift``. Any of these makes the case ``fail``. KL that grows with the position
+(``drift.grows``) is a ``drift_grows`` warning: the case still passes.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift
         problems.append("per-document results differ from the baseline")
     for msg in problems:
         rec.add("error", "drift", f"drift ({lim.family}): {msg}", **_drift_evidence(d))
+    for msg, evidence in drift.grows(d, lim):
+        rec.add("warning", "drift_grows", msg, **evidence)
     verdict = max([r["verdict"] for r in rows] + (["drift"] if problems else ["ok"]), key=ORDER.index)
     if problems:
         for r in rows:
@@ -72,7 +75,17 @@ def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift
     return rows
 
 
-ANALYSIS_KINDS = ("regression", "collapse", "drift", "no_baseline", "wrong", "not_quantized")
+ANALYSIS_KINDS = ("regression", "collapse", "drift", "drift_grows", "no_baseline", "wrong", "not_quantized")
+
+
+def position_row(rec) -> dict | None:
+    """A judged case's drift by position for the reports: its dtype, ``by_position`` (drift.compare's) and, per
+    section that grows, its ``drift_grows`` evidence; None when it has none."""
+    d = rec.metrics.get("drift") or {}
+    if not d.get("by_position"):
+        return None
+    return {"kv_dtype": rec.kv_dtype, "by_position": d["by_position"],
+            "grows": {f.evidence.get("section"): f.evidence for f in rec.findings if f.kind == "drift_grows"}}
 
 
 def reset(rec) -> bool:

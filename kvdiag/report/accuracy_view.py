@@ -22,7 +22,7 @@ def accuracy(run, con) -> None:
     if _width(con, table) > con.width:
         table = scores_table(rows, title, grouped=True)
     con.print(table)
-    drift = drift_table(rows)
+    drift = drift_table(rows, a.get("drift_by_position"))
     if drift is not None:
         con.print(drift)
     if len(rows) < len(a.get("rows", [])):
@@ -102,17 +102,38 @@ def verdict_text(v: str, message: str | None = None) -> str:
     return f"{text} {escape(message[:60])}" if message else text
 
 
-def drift_table(rows: list[dict]):
-    """Each dtype's drift against the baseline dtype (on its first row of the analysis)."""
+def drift_table(rows: list[dict], by_position: list[dict] | None = None):
+    """Each dtype's drift against the baseline dtype (on its first row of the analysis), and its mean KL by position
+    bucket along the long continuation (the prompts' where there is none) as a sparkline, marked where it grows."""
     from rich.table import Table
 
     shown = [r for r in rows if r.get("mean_kl") is not None]
     if not shown:
         return None
+    spark = {r["kv_dtype"]: position_text(r) for r in by_position or ()}
     t = Table(title="token-level drift vs the baseline dtype", title_justify="left")
-    for col in ("kv dtype", "KL mean / max", "top-1"):
-        t.add_column(col, no_wrap=col == "kv dtype", justify="left" if col == "kv dtype" else "right")
+    cols = ("kv dtype", "KL mean / max", "top-1") + (("KL by position",) if spark else ())
+    for col in cols:
+        t.add_column(col, no_wrap=col == "kv dtype", justify="left" if col in ("kv dtype", "KL by position")
+                     else "right")
     for r in shown:
         t.add_row(r["kv_dtype"], f"{fmt_value(r['mean_kl'])} / {fmt_value(r['max_kl'])}",
-                  fmt_value(r.get("top1_agreement")))
+                  fmt_value(r.get("top1_agreement")), *([spark.get(r["kv_dtype"], "-")] if spark else []))
     return t
+
+
+BARS = "▁▂▃▄▅▆▇█"
+
+
+def position_text(row: dict) -> str:
+    """A dtype's mean KL per position bucket as a sparkline (scaled to its own largest), and ``grows Nx`` in red
+    where it grows (``drift_grows``); of the long continuation, else of the prompts."""
+    section = "long" if "long" in row["by_position"] else next(iter(row["by_position"]), None)
+    kls = [b["mean_kl"] for b in row["by_position"].get(section) or () if b.get("positions")]
+    top = max((k for k in kls if k == k), default=0.0)
+    line = "".join("?" if k != k else BARS[min(len(BARS) - 1, int(k / top * len(BARS)))] if top > 0 else BARS[0]
+                   for k in kls)
+    g = (row.get("grows") or {}).get(section)
+    if g:
+        line += " [bold red]grows " + (f"{g['ratio']:.1f}x" if g.get("ratio") is not None else "from 0") + "[/]"
+    return line

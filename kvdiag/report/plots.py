@@ -4,6 +4,8 @@
 - accuracy: score per dtype with its 95% interval; change against the baseline dtype with the
   paired 95% interval; drift (mean KL, top-1 agreement) per dtype.
 - wake-cycle: memory before sleep, asleep and awake in every cycle, per sleep level.
+- accuracy and dtypes: drift by position, one chart per scored section (the prompts', the long continuations):
+  each dtype's mean KL per position bucket over its first bucket's, against the growth threshold.
 """
 
 from __future__ import annotations
@@ -127,4 +129,36 @@ def accuracy_plots(cases, suffix: str = "") -> list[str]:
         out.append(bar_chart(f"drift: top-1 agreement with the baseline{suffix}", "top-1 agreement",
                              [(c.kv_dtype, c.metrics.get("top1_agreement"), None, None) for _, c in drifted],
                              xlabel="kv-cache dtype", colors=[i for i, _ in drifted], ref=1.0))
+    return out + position_plots(acc, suffix)
+
+
+def dtypes_plots(cases, suffix: str = "") -> list[str]:
+    return position_plots([c for c in cases if c.check == "dtypes"], suffix)
+
+
+SECTION_TITLES = {"prompts": "the prompts' continuations", "long": "the long continuations"}
+
+
+def position_plots(cases, suffix: str = "") -> list[str]:
+    """Per scored section, each dtype's mean KL per position bucket divided by its first bucket's (a dtype with no
+    KL in its first bucket has no line: the table in the report shows it), and the growth threshold: a line that
+    rises is a loss growing with the length of what the cache holds."""
+    from kvdiag.checks.drift_position import GROWTH
+
+    judged = [(c.kv_dtype, c.metrics["drift"]["by_position"]) for c in cases
+              if (c.metrics.get("drift") or {}).get("by_position")]
+    out = []
+    for section in dict.fromkeys(s for _, by in judged for s in by):
+        spans = sorted({(b["from"], b["to"]) for _, by in judged for b in by.get(section, ())})
+        series = {}
+        for dtype, by in judged:
+            at = {(b["from"], b["to"]): b for b in by.get(section, ()) if b.get("positions")}
+            first = at.get(spans[0], {}).get("mean_kl")
+            if isinstance(first, (int, float)) and first > 0:
+                series[dtype] = [at[s]["mean_kl"] / first if s in at else None for s in spans]
+        if series:
+            series[f"{GROWTH:g}x (threshold)"] = [GROWTH] * len(spans)
+            out.append(line_chart(f"drift by position along {SECTION_TITLES.get(section, section)}{suffix}",
+                                  f"mean KL / mean KL at {spans[0][0]}-{spans[0][1]}", [f"{a}-{b}" for a, b in spans],
+                                  series, xlabel="token positions (bucket)"))
     return out

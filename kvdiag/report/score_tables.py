@@ -1,7 +1,9 @@
 """The numeric accuracy tables of report.md and report.html, from the run's accuracy analysis: every kv dtype x task
 x metric (acc_norm and every other metric, not only the primary one the terminal shows) with its score, stderr and
 95% interval, the paired change against the baseline dtype with its 95% interval, p-value and test, and the verdict;
-then each dtype's token-level drift. Plain strings: markdown.py and html.py each lay them out."""
+then each dtype's token-level drift, and its drift by position (mean KL / top-1 agreement per position bucket of the
+prompts' and the long continuations; checks/drift_position.py). Plain strings: markdown.py and html.py each lay them
+out."""
 
 from __future__ import annotations
 
@@ -24,7 +26,44 @@ def tables(run) -> list[tuple[str, tuple[str, ...], list[list[str]]]]:
             out.append(("What each kv dtype's cache stores (the storage audit)", STORAGE,
                         [[r["kv_dtype"], r["result"], r.get("stores") or "-", r.get("layers") or "-"]
                          for r in a["rows"]]))
+            out += position_table(a.get("drift_by_position"), "")
     return out
+
+
+SECTION_NAMES = {"prompts": "prompts", "long": "long continuation"}
+
+
+def position_table(rows: list[dict] | None, suffix: str) -> list:
+    """The drift-by-position table (one row per dtype and scored section, a column per position bucket, each cell
+    ``mean KL / top-1``), as a one-element list; [] when the analysis has none."""
+    from kvdiag.checks.drift_position import GROWTH
+
+    if not rows:
+        return []
+    spans = sorted({(b["from"], b["to"]) for r in rows for sec in r["by_position"].values() for b in sec})
+    body = []
+    for r in rows:
+        for section, buckets in r["by_position"].items():
+            at = {(b["from"], b["to"]): b for b in buckets}
+            g = (r.get("grows") or {}).get(section)
+            body.append([r["kv_dtype"], SECTION_NAMES.get(section, section)]
+                        + [_bucket_cell(at.get(span)) for span in spans] + [_grows_cell(g)])
+    title = (f"Drift by position{suffix} vs the baseline dtype: mean KL / top-1 agreement per bucket of token "
+             f"positions (drift_grows: the last bucket's KL > {GROWTH:g}x the first's and above the dtype's limit)")
+    return [(title, ("kv dtype", "scored") + tuple(f"{a}-{b}" for a, b in spans) + ("KL grows",), body)]
+
+
+def _bucket_cell(b: dict | None) -> str:
+    if not b or not b.get("positions"):
+        return "-"
+    kl = b["mean_kl"]
+    return f"{'0' if kl == 0 else f'{kl:.2g}'} / {b['top1_agreement']:.3f}"
+
+
+def _grows_cell(g: dict | None) -> str:
+    if not g:
+        return "no"
+    return "yes, " + (f"{g['ratio']:.1f}x" if g.get("ratio") is not None else "from 0")
 
 
 STORAGE = ("kv dtype", "result", "stores", "layers (kind, dtype, size)")
@@ -41,7 +80,7 @@ def _tables(a: dict, suffix: str) -> list:
         out.append((f"Token-level drift{suffix} vs the baseline dtype", DRIFT,
                     [[r["kv_dtype"], fmt_value(r["mean_kl"]), fmt_value(r.get("max_kl")),
                       fmt_value(r.get("top1_agreement"))] for r in drift]))
-    return out
+    return out + position_table(a.get("drift_by_position"), suffix)
 
 
 def score_cells(r: dict) -> list[str]:
