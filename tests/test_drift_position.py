@@ -2,6 +2,7 @@
 an error that grows with the position (and not on a constant one), and the bucket table in report.md."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -153,6 +154,25 @@ def test_accuracy_warns_drift_grows_passes_and_reports_the_buckets(tmp_path):
     assert row.endswith(f"| yes, {last['mean_kl'] / first['mean_kl']:.1f}x |")
     accuracy.analyze(run, baseline="auto", max_drop=0.02, alpha=0.05)  # analysed again (--resume): still one
     assert [f.kind for f in run.cases[1].findings] == ["drift_grows"]
+
+
+def test_terminal_and_html_show_the_growth(tmp_path):
+    from rich.console import Console
+
+    from kvdiag.report.accuracy_view import accuracy
+    from kvdiag.report.html import render_html
+
+    run = accuracy_run(tmp_path, GROWING)
+    con = Console(width=80, record=True, color_system=None)
+    accuracy(run, con)
+    text = con.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    row = next(line for line in text.splitlines() if line.startswith("│ fp8 "))
+    spark = re.search(r"([▁▂▃▄▅▆▇█]{4}) grows (\d+\.\d)x", row)
+    assert spark and spark[1][0] < spark[1][-1]  # rises from the first bucket to the last
+    html = render_html(run)
+    assert "Drift by position vs the baseline dtype" in html  # the table
+    assert "<title>drift by position along the long continuations</title>" in html  # the plot
 
 
 def test_a_constant_error_passes_without_a_warning(tmp_path):
