@@ -96,8 +96,9 @@ def _greedy_agree_up_to_ties(path_a: Path, path_b: Path) -> None:
         j = next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
         if j is not None:  # where they part, neither engine was sure of its token
             assert math.exp(la[j]) < 0.75 and math.exp(lb[j]) < 0.75, (j, la[j], lb[j])
-    for ca, cb in zip(pa["chosen"], pb["chosen"]):  # teacher-forced logprobs, bf16 both
-        assert ca == pytest.approx(cb, abs=0.3)
+    for ca, cb in zip(pa["chosen"] + pa["long"]["chosen"], pb["chosen"] + pb["long"]["chosen"]):
+        assert ca == pytest.approx(cb, abs=0.3)  # teacher-forced logprobs, bf16 both; the long continuations too,
+    assert [len(c) for c in pa["long"]["chosen"]] == [drift.LONG_TOKENS] * len(pa["greedy"])  # the same tokens
 
 
 @pytest.mark.slow
