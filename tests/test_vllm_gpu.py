@@ -263,3 +263,27 @@ def test_the_fork_server_imports_vllm_without_touching_cuda():
             "print(p.cuda_untouched(), threading.active_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.split()[-2:] == ["True", "1"], out.stderr[-2000:]
+
+
+def test_a_wake_cycle_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycles():
+    """Issue 26: `kvdiag wake-cycle -e vllm` (eager, kvdiag's explicit KV cache, 5 cycles) at level 1 and 2 against
+    tests/vllm_gpu_probe.py's ``wake`` mode, the same engine arguments, prompts and cycles in one plain process: the
+    same outputs after every wake, and each case's time in its worker at most 1.3x the script's start + cycles +
+    shutdown (kvdiag also measures memory after each step and scans the KV cache)."""
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.engines.vllm.sizing import kv_cache_bytes
+
+    code, run, _ = kvdiag("wake-explicit", "wake-cycle", "-e", "vllm", "-d", "auto", "-l", "1", "-l", "2",
+                          "-a", "enforce_eager=true")
+    assert code == 0, [c["findings"] for c in run["cases"]]
+    engine = ["enforce_eager=true", f"kv_cache_memory_bytes={kv_cache_bytes(str(TINY_MODEL))}",
+              "gpu_memory_utilization=0.05", "max_model_len=2048", "max_num_seqs=64"]
+    for c in run["cases"]:
+        level = c["metrics"]["level"]
+        p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "wake", str(TINY_MODEL), str(level),
+                            str(len(c["metrics"]["cycles"])), *engine], capture_output=True, text=True, timeout=600)
+        plain = json.loads(p.stdout.split("PROBE ", 1)[1])
+        with open(OUT / "commands.jsonl", "a") as f:
+            f.write(json.dumps({"name": f"wake-probe-{level}", "probe": plain, "kvdiag_s": c["duration_s"]}) + "\n")
+        assert all(plain["identical"]) and all(r["identical"] for r in c["metrics"]["cycles"]), (plain, c)
+        assert c["duration_s"] <= 1.3 * plain["case_work_s"], (level, c["duration_s"], plain)
