@@ -2,7 +2,8 @@
 # kvdiag accuracy -e vllm against the loop a user writes without kvdiag (lm_eval's own vLLM backend, one process
 # per kv dtype), on the same model, tasks and dtypes, on this GPU, one after the other. BENCHMARKS.md reports it.
 #   bash scripts/bench_vs_lm_eval.sh OUT_DIR MODEL DTYPE [DTYPE ...]
-#   KV_TASKS=kv_recall_p128,kv_recall_p176 KV_INCLUDE=/tmp/tasks bash scripts/bench_vs_lm_eval.sh ...  # other tasks
+#   KV_TASKS=kv_recall_p128,kv_recall_p176 bash scripts/bench_vs_lm_eval.sh ...   # the shipped harder tasks
+#   KV_TASKS=mine KV_INCLUDE=DIR bash scripts/bench_vs_lm_eval.sh ...             # a task of your own (its YAML in DIR)
 # Both sides: eager mode and the same explicit KV cache (kv_cache_memory_bytes); kvdiag's shipped recall tasks unless
 # KV_TASKS (comma-separated) and KV_INCLUDE (their folder of lm_eval YAMLs) say otherwise.
 set -uo pipefail
@@ -23,7 +24,7 @@ done
 t1=$(date +%s.%N)
 dargs=(); for d in "${dtypes[@]}"; do dargs+=(-d "$d"); done
 python3 -m kvdiag accuracy -e vllm -m "$model" "${dargs[@]}" -a enforce_eager=true -o "$out/kvdiag" \
-  -t "$tasks" --include-path "$include" \
+  -t "$tasks" ${KV_INCLUDE:+--include-path "$KV_INCLUDE"} \
   -f json > "$out/kvdiag.json" 2> "$out/kvdiag.log"
 echo "kvdiag rc=$?" | tee -a "$out/summary.txt"
 t2=$(date +%s.%N)
