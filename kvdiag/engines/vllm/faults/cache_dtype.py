@@ -12,10 +12,11 @@ def explicit_bf16_as_fp8(kv_cache_dtype: str | None = None) -> list[str]:
     """S1, vLLM #38922: an explicit ``bfloat16`` cache takes a quantized path.
 
     The fix: #38922 ("Fix broken explicit unquantized kv cache dtype support") made ``--kv-cache-dtype bfloat16``
-    (and the other explicit unquantized names) run the unquantized cache path again, as ``auto`` does on a bf16
-    model; before it, the explicit name went down the quantized cache-update path. Code point: where vLLM resolves
-    the cache dtype string for the engine's ``CacheConfig``, ``resolve_kv_cache_dtype_string`` as
-    ``EngineArgs.create_engine_config`` calls it (``vllm/engine/arg_utils.py``; vLLM 0.24 and 0.32). The fault:
+    (and the other explicit unquantized names) work again, as ``auto`` does on a bf16 model; before it, the explicit
+    name failed in the cache update (``reshape_and_cache_flash``, in the PR's traceback). Its diff was not read here;
+    the code point is where vLLM turns the name into the cache's dtype for the engine's ``CacheConfig``:
+    ``resolve_kv_cache_dtype_string`` as ``EngineArgs.create_engine_config`` calls it (``vllm/engine/arg_utils.py``).
+    Versions: vLLM 0.24, 0.32. The fault:
     ``bfloat16`` resolves to ``fp8`` (fires each time it does): the cache is allocated and written as fp8 while
     ``auto`` stores bf16. Not applicable to other dtypes (they resolve as before).
 

@@ -99,10 +99,11 @@ def tensor_kept_per_start(kv_cache_dtype: str | None = None) -> list[str]:
     """A small leak that grows with every engine start (bug class S4; no vLLM PR: the shape of every "one more
     object per start" leak).
 
-    Code point: ``EngineCore._initialize_kv_caches`` (``vllm/v1/engine/core.py``; vLLM 0.24 and 0.32), which runs
-    once per engine start. The fault: after it, one more 1 MiB tensor on vLLM's device goes into ``_PER_START``, a
-    module-level list (fires every start). Under memleak's retention limit (64 MiB) on purpose. Intended check:
-    ``memleak``, finding ``tensor_survived`` (an error: the holder's tensors grow every cycle) or ``growth``.
+    Code point: ``EngineCore._initialize_kv_caches`` (``vllm/v1/engine/core.py``), which runs once per engine
+    start. Versions: vLLM 0.24 and 0.32. The fault: after it, one more 1 MiB tensor on vLLM's device goes into
+    ``_PER_START``, a module-level list (fires every start); under memleak's retention limit (64 MiB) on purpose.
+    Intended check: ``memleak``, finding ``tensor_survived`` (an error: the holder's tensors grow every cycle) or
+    ``growth``.
 
     Outside kvdiag: ``apply(["tensor_kept_per_start"])`` before the first ``vllm.LLM``.
     """

