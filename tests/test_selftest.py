@@ -114,7 +114,7 @@ def test_selftest_catches_every_fault_with_its_intended_check(tmp_path):
     assert finding["v_with_k_scales"].startswith("int8_per_token_head: drift")
     assert (tmp_path / "run" / "run.json").exists() and (tmp_path / "run" / "results.jsonl").exists()
     table = kvdiag("report", str(tmp_path / "run"), "--format", "table").stdout
-    assert "selftest: fault x check" in table and "selftest passed" in table, table  # the command's own tables
+    assert "selftest (builtin): fault x check" in table and "selftest passed" in table, table  # its own tables
 
 
 @pytest.mark.slow
