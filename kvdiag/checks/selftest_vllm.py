@@ -45,7 +45,7 @@ FAULTS: tuple[Fault, ...] = (
           _na({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison"),
           "one more 1 MiB tensor in a module-level list at every engine start",
           leaves_process_state=True, kinds={"memleak": ("tensor_survived", "growth")}),
-    Fault("explicit_bf16_as_fp8", "S1", "dtypes", {"dtypes": items("bfloat16")},
+    Fault("explicit_bf16_as_fp8", "S1", "dtypes", {"dtypes": items("bfloat16"), "accuracy": items("bfloat16")},
           _na({"*": SELF_COMPARE, "memleak": MEMORY_ONLY}, "memleak", "wake-cycle", "poison"),
           "an explicit 'bfloat16' cache resolves to fp8: not bit-identical to 'auto' (vLLM #38922)",
           leaves_process_state=True, kinds={"dtypes": ("wrong",)}),
