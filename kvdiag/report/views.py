@@ -189,7 +189,7 @@ def selftest(run, con) -> None:
     for col in ("fault", "check", "result", "finding"):
         f.add_column(col, overflow="fold", max_width=110 if col == "finding" else None)
     for fault, check, mark, finding in reported(a):
-        f.add_row(fault, check, _mark(mark), escape(finding[:300]))
+        f.add_row(fault, check, _mark(mark), escape(finding[:500]))
     con.print(f)
     ok, line = verdict(a)
     con.print(("[green]selftest passed[/]: " if ok else "[bold red]selftest failed[/]: ") + escape(line))
