@@ -10,6 +10,10 @@ difficulty.
 kv_recall:       200 documents, 16 pairs, the asked key anywhere in the context.
 kv_recall_long:  100 documents, 64-96 pairs (~650-970 tokens), the asked key in
                  the first 10% of the pairs.
+kv_recall_p128:  100 documents, 112-144 pairs (~1.1-1.4k tokens), the key anywhere.
+kv_recall_p176:  100 documents, 160-190 pairs (~1.6-1.9k tokens), the key anywhere.
+                 Both are longer than anything the tiny models were trained on (at most 100 pairs), so recall
+                 degrades: zoo:qwen3 scores 0.92 and 0.81 with auto (docs/zoo.md).
 Each document offers 4 choices, all values of the same context (the right one
 and 3 others). Keys are drawn only from the held-out keys (recall.is_heldout),
 which training never uses, and with seeds of their own. Uses Python's `random`
@@ -43,6 +47,9 @@ DEFAULT_OUT = ROOT / "kvdiag" / "tasks" / "data"
 SPECS = {
     "kv_recall": (20260101, 200, (16, 16), 1.0),
     "kv_recall_long": (20260102, 100, (64, 96), 0.1),
+    # harder: longer than the training curriculum's 100 pairs (seed 1: the --name default they were first made with)
+    "kv_recall_p128": (1, 100, (112, 144), 1.0),
+    "kv_recall_p176": (1, 100, (160, 190), 1.0),
 }
 
 

@@ -111,3 +111,28 @@ def test_several_models_get_their_own_groups_and_analyses(tmp_path):
     assert groups == {f"{chk}/builtin/{m}" for chk in ("accuracy", "dtypes", "poison") for m in ("tiny-llama", "other")}
     assert {c.model for c in cases} == {str(TINY_MODEL), str(tmp_path / "other")}
     assert [c.timeout for c in cases if c.check == "poison"] == [30] * 4
+
+
+def test_the_zoo_gpu_suites_load_and_cover_every_family_in_both_modes(tmp_path, monkeypatch):
+    """scripts/zoo-gpu/*.toml, the GPU matrix of docs/zoo.md: each loads; together every check on every zoo family,
+    eager and with vLLM's defaults; the shared ones hold only checks that may share a GPU."""
+    from kvdiag import zoo
+    from kvdiag.checks.registry import get
+    from kvdiag.ci.config import load_config
+    from kvdiag.ci.suite import build_suite
+
+    monkeypatch.setenv("KVDIAG_ZOO_DIR", str(tmp_path))
+    real_build = zoo.build
+    monkeypatch.setattr(zoo, "build", lambda *a, **k: real_build(*a, **{**k, "tiny": True}))
+    seen = {}
+    for path in sorted((Path(__file__).resolve().parents[1] / "scripts" / "zoo-gpu").glob("*.toml")):
+        cases, _ = build_suite(load_config(path))
+        eager = {bool((c.params.get("engine_args") or {}).get("enforce_eager")) for c in cases}
+        assert len(eager) == 1 and eager == {"eager" in path.stem}, path
+        assert all(bool(get(c.check).gpu_share) == path.stem.startswith("shared") for c in cases), path
+        for c in cases:
+            seen.setdefault(path.stem.split("-")[1], set()).add((c.check, Path(c.model).name.removesuffix("-random")))
+    families = set(zoo.names()) - {"llama"}
+    for mode in ("eager", "compiled"):
+        assert {m for _, m in seen[mode]} == families, mode
+        assert {k for k, _ in seen[mode]} == {"accuracy", "dtypes", "memleak", "wake-cycle", "poison"}, mode

@@ -93,3 +93,19 @@ def test_the_scheduler_asks_the_plugin_engine(plugin, monkeypatch):
     assert gpus_spanned("toy", {"shards": 4}) == 4 and span_args("toy") == ("shards",)
     assert preload_modules("toy") == ("torch", "toy_kvengine")
     assert shared_gpu_bytes("toy", "m", {}, 0) == 1 << 30
+
+
+@pytest.mark.slow
+def test_every_check_forks_its_workers_from_the_server_that_preloaded_the_engine(plugin, tmp_path):
+    """memleak and wake-cycle cases, like accuracy's, start in a worker forked from the fork server that imported
+    the engine's PRELOAD once (for vLLM: ~20 s of imports a case saved): three cases, and the engine's module
+    imported by kvdiag itself and the fork server only, never by a worker."""
+    marks = Path(plugin["TOY_MARKS"])
+    for args in (["memleak", "--cycles", "1", "--max-tokens", "2"], ["wake-cycle", "-n", "1", "--max-tokens", "2"]):
+        for p in marks.glob("imported-*"):
+            p.unlink()
+        r = kvdiag(plugin, *args, "-e", "toy", "-d", "auto", "-d", "fp8", "-d", "int8", "-o", str(tmp_path / args[0]))
+        assert r.returncode == 0, r.stderr[-3000:]
+        cases = json.loads((tmp_path / args[0] / "run.json").read_text())["cases"]
+        assert len(cases) == 3 and {c["status"] for c in cases} == {"pass"}, cases
+        assert len(list(marks.glob("imported-*"))) == 2, (args[0], sorted(p.name for p in marks.glob("imported-*")))

@@ -151,9 +151,11 @@ def test_builtin_accuracy_cases_share_a_gpu_as_far_as_its_memory_holds(gpus, mem
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     gpus(1)
     memory(80, 0.01)  # the shipped tiny model on an H100
-    assert scheduling.place(sweep("accuracy")).per_gpu == scheduling.SHARED_GPU_MAX
+    assert scheduling.place(sweep("accuracy")).per_gpu == scheduling.SHARED_GPU_MAX  # 62 would fit in 64 GiB
     assert scheduling.default_jobs(sweep("accuracy")) == 7 and scheduling.default_jobs(sweep("dtypes")) == 7
-    assert scheduling.cap_jobs(sweep("accuracy"), 12, quiet=True) == (8, ())
+    assert scheduling.default_jobs(sweep("accuracy", n=12)) == scheduling.SHARED_GPU_DEFAULT == 8  # unless asked:
+    assert scheduling.cap_jobs(sweep("accuracy"), 12, quiet=True) == (12, ())  # -j 12 runs 12 at once
+    assert scheduling.cap_jobs(sweep("accuracy"), 40, quiet=True) == (32, ())
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert scheduling.default_jobs(sweep("accuracy")) == 2  # at most the CPU cores
     memory(80, 15)  # Llama-3.1-8B in bf16: 2.5 x 15 + 1 GiB each, 64 GiB usable: one at a time
@@ -197,7 +199,7 @@ def test_vllm_sweeps_share_a_gpu_with_an_explicit_kv_cache_each(gpus, memory, tm
     assert scheduling.place(model()).per_gpu == 1
     memory(80, 0.01)  # the same shapes, tiny weights: 18 GiB each, three
     assert scheduling.place(model()).per_gpu == 3
-    assert scheduling.place(model({"kv_cache_memory_bytes": 1 << 30})).per_gpu == 8  # the user's size: 3 GiB each
+    assert scheduling.place(model({"kv_cache_memory_bytes": 1 << 30})).per_gpu == 21  # the user's size: 3 GiB each
     assert scheduling.place(model({"gpu_memory_utilization": 0.3})).per_gpu == 1
     assert scheduling.place(sweep("accuracy", device="cpu")).gpu is False
 
@@ -205,7 +207,7 @@ def test_vllm_sweeps_share_a_gpu_with_an_explicit_kv_cache_each(gpus, memory, tm
 def test_shared_gpus_are_pinned_slot_by_slot_and_cases_run_together(gpus, memory, tmp_path, capsys):
     gpus(2)
     memory(80, 0.01)
-    assert scheduling.place(sweep("accuracy")).pin == ("0", "1") * 8  # the GPUs in turn
+    assert scheduling.place(sweep("accuracy")).pin == ("0", "1") * scheduling.SHARED_GPU_MAX  # the GPUs in turn
     recs, lines = execute(sweep("accuracy", n=6), tmp_path, capsys, jobs=6)
     assert lines == [] and [r["status"] for r in recs] == ["pass"] * 6
     assert 2 < most_at_once(recs) <= 6

@@ -82,7 +82,7 @@ def test_list_and_bad_names():
     r = kvdiag("selftest", "--list", "-f", "json")
     assert r.returncode == 0, r.stderr
     rows = {x["fault"]: x for x in json.loads(r.stdout)["faults"]}
-    assert list(rows) == list(plan.FAULT_NAMES) and len(rows) == 11
+    assert list(rows) == list(plan.BUILTIN.names) and len(rows) == 11
     assert rows["scale_cache_registry"]["bug_class"] == "S0" and rows["scale_cache_registry"]["intended"] == "memleak"
     assert rows["v_with_k_scales"]["intended"] == "accuracy" and rows["explicit_bf16_rejected"]["intended"] == "dtypes"
     for args, needle in ((["--fault", "nope"], "unknown fault 'nope'; valid: scale_cache_registry, "),
@@ -100,7 +100,7 @@ def test_selftest_catches_every_fault_with_its_intended_check(tmp_path):
     a = json.loads(r.stdout)["analysis"]["selftest"]
     assert a["ok"] and {c: x["mark"] for c, x in a["clean"].items()} == dict.fromkeys(plan.CHECKS, "pass")
     rows = {x["fault"]: x for x in a["faults"]}
-    assert list(rows) == list(plan.FAULT_NAMES)
+    assert list(rows) == list(plan.BUILTIN.names)
     for name, row in rows.items():
         f = plan.fault(name)
         assert row["caught_by_intended"], (name, row["cells"][f.intended])
@@ -114,7 +114,7 @@ def test_selftest_catches_every_fault_with_its_intended_check(tmp_path):
     assert finding["v_with_k_scales"].startswith("int8_per_token_head: drift")
     assert (tmp_path / "run" / "run.json").exists() and (tmp_path / "run" / "results.jsonl").exists()
     table = kvdiag("report", str(tmp_path / "run"), "--format", "table").stdout
-    assert "selftest: fault x check" in table and "selftest passed" in table, table  # the command's own tables
+    assert "selftest (builtin): fault x check" in table and "selftest passed" in table, table  # its own tables
 
 
 @pytest.mark.slow

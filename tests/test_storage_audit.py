@@ -10,6 +10,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from zoo_expect import audit_of
 
 from kvdiag.checks import storage_audit
 from kvdiag.checks.dtypes_matrix import storage_row
@@ -98,24 +99,6 @@ def test_the_builtin_engine_gets_the_same_format_from_its_tensors():
     assert st["layers"] == 2 and st["k_bytes_per_token"] == 2 * heads * hs  # the tensor summary is still there
 
 
-def _zoo_audit(name: str) -> str:
-    """What the audit must say of zoo model ``name`` on vLLM with ``auto`` (bf16), from the preset's config."""
-    from kvdiag.zoo import PRESETS
-
-    c = PRESETS[name].config
-    if name == "gemma3":  # alternating sliding-window and global layers, K+V of 2 heads x 256 in bf16
-        return f"2 sliding(window {c['sliding_window']}) bf16 {2 * 2 * 256 * 2} B/token; 2 full bf16 2048 B/token"
-    if name == "deepseek-v2":  # one latent + rope key per token, shared by the heads
-        latent, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
-        return f"4 mla(latent {latent} + rope {rope}) bf16 {(latent + rope) * 2} B/token"
-    inner = c["mamba_expand"] * c["hidden_size"]  # the Mamba-2 conv state (bf16) and SSM state (fp32) per sequence
-    conv = (c["mamba_d_conv"] - 1) * (inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]) * 2
-    ssm = c["mamba_n_heads"] * c["mamba_d_head"] * c["mamba_d_state"] * 4
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return (f"2 mamba(mamba2) bf16/fp32 {conv + ssm} B/sequence; "
-            f"2 full bf16 {2 * c['num_key_value_heads'] * head_dim * 2} B/token")
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", ["gemma3", "deepseek-v2", "granite-hybrid"])
@@ -129,4 +112,4 @@ def test_vllm_cpu_audit_names_the_zoo_models_layer_kinds(tmp_path, name):
                        env={**os.environ, "COLUMNS": "300"})
     assert r.returncode == 0, r.stderr[-3000:]
     row = json.loads((tmp_path / "run" / "run.json").read_text())["analysis"]["dtypes"]["rows"][0]
-    assert row["layers"] == _zoo_audit(name), row
+    assert row["layers"] == audit_of(name), row

@@ -263,3 +263,70 @@ def test_the_fork_server_imports_vllm_without_touching_cuda():
             "print(p.cuda_untouched(), threading.active_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.split()[-2:] == ["True", "1"], out.stderr[-2000:]
+
+
+def test_a_wake_cycle_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycles():
+    """Issue 26: `kvdiag wake-cycle -e vllm` (eager, kvdiag's explicit KV cache, 5 cycles) at level 1 and 2 against
+    tests/vllm_gpu_probe.py's ``wake`` mode, the same engine arguments, prompts and cycles in one plain process: the
+    same outputs after every wake, and each case's time in its worker at most 1.3x the script's start + cycles +
+    shutdown (kvdiag also measures memory after each step and scans the KV cache)."""
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.engines.vllm.sizing import kv_cache_bytes
+
+    code, run, _ = kvdiag("wake-explicit", "wake-cycle", "-e", "vllm", "-d", "auto", "-l", "1", "-l", "2",
+                          "-a", "enforce_eager=true")
+    assert code == 0, [c["findings"] for c in run["cases"]]
+    engine = ["enforce_eager=true", f"kv_cache_memory_bytes={kv_cache_bytes(str(TINY_MODEL))}",
+              "gpu_memory_utilization=0.05", "max_model_len=2048", "max_num_seqs=64"]
+    for c in run["cases"]:
+        level = c["metrics"]["level"]
+        p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "wake", str(TINY_MODEL), str(level),
+                            str(len(c["metrics"]["cycles"])), *engine], capture_output=True, text=True, timeout=600)
+        plain = json.loads(p.stdout.split("PROBE ", 1)[1])
+        with open(OUT / "commands.jsonl", "a") as f:
+            f.write(json.dumps({"name": f"wake-probe-{level}", "probe": plain, "kvdiag_s": c["duration_s"]}) + "\n")
+        assert all(plain["identical"]) and all(r["identical"] for r in c["metrics"]["cycles"]), (plain, c)
+        assert c["duration_s"] <= 1.3 * plain["case_work_s"], (level, c["duration_s"], plain)
+
+
+ZOO = ("qwen3", "gemma3", "deepseek-v2", "granite-hybrid", "gpt-oss")
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_each_zoo_family_starts_on_vllm_and_the_audit_names_its_layers(name):
+    """Issue 27: every zoo family (QK-norm, sliding + global, MLA, Mamba hybrid, sinks) starts on vLLM for CUDA
+    with auto and fp8, and `dtypes --check` names its layer kinds as the preset's config says (tests/zoo_expect.py)."""
+    from zoo_expect import audit_of
+
+    code, run, _ = kvdiag(f"zoo-dtypes-{name}", "dtypes", "--check", "-e", "vllm", "-m", f"zoo:{name}", "-d", "auto",
+                          "-d", "fp8", "-a", "enforce_eager=true")
+    by = {c["kv_dtype"]: c for c in run["cases"]}
+    assert by["auto"]["status"] == "pass", by["auto"]["findings"]
+    assert by["fp8"]["status"] in ("pass", "unsupported"), by["fp8"]["findings"]
+    layers = run["analysis"]["dtypes"]["rows"][0]["layers"]
+    if name == "gpt-oss":  # sliding and full layers with sinks: the kinds are named, 4 layers in all
+        assert "2 sliding(window 64)" in layers and sum(int(r.split()[0]) for r in layers.split("; ")) == 4, layers
+    else:
+        assert layers == audit_of(name), layers
+
+
+def test_the_trained_zoo_qwen3_scores_on_the_hard_task_what_lm_evals_own_vllm_backend_scores():
+    """Issue 27: zoo:qwen3 on kv_recall_p128 (auto between 0.6 and 0.95), kvdiag's vLLM engine against lm_eval's own
+    vLLM backend with the same engine arguments (tests/vllm_case_probe.py), eager and with vLLM's defaults."""
+    from kvdiag.engines.vllm.sizing import kv_cache_bytes
+    from kvdiag.zoo import resolve
+
+    model = str(resolve("zoo:qwen3"))
+    for mode, extra in (("eager", ["-a", "enforce_eager=true"]), ("compiled", [])):
+        code, run, _ = kvdiag(f"zoo-qwen3-{mode}", "accuracy", "-e", "vllm", "-m", "zoo:qwen3", "-d", "auto", "-d",
+                              "fp8", "-t", "kv_recall_p128", *extra)
+        by = {c["kv_dtype"]: c for c in run["cases"]}
+        ours = by["auto"]["metrics"]["scores"]["kv_recall_p128"]["acc"]["score"]
+        assert 0.6 <= ours <= 0.95, ours
+        engine = [f"kv_cache_memory_bytes={kv_cache_bytes(model)}", "gpu_memory_utilization=0.05",
+                  "max_model_len=2048", "tasks=kv_recall_p128", *(["enforce_eager=true"] if extra else [])]
+        p = subprocess.run([sys.executable, str(HERE / "vllm_case_probe.py"), model, "auto", *engine],
+                           capture_output=True, text=True, timeout=900)
+        plain = json.loads(p.stdout.strip().splitlines()[-1])
+        assert abs(ours - plain["scores"]["kv_recall_p128"]["acc,none"]) < 1e-9, (mode, ours, plain)
+        assert by["fp8"]["status"] in ("pass", "fail"), by["fp8"]["findings"]

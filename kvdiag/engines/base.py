@@ -37,7 +37,7 @@ class EngineSpec:
     seed: int = 0
     enable_sleep: bool = False
     prefix_caching: bool | None = None  # None: the engine's default (vLLM: on); engines without it ignore it
-    faults: tuple[str, ...] = ()  # builtin only: bug classes to re-introduce (self-test)
+    faults: tuple[str, ...] = ()  # bug classes to re-introduce (self-test; builtin and vllm: each engine's own names)
     engine_args: dict[str, Any] = field(default_factory=dict)  # --engine-arg key=value
 
 
@@ -178,7 +178,10 @@ def engine_traits(name: str):
     - ``SPAN_ARGS``: the engine arguments whose product is the GPUs one engine spans;
     - ``engine_arg_names()``: the ``-a`` keys it takes;
     - ``shared_gpu_bytes(model, engine_args, weights)``: GPU memory one case needs when cases share a GPU
-      (``weights``: the checkpoint's bytes), or None when its cases must not share one.
+      (``weights``: the checkpoint's bytes), or None when its cases must not share one;
+    - ``fault_state()``: in a worker, ``{"fired": {fault: count}, "not_applicable": {fault: reason}}`` of the faults
+      ``EngineSpec.faults`` re-introduced in this process: how often each one's patched code ran (``kvdiag selftest``
+      counts a fault as caught only when it fired); engines without it do not record firing.
     """
     if name in BUILTIN_ENGINES:
         return importlib.import_module(f"kvdiag.engines.{name}")

@@ -270,9 +270,9 @@ def resolve_tasks(names: list[str], include_paths: tuple[str, ...] = ()) -> tupl
             matched = _match(name, task_manager(include_paths, True))
             need_defaults = need_defaults or bool(matched)
         if not matched and not Path(name).is_file():
-            from kvdiag.tasks import DEFAULT_TASKS
+            from kvdiag.tasks import SHIPPED_TASKS
 
-            raise UserError(f"unknown task '{name}'; kvdiag's tasks: {', '.join(DEFAULT_TASKS)}; or any lm_eval task "
+            raise UserError(f"unknown task '{name}'; kvdiag's tasks: {', '.join(SHIPPED_TASKS)}; or any lm_eval task "
                             "name (lm_eval ls tasks), or --include-path DIR for your own YAML tasks")
         out += [m for m in matched or [name] if m not in out]
     return out, need_defaults

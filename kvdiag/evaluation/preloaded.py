@@ -11,6 +11,7 @@ import json
 import os
 
 ENV = "KVDIAG_PRELOAD_TASKS"
+MODULES = ("kvdiag.evaluation.lm_eval_adapter", "lm_eval.evaluator", __name__)  # the fork server's, for accuracy
 _LOADED: dict = {}
 
 

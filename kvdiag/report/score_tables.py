@@ -17,9 +17,12 @@ DRIFT = ("kv dtype", "KL mean", "KL max", "top-1 agreement")
 
 def tables(run) -> list[tuple[str, tuple[str, ...], list[list[str]]]]:
     """(title, header, rows) of each table: per accuracy analysis of the run (`kvdiag ci` keeps one per engine and
-    model, as ``accuracy/ENGINE/MODEL``), the storage audit of a dtypes run; none when the run has neither."""
+    model, as ``accuracy/ENGINE/MODEL``), the storage audit of a dtypes run, a selftest's matrix and what each check
+    reported; none when the run has none of them."""
     out = []
     for key, a in run.analysis.items():
+        if key == "selftest" and isinstance(a, dict) and a.get("faults") is not None:
+            out += _selftest(a)
         if (key == "accuracy" or key.startswith("accuracy/")) and isinstance(a, dict) and a.get("rows"):
             out += _tables(a, "" if key == "accuracy" else f" ({key.partition('/')[2]})")
         if key == "dtypes" and isinstance(a, dict) and a.get("rows"):
@@ -67,6 +70,15 @@ def _grows_cell(g: dict | None) -> str:
 
 
 STORAGE = ("kv dtype", "result", "stores", "layers (kind, dtype, size)")
+
+
+def _selftest(a: dict) -> list:
+    from kvdiag.report.selftest_rows import MATRIX_TITLE, REPORTED, matrix, reported, verdict
+
+    header, rows = matrix(a)
+    ok, line = verdict(a)
+    title = MATRIX_TITLE.format(engine=a.get("engine", "builtin")) + (": passed, " if ok else ": FAILED, ") + line
+    return [(title, header, rows), ("selftest: what each check reported", REPORTED, [list(r) for r in reported(a)])]
 
 
 def _tables(a: dict, suffix: str) -> list:

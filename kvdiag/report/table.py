@@ -40,9 +40,12 @@ def verdict_line(run) -> str:
     verdict = "[green]OK[/]" if run.exit_code == 0 else "[red]FAILED[/]"
     a = run.analysis.get("selftest")
     if a:
-        caught = sum(bool(r.get("caught_by_intended")) for r in a.get("faults", []))
+        faults = a.get("faults", [])
+        caught = sum(bool(r.get("caught_by_intended")) for r in faults)
+        na = sum(r.get("status") == "not applicable" for r in faults)
         clean = not any(x.get("mark") == "findings" for x in (a.get("clean") or {}).values())
-        what = (f"{caught} of {len(a.get('faults', []))} fault(s) caught by their intended check, the clean engine "
+        what = (f"{caught} of {len(faults) - na} {'applicable ' if na else ''}fault(s) caught by their intended check"
+                + (f" ({na} not applicable here)" if na else "") + ", the clean engine "
                 + ("passed" if clean else "has findings") + f" ({len(run.cases)} cases)")
     else:
         what = ", ".join(f"{n} {k}" for k, n in run.summary.items() if n) or "no cases"

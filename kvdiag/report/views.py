@@ -159,57 +159,40 @@ def _yn(v) -> str:
     return "-" if v is None else ("yes" if v else "no")
 
 
-SELFTEST_STYLE = {"caught": "green", "pass": "green", "missed": "bold red", "findings": "bold red", "n/a": "dim",
-                  "-": "dim"}
+SELFTEST_STYLE = {"caught": "green", "pass": "green", "missed": "bold red", "findings": "bold red",
+                  "did not fire": "bold red", "n/a": "dim", "not applicable": "dim", "-": "dim"}
 
 
 def selftest(run, con) -> None:
-    """The matrix (intended checks marked *), then the finding behind each caught or missed cell."""
+    """The matrix (intended checks marked *, whether each fault fired), then the finding behind each caught, missed
+    or not fired cell, and why each fault that cannot apply here is n/a."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.checks.selftest_plan import CHECKS
+    from kvdiag.report.selftest_rows import matrix, reported, verdict
 
     a = run.analysis.get("selftest")
     if not a:
         return
-    t = Table(title="selftest: fault x check (* = intended check)", title_justify="left", box=box.SIMPLE_HEAD,
-              pad_edge=False, show_edge=False, collapse_padding=True)
-    t.add_column("fault", no_wrap=True)  # names whole at 80 columns: the marks are short
-    t.add_column("class")
-    for c in CHECKS:
-        t.add_column(c, no_wrap=True)
-    t.add_column("verdict", no_wrap=True)
-    clean = a["clean"]
-    t.add_row("clean engine", "-", *[_mark(clean.get(c, {"mark": "-"})["mark"]) for c in CHECKS],
-              _mark("findings" if any(x["mark"] == "findings" for x in clean.values()) else "pass"), end_section=True)
-    for r in a["faults"]:
-        marks = [_mark(r["cells"][c]["mark"], c == r["intended"]) for c in CHECKS]
-        t.add_row(r["fault"], r["bug_class"], *marks, _mark("caught" if r["caught_by_intended"] else "missed"))
+    engine = a.get("engine", "builtin")
+    header, rows = matrix(a)
+    t = Table(title=f"selftest ({engine}): fault x check (* = intended check)", title_justify="left",
+              box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    for col in header:
+        t.add_column(col, no_wrap=True)  # names whole at 80 columns: the marks are short
+    for i, row in enumerate(rows):
+        marks = [_mark(m.rstrip("*"), m.endswith("*")) for m in row[3:-1]]
+        t.add_row(row[0], row[1], row[2] if i else "-", *marks, _mark(row[-1]), end_section=i == 0)
     con.print(t)
     f = Table(title="what each check reported", title_justify="left")
     for col in ("fault", "check", "result", "finding"):
         f.add_column(col, overflow="fold", max_width=110 if col == "finding" else None)
-    for c in CHECKS:
-        if clean.get(c, {}).get("finding"):
-            f.add_row("clean engine", c, _mark(clean[c]["mark"]), escape(clean[c]["finding"][:300]))
-    for r in a["faults"]:
-        for c in CHECKS:
-            cell = r["cells"][c]
-            if cell["mark"] in ("caught", "missed"):
-                f.add_row(r["fault"], c + ("*" if c == r["intended"] else ""), _mark(cell["mark"]),
-                          escape(cell.get("finding", "")[:300]))
+    for fault, check, mark, finding in reported(a):
+        f.add_row(fault, check, _mark(mark), escape(finding[:500]))
     con.print(f)
-    missed = [r["fault"] for r in a["faults"] if not r["caught_by_intended"]]
-    dirty = [c for c, x in clean.items() if x["mark"] == "findings"]
-    if a["ok"]:
-        con.print(f"[green]selftest passed[/]: {len(a['faults'])} fault(s) caught by their intended check; "
-                  "the clean engine has no findings")
-    else:
-        con.print("[bold red]selftest failed[/]: " + "; ".join(
-            ([f"missed by the intended check: {', '.join(missed)}"] if missed else [])
-            + ([f"clean engine not clean in: {', '.join(dirty)}"] if dirty else [])))
+    ok, line = verdict(a)
+    con.print(("[green]selftest passed[/]: " if ok else "[bold red]selftest failed[/]: ") + escape(line))
 
 
 def _mark(mark: str, intended: bool = False) -> str:

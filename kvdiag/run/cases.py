@@ -130,14 +130,14 @@ def accuracy_cases(target: Target, p) -> tuple:
     and the analysis that judges them against it."""
     from kvdiag.checks.accuracy import analyze
     from kvdiag.evaluation.lm_eval_options import lm_eval_params
-    from kvdiag.tasks import DEFAULT_TASKS
+    from kvdiag.tasks import SHIPPED_TASKS
 
     sweep = resolve_sweep(target, p.baseline)
     task_names, need_defaults = _tasks(p.tasks, p.include_paths)
     params = {"tasks": task_names, "include_paths": [str(x) for x in p.include_paths or ()],
               "include_defaults": need_defaults, "limit": _limit(p.limit), "num_fewshot": p.num_fewshot, "seed": p.seed,
               **lm_eval_params(p, sweep.model, sweep.spec["engine_args"])}
-    if need_defaults or p.include_paths or set(task_names) - set(DEFAULT_TASKS):  # not only kvdiag's own tasks
+    if need_defaults or p.include_paths or set(task_names) - set(SHIPPED_TASKS):  # not only kvdiag's own tasks
         from kvdiag.evaluation.lm_eval_adapter import check_tasks_load
 
         check_tasks_load(task_names, tuple(params["include_paths"]), need_defaults, params.get("metadata"))
@@ -148,13 +148,13 @@ def accuracy_cases(target: Target, p) -> tuple:
 
 def _tasks(tasks, include_path) -> tuple[list[str], bool]:
     from kvdiag.errors import UserError
-    from kvdiag.tasks import DEFAULT_TASKS
+    from kvdiag.tasks import DEFAULT_TASKS, SHIPPED_TASKS
 
     for p in include_path or ():
         if not Path(p).is_dir():
             raise UserError(f"--include-path '{p}' is not a folder")
     names = [n.strip() for t in tasks or () for n in t.split(",") if n.strip()] or list(DEFAULT_TASKS)
-    if not include_path and set(names) <= set(DEFAULT_TASKS):  # kvdiag's own tasks: known without lm_eval's
+    if not include_path and set(names) <= set(SHIPPED_TASKS):  # kvdiag's own tasks: known without lm_eval's
         return list(dict.fromkeys(names)), False  # task index (importing it costs the run ~1.6 s before any worker)
     from kvdiag.evaluation.lm_eval_adapter import resolve_tasks
 

@@ -37,16 +37,24 @@ class Placement:
     gpu: bool  # some case runs on a GPU
     gpus: tuple[str, ...]  # the visible GPUs
     device: str | None = None  # the one GPU every GPU case names (cuda:N), if any does
-    per_gpu: int = 1  # cases at once on one GPU (per_gpu)
+    per_gpu: int = 1  # cases at once on one GPU at most (per_gpu: as many as its memory holds)
     per_case: int = 1  # GPUs one case's engine spans (gpus_per_case)
 
     @property
     def slots(self) -> int | None:
         """Cases at once at most: per_gpu per GPU (or group of per_case GPUs) they can use; None (no limit) when none
         runs on a GPU."""
-        if not self.gpu:
-            return None
-        return self.per_gpu * (1 if self.device else max(1, len(self.gpus) // self.per_case))
+        return None if not self.gpu else self.per_gpu * self.groups
+
+    @property
+    def default_slots(self) -> int | None:
+        """Cases at once when --jobs is not given: at most SHARED_GPU_DEFAULT per GPU, however many fit."""
+        return None if not self.gpu else min(self.per_gpu, SHARED_GPU_DEFAULT) * self.groups
+
+    @property
+    def groups(self) -> int:
+        """The GPUs (or groups of per_case GPUs) the cases spread over."""
+        return 1 if self.device else max(1, len(self.gpus) // self.per_case)
 
     @property
     def pin(self) -> tuple[str, ...]:
@@ -83,14 +91,16 @@ def gpus_per_case(case) -> int:
     return gpus_spanned(case.engine, case.params.get("engine_args") or {})
 
 
-SHARED_GPU_MAX = 8  # cases at once on one GPU, at most
+SHARED_GPU_DEFAULT = 8  # cases at once on one GPU unless --jobs asks for more
+SHARED_GPU_MAX = 32  # cases at once on one GPU, at most, whatever --jobs says
 SHARED_GPU_FRACTION = 0.8  # of the smallest GPU's memory that the cases sharing it may fill
 
 
 def per_gpu(cases: list) -> int:
     """Cases at once on one GPU: 1, or for cases of checks that measure no device memory (``Check.gpu_share``)
     whose engine can share a GPU (``shared_gpu_bytes``: the builtin engine, vLLM with an explicit KV cache) as many
-    as fit in SHARED_GPU_FRACTION of the smallest GPU's memory, at most SHARED_GPU_MAX. 1 when NVML cannot tell
+    as fit in SHARED_GPU_FRACTION of the smallest GPU's memory, at most SHARED_GPU_MAX (the default --jobs takes at
+    most SHARED_GPU_DEFAULT of them: ``Placement.default_slots``). 1 when NVML cannot tell
     the memory."""
     from kvdiag.checks.registry import get
     from kvdiag.engines.base import shared_gpu_bytes
@@ -188,7 +198,7 @@ def gpu_jobs(cases: list) -> int:
     where = place(cases) if cases else None
     if where is None or not where.gpu:
         return 1
-    return max(1, min(where.slots or 1, os.cpu_count() or 1, len(cases)))
+    return max(1, min(where.default_slots or 1, os.cpu_count() or 1, len(cases)))
 
 
 def case_threads(cases: list, isolate, jobs: int) -> int:
@@ -217,6 +227,18 @@ def preload(cases: list, *modules: str) -> tuple[str, ...]:
         return ()
     own = preload_modules(engines.pop())
     return (*own, "kvdiag.checks.accuracy", *modules) if own else ()
+
+
+def worker_setup(cases: list, jobs: int) -> tuple[tuple[str, ...], dict]:
+    """(modules, environment) that every command's workers start with: what their fork server imports once
+    (``preload``; with accuracy cases also lm_eval and those cases' tasks, loaded once:
+    kvdiag.evaluation.preloaded) and ``worker_env``. Every check gets it: a memleak or wake-cycle case of vLLM
+    forked from that server starts in 0.1 s instead of importing vLLM for ~20 s."""
+    from kvdiag.evaluation import preloaded
+
+    accuracy = any(c.check == "accuracy" for c in cases)
+    modules = preload(cases, *(preloaded.MODULES if accuracy else ()))
+    return modules, {**worker_env(jobs), **(preloaded.env_for(cases) if modules and accuracy else {})}
 
 
 def worker_env(jobs: int) -> dict:

