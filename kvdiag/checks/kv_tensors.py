@@ -159,7 +159,9 @@ def _fill_blocks(view, blocks, value: str, seed: int = 0) -> int:
     if len(blocks) == 0:
         return 0
     written = 0
-    for n, (_, t) in enumerate(cache_tensors(view) + state_tensors(view)):
+    # states first: where they overlay K/V pages (vLLM's hybrid groups) the K/V poison lands last, and a K/V NaN or
+    # Inf read as a wider state is non-finite too, while an fp32 NaN read as bf16 K/V is half zeros
+    for n, (_, t) in enumerate(state_tensors(view) + cache_tensors(view)):
         idx = torch.as_tensor(list(blocks), dtype=torch.int64, device=t.device)
         if value == "random":
             _fill_random(t, idx, seed * 7919 + n)
