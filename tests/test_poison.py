@@ -16,7 +16,7 @@ import torch
 from conftest import TEST_DEVICE
 
 from kvdiag.checks import kv_tensors, poison
-from kvdiag.engines.base import KVBlockView, KVLayer
+from kvdiag.engines.base import KVBlockView, KVLayer, KVState
 from kvdiag.run.runner import Case
 
 S3 = ["whole_page_reads", "no_zero_fresh_blocks"]
@@ -83,6 +83,46 @@ def test_scan_finds_nonfinite_codes_and_bad_scales_but_not_zeroed_slots():
     assert (scan.slots, scan.nonfinite, scan.bad_scales) == (24, 1, 2)
     assert scan.first == {"tensor": "0.k_scale", "block": 4, "offset": 2}  # layer, k before v, then slot
     assert kv_tensors.scan_slots(v, torch.tensor([0, 1, 2, 10])).ok  # zero codes with zero scales: fine
+
+
+def hybrid_view(state_blocks: set[int]):
+    """vLLM's hybrid layout in small (tests/vllm_hybrid_probe.py): one byte buffer per layer pair, a block's page
+    is either the attention layer's K/V (bf16, [slots, heads, dim] each) or the Mamba layer's states (a bf16 conv
+    state and an fp32 SSM state), at the same bytes."""
+    nb, bs, h, d = 4, 8, 2, 4
+    page = 2 * bs * h * d * 2  # K and V, bf16: 256 bytes
+    buf = torch.zeros(nb * page, dtype=torch.uint8)
+    kv = buf.view(torch.bfloat16).view(nb, 2, bs, h, d)
+    conv = torch.as_strided(buf.view(torch.bfloat16), (nb, 3, 8), (page // 2, 8, 1))  # 48 bytes at the page start
+    ssm = torch.as_strided(buf.view(torch.float32), (nb, 2, 8), (page // 4, 8, 1), 48 // 4)  # 64 bytes after it
+    view = KVBlockView(bs, nb, [KVLayer(kv[:, 0], kv[:, 1])], lambda: [], lambda: [],
+                       [KVState("0.mixer", {"conv": conv, "ssm": ssm})], lambda: set(state_blocks))
+    return view, kv, ssm
+
+
+def test_poison_fills_the_state_blocks_of_a_hybrid_and_the_scan_reads_each_block_as_its_owner_wrote_it():
+    view, kv, ssm = hybrid_view({2})
+    kv_tensors.fill_blocks(view, [1, 2], "nan")
+    # every tensor of every group, those blocks only; read either way, the overlaid bytes are NaN
+    assert torch.isnan(kv[1]).all() and torch.isnan(kv[2]).all() and not torch.isnan(kv[0]).any()
+    assert torch.isnan(view.states[0].tensors["conv"][1]).all() and torch.isnan(ssm[2]).all()
+    marks = kv_tensors.slot_fingerprint(view)
+    with torch.inference_mode():
+        kv_tensors.fill_blocks(view, [1, 2], "zero")
+    # block 2 held a Mamba state: finite fp32 whose low halves read as bf16 are NaN (0x7fc0): a K/V reading of
+    # it would be a false NaN; block 1 held K/V, and one of its slots has a NaN V
+    ssm[2] = torch.tensor([0x3F807FC0], dtype=torch.int32).view(torch.float32)
+    assert torch.isnan(kv[2]).any() and torch.isfinite(ssm[2]).all()
+    kv[1, 1, 3, 0, 0] = float("nan")
+    changed = (kv_tensors.slot_fingerprint(view) != marks).nonzero().flatten()
+    assert set((changed // view.block_size).tolist()) == {1, 2}  # a state change marks its block's slots
+    scan = kv_tensors.scan_slots(view, changed)
+    assert (scan.nonfinite, scan.state_blocks, scan.state_nonfinite) == (1, 1, 0)
+    assert scan.first == {"tensor": "0.v", "block": 1, "offset": 3}
+    ssm[2, 1, 5] = float("inf")  # a state that is not finite is found in its own tensor
+    scan = kv_tensors.scan_slots(view, changed)
+    assert (scan.nonfinite, scan.state_nonfinite, scan.ok) == (1, 1, False)
+    assert scan.first == {"tensor": "0.mixer.ssm", "block": 2}
 
 
 def test_blocks_needed_makes_later_waves_reuse_blocks():

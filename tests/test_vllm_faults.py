@@ -218,3 +218,21 @@ def test_a_plain_script_applies_the_same_patches_without_kvdiags_engine(tmp_path
     assert out["dtype"] in ("torch.uint8", "torch.float8_e4m3fn")  # vLLM keeps fp8 caches as uint8 (or fp8)
     assert out["fired"]["explicit_bf16_as_fp8"] >= 1 and out["fired"]["kv_cache_kept_after_shutdown"] == 1
     assert out["kept"] and set(out["kept"]) == {out["dtype"]}  # the KV cache itself, kept past shutdown
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_s3_fresh_blocks_not_zeroed_on_a_hybrid_is_caught_by_poison_which_covers_its_state_blocks(tmp_path):
+    """Issues 27/28: vLLM zeroes fresh blocks only for hybrid (Mamba) models; with the zeroing patched out the
+    poisoned blocks reach the outputs, and the clean engine's poison run covered the Mamba state blocks too."""
+    code, run = selftest(tmp_path, "--fault", "fresh_blocks_not_zeroed")
+    a = run["analysis"]["selftest"]
+    [row] = a["faults"]
+    assert row["status"] == "caught" and row["fired"] >= 1 and code == 0, row
+    assert row["cells"]["poison"]["finding"].startswith("auto: ")
+    clean = next(c for c in run["cases"] if c["params"]["selftest"] == "clean")
+    m = clean["status"], clean["metrics"]
+    assert m[0] == "pass" and m[1]["poisoned"]["state_layers"] == 2 and m[1]["poisoned"]["kv_layers"] == 2
+    assert m[1]["fresh_state_blocks"] > 0 and m[1]["fresh_blocks"] > m[1]["fresh_state_blocks"]
+    assert m[1]["kv_state_nonfinite"] == 0 and m[1]["kv_nonfinite"] == 0

@@ -3,7 +3,9 @@ size them, say what they store, fingerprint every slot, fill blocks with poison,
 slots for values no correct write produces (NaN/Inf codes, scales that are not finite and > 0).
 
 A *slot* is one token position of one block (``block * block_size + offset``); every cache
-tensor is viewed as ``[num_blocks * block_size, bytes per slot]``.
+tensor is viewed as ``[num_blocks * block_size, bytes per slot]``. A hybrid model's state tensors (``view.states``,
+one state per block) are handled per block: filled with the K/V of the same block ids, fingerprinted as a whole
+block, scanned only in the blocks last handed to a state group (``view.state_blocks()``), whose K/V are not scanned.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def cache_tensors(view) -> list[tuple[str, object]]:
             if t is not None:
                 out.append((f"{i}.{name}", t))
     return out
+
+
+def state_tensors(view) -> list[tuple[str, object]]:
+    """``(name, tensor)`` of every state layer's tensors, e.g. ``("model.layers.0.mixer.ssm", t)``."""
+    return [(f"{s.name}.{k}", t) for s in getattr(view, "states", ()) for k, t in s.tensors.items()]
 
 
 def kv_bytes(view) -> int:
@@ -80,14 +87,27 @@ def slot_fingerprint(view):
     num_slots = view.num_blocks * view.block_size
     total = None
     for n, (_, t) in enumerate(cache_tensors(view)):
-        rows = slot_rows(t, num_slots)
-        g = torch.Generator().manual_seed(1000 + n)
-        w = torch.randint(-(2 ** 62), 2 ** 62, (rows.shape[1],), generator=g, dtype=torch.int64).to(t.device)
-        if total is None:
-            total = torch.zeros(num_slots, dtype=torch.int64, device=t.device)
-        for a, b in _chunks(num_slots, rows.shape[1] * 8):
-            total[a:b] += (rows[a:b].long() * w).sum(1)  # int64 arithmetic wraps: a hash, not a sum
+        total = _hash_rows(slot_rows(t, num_slots), 1000 + n, total)
+    blocks = None
+    for n, (_, t) in enumerate(state_tensors(view)):  # a state changes as a whole: every slot of its block
+        blocks = _hash_rows(slot_rows(t, view.num_blocks), 5000 + n, blocks)
+    if blocks is not None:
+        spread = blocks.repeat_interleave(view.block_size)
+        total = spread if total is None else total + spread
     return total.cpu() if total is not None else torch.zeros(num_slots, dtype=torch.int64)
+
+
+def _hash_rows(rows, seed: int, total):
+    """``total`` (a new int64 tensor when None) plus one seeded hash of each row of ``rows``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-(2 ** 62), 2 ** 62, (rows.shape[1],), generator=g, dtype=torch.int64).to(rows.device)
+    if total is None:
+        total = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
+    for a, b in _chunks(rows.shape[0], rows.shape[1] * 8):
+        total[a:b] += (rows[a:b].long() * w).sum(1)  # int64 arithmetic wraps: a hash, not a sum
+    return total
 
 
 def block_slots(blocks, block_size: int):
@@ -132,13 +152,16 @@ def fill_blocks(view, blocks, value: str, seed: int = 0) -> int:
 
 
 def _fill_blocks(view, blocks, value: str, seed: int = 0) -> int:
-    """Fill ``blocks`` of every k, v and scale cache with poison (or ``zero``); returns bytes written."""
+    """Fill ``blocks`` of every k, v and scale cache, and of every state tensor, with poison (or ``zero``);
+    returns bytes written."""
     import torch
 
     if len(blocks) == 0:
         return 0
     written = 0
-    for n, (_, t) in enumerate(cache_tensors(view)):
+    # states first: where they overlay K/V pages (vLLM's hybrid groups) the K/V poison lands last, and a K/V NaN or
+    # Inf read as a wider state is non-finite too, while an fp32 NaN read as bf16 K/V is half zeros
+    for n, (_, t) in enumerate(state_tensors(view) + cache_tensors(view)):
         idx = torch.as_tensor(list(blocks), dtype=torch.int64, device=t.device)
         if value == "random":
             _fill_random(t, idx, seed * 7919 + n)
@@ -175,20 +198,25 @@ class SlotScan:
     nonfinite: int = 0  # slots with a NaN/Inf K or V value (fp8 NaN codes included)
     bad_scales: int = 0  # per-token-head scales not finite, or <= 0 where the slot holds nonzero codes
     first: dict = field(default_factory=dict)  # {tensor, block, offset} of the first bad slot
+    state_blocks: int = 0  # blocks of the scanned slots that held states (hybrid models): their states scanned
+    state_nonfinite: int = 0  # of those, blocks with a NaN/Inf in any state tensor
 
     @property
     def ok(self) -> bool:
-        return self.nonfinite == 0 and self.bad_scales == 0
+        return self.nonfinite == 0 and self.bad_scales == 0 and self.state_nonfinite == 0
 
 
 def scan_slots(view, slots) -> SlotScan:
     """NaN/Inf in k/v and bad scale values, over ``slots`` (an int64 tensor); a slot counts once
-    however many layers are bad there."""
+    however many layers are bad there. Slots of a block last handed to a state group are not read as K/V: that
+    block's states are scanned instead (``_scan_states``)."""
     import torch
 
     scan = SlotScan(slots=int(len(slots)))
     if len(slots) == 0:
         return scan
+    if getattr(view, "states", None):
+        slots = _scan_states(view, slots, scan)
     num_slots = view.num_blocks * view.block_size
     bad = {k: torch.zeros(len(slots), dtype=torch.bool) for k in ("nonfinite", "bad_scales")}
     for i, layer in enumerate(view.layers):
@@ -206,6 +234,25 @@ def scan_slots(view, slots) -> SlotScan:
                     _mark(scan, bad["bad_scales"], a, wrong, f"{i}.{kind}_scale", sel, view.block_size)
     scan.nonfinite, scan.bad_scales = int(bad["nonfinite"].sum()), int(bad["bad_scales"].sum())
     return scan
+
+
+def _scan_states(view, slots, scan: SlotScan):
+    """Scan the state tensors of the blocks of ``slots`` that held states; returns the other slots (K/V)."""
+    import torch
+
+    owned = torch.as_tensor(sorted(view.state_blocks()), dtype=torch.int64)
+    is_state = torch.isin(slots // view.block_size, owned)
+    blocks = torch.unique(slots[is_state] // view.block_size)
+    scan.state_blocks = int(len(blocks))
+    bad = torch.zeros(len(blocks), dtype=torch.bool)
+    for name, t in state_tensors(view):
+        rows = t[blocks.to(t.device)].reshape(len(blocks), -1)
+        wrong = (~torch.isfinite(rows.float())).any(1).cpu() if len(blocks) else torch.zeros(0, dtype=torch.bool)
+        if wrong.any() and not scan.first:
+            scan.first = {"tensor": name, "block": int(blocks[int(wrong.nonzero()[0, 0])])}
+        bad |= wrong
+    scan.state_nonfinite = int(bad.sum())
+    return slots[~is_state]
 
 
 def _mark(scan: SlotScan, mask, start: int, bad, tensor: str, sel, block_size: int) -> None:

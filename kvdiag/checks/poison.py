@@ -13,6 +13,10 @@ of ``max_model_len`` tokens would not fit), and prefix caching is off: with it, 
 run would find the reference run's prompts cached and write no fresh block, and blocks that
 keep a prefix hash are not free to poison. ``fresh_blocks`` counts the poisoned blocks the
 workload was handed out and wrote; none is a warning (nothing was tested).
+
+Hybrid models (attention + Mamba): a free block is poisoned in every group, the attention layers' K/V and the
+state layers' conv/SSM states of that block id alike (``poisoned`` in the record names them); a block the workload
+gave a state group is scanned as states (``fresh_state_blocks``, ``kv_state_nonfinite``), the others as K/V.
 """
 
 from __future__ import annotations
@@ -94,10 +98,11 @@ def run_waves(engine, waves: list[Wave], value: str, seed: int):
     (all waves, in order) and what happened to the cache."""
     import torch
 
-    outs, stats = [], {"poisoned_blocks": 0, "fresh_blocks": 0, "kv_slots_scanned": 0, "kv_nonfinite": 0,
-                       "kv_bad_scales": 0, "kv_first_bad": None}
+    outs, stats = [], {"poisoned_blocks": 0, "fresh_blocks": 0, "fresh_state_blocks": 0, "kv_slots_scanned": 0,
+                       "kv_nonfinite": 0, "kv_bad_scales": 0, "kv_state_nonfinite": 0, "kv_first_bad": None}
     for n, wave in enumerate(waves):
         view = engine.kv_blocks()
+        stats["poisoned"] = poisoned(view)
         free = view.free_blocks()
         kv_tensors.fill_blocks(view, free, value, seed + n)
         marks = kv_tensors.slot_fingerprint(view)
@@ -106,13 +111,24 @@ def run_waves(engine, waves: list[Wave], value: str, seed: int):
         changed = kv_tensors.slot_fingerprint(view) != marks
         per_block = changed.view(view.num_blocks, view.block_size).any(1)
         stats["poisoned_blocks"] += len(free)
-        stats["fresh_blocks"] += int(per_block[torch.as_tensor(free, dtype=torch.long)].sum()) if free else 0
+        free_ids = torch.as_tensor(free, dtype=torch.long)
+        fresh = free_ids[per_block[free_ids]]
+        stats["fresh_blocks"] += len(fresh)
+        stats["fresh_state_blocks"] += int(torch.isin(fresh, torch.as_tensor(sorted(view.state_blocks()),
+                                                                          dtype=torch.long)).sum())
         scan = kv_tensors.scan_slots(view, changed.nonzero().flatten())
         stats["kv_slots_scanned"] += scan.slots
         stats["kv_nonfinite"] += scan.nonfinite
         stats["kv_bad_scales"] += scan.bad_scales
+        stats["kv_state_nonfinite"] += scan.state_nonfinite
         stats["kv_first_bad"] = stats["kv_first_bad"] or (dict(scan.first, wave=n) if scan.first else None)
     return outs, stats
+
+
+def poisoned(view) -> dict:
+    """What a fill of the free blocks covers: the attention layers' K/V (and scales) and the state layers."""
+    return {"kv_layers": len(view.layers), "kv_tensors": len(kv_tensors.cache_tensors(view)),
+            "state_layers": len(view.states), "state_tensors": [n for n, _ in kv_tensors.state_tensors(view)]}
 
 
 def _verdict(case, p: PoisonParams, prompts, ref, out, stats: dict, engine):
@@ -129,9 +145,11 @@ def _verdict(case, p: PoisonParams, prompts, ref, out, stats: dict, engine):
         f = diff.first_nonfinite
         rec.add("error", "nan_output", f"poison {p.value}: {diff.nonfinite} non-finite logprobs; first at request "
                                        f"{f['request']} position {f['position']} ({f['logprob']})", **f)
-    if stats["kv_nonfinite"] or stats["kv_bad_scales"]:
+    if stats["kv_nonfinite"] or stats["kv_bad_scales"] or stats["kv_state_nonfinite"]:
+        states = f", {stats['kv_state_nonfinite']} state blocks hold NaN/Inf" if stats["poisoned"]["state_layers"] \
+            else ""
         rec.add("error", "nan_kv", f"poison {p.value}: {stats['kv_nonfinite']} written KV slots hold NaN/Inf, "
-                                   f"{stats['kv_bad_scales']} bad scales; first at {stats['kv_first_bad']}")
+                                   f"{stats['kv_bad_scales']} bad scales{states}; first at {stats['kv_first_bad']}")
     if stats["fresh_blocks"] == 0:
         rec.add("warning", "no_fresh_blocks", f"the workload was handed out none of the {stats['poisoned_blocks']} "
                 "poisoned blocks: nothing was tested")

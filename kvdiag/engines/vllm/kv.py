@@ -18,10 +18,10 @@ vLLM version this module does not know raises :class:`KVAccessError` with the re
 
 from __future__ import annotations
 
-import re
-
 from kvdiag.engines.base import KVBlockView, KVLayer
+from kvdiag.engines.vllm import hybrid
 from kvdiag.engines.vllm.cpu_layout import KVAccessError, learn
+from kvdiag.engines.vllm.hybrid import layer_order
 
 # content = [K(hs) | V(hs)] per (block, head, slot): split at head_size on the last axis
 SPLIT_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION", "ROCM_AITER_FA",
@@ -50,6 +50,11 @@ def model_runner(llm):
 
 def attention_layers(llm) -> list:
     """The attention modules that own a KV cache, in layer order."""
+    return [m for _, m in named_attention_layers(llm)]
+
+
+def named_attention_layers(llm) -> list[tuple[str, object]]:
+    """``(name, module)`` of the attention layers that own a KV cache, in layer order."""
     runner = model_runner(llm)
     ctx = runner.vllm_config.compilation_config.static_forward_context
     layers = [(name, m) for name, m in ctx.items()
@@ -57,7 +62,7 @@ def attention_layers(llm) -> list:
               is None]
     if not layers:
         raise KVAccessError("no attention layer with a KV cache found in the forward context")
-    return [m for _, m in sorted(layers, key=lambda nm: [int(x) for x in re.findall(r"\d+", nm[0])])]
+    return sorted(layers, key=lambda nm: layer_order(nm[0]))
 
 
 def block_pool(llm):
@@ -128,17 +133,30 @@ def layer_view(layer, num_blocks: int, model_dtype) -> KVLayer:
 
 
 def block_view(llm) -> KVBlockView:
-    """The whole cache in kvdiag's layout; free/used block lists read the block pool when called."""
+    """The whole cache in kvdiag's layout; free/used block lists read the block pool when called.
+
+    Every group is indexed by the pool's block ids: the attention layers' K/V with their own group's block size
+    (on a hybrid model that is not ``scheduler.block_size``, the groups' LCM), a hybrid model's Mamba layers as
+    :class:`KVState` tensors, and ``state_blocks`` the blocks last handed to a state group (hybrid.py says why)."""
+    core = engine_core(llm)
     pool = block_pool(llm)
-    layers = attention_layers(llm)
-    spec_block_size = engine_core(llm).scheduler.block_size
-    model_dtype = model_runner(llm).vllm_config.model_config.dtype
-    views = [layer_view(layer, pool.num_gpu_blocks, model_dtype) for layer in layers]
-    if views[0].k.shape[1] != spec_block_size:
-        raise KVAccessError(f"cache pages hold {views[0].k.shape[1]} slots but the scheduler's blocks "
-                            f"{spec_block_size} tokens")
-    return KVBlockView(spec_block_size, pool.num_gpu_blocks, views, lambda: free_blocks(pool),
-                       lambda: used_blocks(pool))
+    named = named_attention_layers(llm)
+    cfg = core.scheduler.kv_cache_config
+    block_size = hybrid.attention_block_size(cfg, [n for n, _ in named])
+    runner = model_runner(llm)
+    model_dtype = runner.vllm_config.model_config.dtype
+    views = [layer_view(layer, pool.num_gpu_blocks, model_dtype) for _, layer in named]
+    if views[0].k.shape[1] != block_size:
+        raise KVAccessError(f"cache pages hold {views[0].k.shape[1]} slots but the attention group's blocks "
+                            f"{block_size} tokens")
+    ctx = runner.vllm_config.compilation_config.static_forward_context
+    states, state_groups = hybrid.state_layers(cfg, ctx, pool.num_gpu_blocks, {n for n, _ in named})
+    view = KVBlockView(block_size, pool.num_gpu_blocks, views, lambda: free_blocks(pool), lambda: used_blocks(pool))
+    if states:
+        owners = hybrid.track_owners(core.scheduler.kv_cache_manager.coordinator)
+        view.states = states
+        view.state_blocks = lambda: {b for b, g in owners.items() if g in state_groups}
+    return view
 
 
 def probe(llm) -> str | None:
