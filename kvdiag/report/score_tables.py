@@ -73,11 +73,11 @@ STORAGE = ("kv dtype", "result", "stores", "layers (kind, dtype, size)")
 
 
 def _selftest(a: dict) -> list:
-    from kvdiag.report.selftest_rows import MATRIX_TITLE, REPORTED, matrix, reported, verdict
+    from kvdiag.report.selftest_rows import REPORTED, matrix, matrix_title, reported, verdict
 
     header, rows = matrix(a)
     ok, line = verdict(a)
-    title = MATRIX_TITLE.format(engine=a.get("engine", "builtin")) + (": passed, " if ok else ": FAILED, ") + line
+    title = matrix_title(a.get("engine")) + (": passed, " if ok else ": FAILED, ") + line
     return [(title, header, rows), ("selftest: what each check reported", REPORTED, [list(r) for r in reported(a)])]
 
 

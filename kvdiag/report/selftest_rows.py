@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from kvdiag.checks.selftest_plan import CHECKS
 
-MATRIX_TITLE = "selftest ({engine}): fault x check (* = intended check)"
+MATRIX_TITLE = "selftest{engine}: fault x check (* = intended check)"  # engine: " (NAME)", or "" when unknown
+
+
+def matrix_title(engine: str | None) -> str:
+    """The matrix's title, naming the engine the run recorded (a run.json from before it did names none)."""
+    return MATRIX_TITLE.format(engine=f" ({engine})" if engine else "")
 REPORTED = ("fault", "check", "result", "finding")
 
 

@@ -170,14 +170,13 @@ def selftest(run, con) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.selftest_rows import matrix, reported, verdict
+    from kvdiag.report.selftest_rows import matrix, matrix_title, reported, verdict
 
     a = run.analysis.get("selftest")
     if not a:
         return
-    engine = a.get("engine", "builtin")
     header, rows = matrix(a)
-    t = Table(title=f"selftest ({engine}): fault x check (* = intended check)", title_justify="left",
+    t = Table(title=matrix_title(a.get("engine")), title_justify="left",
               box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
     for col in header:
         t.add_column(col, no_wrap=True)  # names whole at 80 columns: the marks are short
