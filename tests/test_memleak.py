@@ -351,3 +351,30 @@ def test_the_clean_builtin_engine_has_its_kv_cache_recorded_and_passes():
     assert rec.metrics["kv_cache_storages"] == [storages, storages] == [8, 8]
     assert rec.metrics["kv_cache_mib"] == [pytest.approx(nbytes / MiB, abs=1e-3)] * 2
     assert rec.metrics["kv_survived_storages"] == [0, 0]
+
+
+def test_references_a_thread_drops_soon_after_shutdown_do_not_survive_and_real_ones_do():
+    """memleak's census after shutdown waits (up to SETTLE_S) for tensors that a thread of the engine releases late;
+    a tensor still held when the wait ends is a survivor."""
+    import threading
+    import time
+
+    import torch
+
+    from kvdiag.checks.memleak import settled_census
+    from kvdiag.measure.memory import survivors, take_census
+
+    base = take_census()
+    held = [torch.zeros(1 << 22)]  # 16 MiB, released by a thread 0.5 s later
+
+    def drop():
+        time.sleep(0.5)
+        held.clear()
+
+    threading.Thread(target=drop).start()
+    assert survivors(base, take_census()).keys  # at shutdown it is still there
+    assert not survivors(base, settled_census(base, cuda=False)).keys
+    kept = torch.zeros(1 << 22)
+    t0 = time.monotonic()
+    assert survivors(base, settled_census(base, cuda=False, wait_s=0.5)).keys
+    assert 0.5 <= time.monotonic() - t0 < 2.0 and kept.numel()
