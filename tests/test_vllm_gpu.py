@@ -289,6 +289,27 @@ def test_a_wake_cycle_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycle
         assert c["duration_s"] <= 1.3 * plain["case_work_s"], (level, c["duration_s"], plain)
 
 
+def test_a_memleak_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycles():
+    """Issue 26: `kvdiag memleak -e vllm` (eager, kvdiag's explicit KV cache, 3 cycles) against the plain script's
+    ``eager`` mode (tests/vllm_gpu_probe.py) with the same engine arguments: 3 start / generate / shutdown cycles in
+    one plain process. The case's time in its worker is at most 1.3x the script's cycles (kvdiag also takes a
+    tensor census after each)."""
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.engines.vllm.sizing import kv_cache_bytes
+
+    code, run, _ = kvdiag("memleak-timed", "memleak", "-e", "vllm", "-d", "auto", "-a", "enforce_eager=true")
+    (c,) = run["cases"]
+    assert c["status"] == "pass" and code == 0, c["findings"]
+    engine = ["enforce_eager=true", f"kv_cache_memory_bytes={kv_cache_bytes(str(TINY_MODEL))}",
+              "gpu_memory_utilization=0.05", "max_model_len=2048", "max_num_seqs=64"]
+    p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "eager", str(TINY_MODEL), *engine],
+                       capture_output=True, text=True, timeout=600)
+    plain = json.loads(p.stdout.split("PROBE ", 1)[1])
+    with open(OUT / "commands.jsonl", "a") as f:
+        f.write(json.dumps({"name": "memleak-probe", "probe": plain, "kvdiag_s": c["duration_s"]}) + "\n")
+    assert c["duration_s"] <= 1.3 * plain["case_work_s"], (c["duration_s"], plain)
+
+
 ZOO = ("qwen3", "gemma3", "deepseek-v2", "granite-hybrid", "gpt-oss")
 
 

@@ -6,8 +6,9 @@ what this prints.  ``python3 tests/vllm_gpu_probe.py sleep|eager MODEL``  -> one
   ``reload_weights``, kv_cache): outputs again; then kvdiag's old level-2 wake (weights, reload, every tag);
   shutdown as vLLM's tests do:
   GPU memory still used beyond the start; then a second engine with sleep mode in the same process.
-- ``eager``: three start / generate / shutdown cycles without sleep mode: CUDA allocated and the driver's used
-  memory after each shutdown.
+- ``eager [key=value ...]``: three start / generate / shutdown cycles without sleep mode: CUDA allocated and the
+  driver's used memory after each shutdown, and the cycles' time (``case_work_s``: the oracle for "a memleak case
+  costs at most 1.3x the plain script"); engine arguments given replace the defaults' (kvdiag's explicit KV cache).
 - ``defaults``: the same with vLLM's defaults (torch.compile, CUDA graphs captured on a new stream each start),
   then torch's cuBLAS workspaces (one per cuBLAS handle and stream) cleared: what that gives back.
 - ``wake LEVEL CYCLES [key=value ...]``: what one ``kvdiag wake-cycle -e vllm -l LEVEL -n CYCLES`` case does, with
@@ -95,9 +96,14 @@ def sleep_probe(model: str) -> dict:
     return out
 
 
-def eager_probe(model: str, eager: bool = True) -> dict:
+def eager_probe(model: str, eager: bool = True, **engine) -> dict:
+    import time
+
+    t0 = time.perf_counter()
     import torch
     from vllm import LLM
+
+    t1 = time.perf_counter()
 
     start = torch.cuda.memory_allocated()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):  # as kvdiag's baseline: cuBLAS's handle and
@@ -107,7 +113,7 @@ def eager_probe(model: str, eager: bool = True) -> dict:
     base_alloc, base_used = torch.cuda.memory_allocated(), used()
     alloc, drv = [], []
     for _ in range(3):
-        llm = LLM(model=model, **{**ARGS, "enforce_eager": eager})
+        llm = LLM(model=model, **{**ARGS, "enforce_eager": eager, **engine})
         greedy(llm)
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -115,7 +121,8 @@ def eager_probe(model: str, eager: bool = True) -> dict:
         alloc.append((torch.cuda.memory_allocated() - base_alloc) / MiB)
         drv.append((used() - base_used) / MiB)
     out = {"allocated_after_shutdown_mib": alloc, "driver_used_after_shutdown_mib": drv,
-           "baseline_cublas_workspace_mib": (base_alloc - start) / MiB}
+           "baseline_cublas_workspace_mib": (base_alloc - start) / MiB, "import_s": round(t1 - t0, 2),
+           "case_work_s": round(time.perf_counter() - t1, 2)}
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     out["allocated_after_clearing_cublas_workspaces_mib"] = (torch.cuda.memory_allocated() - base_alloc) / MiB
@@ -132,8 +139,7 @@ def wake_probe(model: str) -> dict:
     from kvdiag.checks.wake_cycle import MAX_TOKENS
 
     level, cycles = int(sys.argv[3]), int(sys.argv[4])
-    args = {k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v
-            for k, v in (a.split("=", 1) for a in sys.argv[5:])}
+    args = engine_args(sys.argv[5:])
     prompts, params = prompt_texts(model, None), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     t1 = time.perf_counter()
     llm = LLM(model=model, enable_sleep_mode=True, seed=0, **args)
@@ -158,6 +164,12 @@ def wake_probe(model: str) -> dict:
     return {"level": level, "cycles": cycles, "identical": same, "import_s": round(t1 - t0, 2),
             "engine_start_s": round(t2 - t1, 2), "cycles_s": round(t3 - t2, 2), "shutdown_s": round(t4 - t3, 2),
             "case_work_s": round(t4 - t1, 2)}
+
+
+def engine_args(pairs: list[str]) -> dict:
+    """``key=value`` words as vLLM's engine arguments (numbers and booleans parsed)."""
+    return {k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v
+            for k, v in (a.split("=", 1) for a in pairs)}
 
 
 def tree_gpu() -> dict:
@@ -206,6 +218,9 @@ if __name__ == "__main__":
     mode, model = sys.argv[1], sys.argv[2]
     probes = {"sleep": sleep_probe, "eager": eager_probe, "defaults": lambda m: eager_probe(m, eager=False),
               "mp": mp_probe, "wake": wake_probe}
-    result = probes[mode](model)
+    if mode == "eager" and sys.argv[3:]:  # engine arguments given: the cycles of one kvdiag memleak case
+        result = eager_probe(model, **engine_args(sys.argv[3:]))
+    else:
+        result = probes[mode](model)
     print("PROBE " + json.dumps(result), flush=True)
     os._exit(0)  # vLLM's sleep-mode allocator may not let the interpreter exit cleanly
