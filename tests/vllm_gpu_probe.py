@@ -144,13 +144,7 @@ def wake_probe(model: str) -> dict:
 
     ref, same = outputs(), []
     for _ in range(cycles):
-        llm.sleep(level=level)
-        if level == 2:
-            llm.wake_up(tags=["weights"])
-            llm.collective_rpc("reload_weights")
-            llm.wake_up(tags=["kv_cache"])
-        else:
-            llm.wake_up()
+        sleep_and_wake(llm, level)
         same.append(outputs() == ref)
     t3 = time.perf_counter()
     llm.llm_engine.engine_core.shutdown()
@@ -158,6 +152,18 @@ def wake_probe(model: str) -> dict:
     return {"level": level, "cycles": cycles, "identical": same, "import_s": round(t1 - t0, 2),
             "engine_start_s": round(t2 - t1, 2), "cycles_s": round(t3 - t2, 2), "shutdown_s": round(t4 - t3, 2),
             "case_work_s": round(t4 - t1, 2)}
+
+
+def sleep_and_wake(llm, level: int) -> None:
+    """``sleep(level)`` and vLLM's documented wake: level 2 wakes the weights, re-reads them from the checkpoint
+    (``reload_weights``), then wakes the KV cache; level 1 wakes everything."""
+    llm.sleep(level=level)
+    if level == 2:
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights")
+        llm.wake_up(tags=["kv_cache"])
+    else:
+        llm.wake_up()
 
 
 def tree_gpu() -> dict:
