@@ -14,9 +14,10 @@ measured); a fault that cannot apply here has ``applicable: false`` and ``reason
 
 - memory (kv_cache_kept_after_shutdown, scale_caches_kept_after_shutdown, tensor_kept_per_start): two cycles of
   start, generate, ``engine_core.shutdown()``, ``del llm``, ``gc.collect()`` (as kvdiag's VllmEngine.shutdown);
-  after each, the bytes held beyond the baseline before the first start (CUDA: ``memory_allocated``; CPU: the
-  storages of the live tensors ``gc.get_objects()`` finds) and whether the KV cache's (and scale views') storages
-  are still alive, known by their addresses. Effect: the KV cache (scale views) alive after shutdown; for
+  after each, the bytes held beyond the baseline before the first start (the storages of the live tensors
+  ``gc.get_objects()`` finds; on CUDA ``memory_allocated`` too, which also counts what torch keeps outside Python
+  objects, such as cuBLAS workspaces) and whether the KV cache's (and scale views') storages are still alive, known
+  by their addresses. Effect: the KV cache (scale views) alive after shutdown; for
   tensor_kept_per_start, what is held grows by at least half a MiB from the first shutdown to the second.
 - dtype (explicit_bf16_as_fp8): the dtype of the model runner's KV cache tensors with ``kv_cache_dtype=KV_DTYPE``.
   Effect: not the dtype asked for (or the engine refused to start).
@@ -62,7 +63,8 @@ def layer_tensors(runner) -> list:
     ``kv_caches``."""
     import torch
 
-    out = list(runner.kv_caches.values()) if isinstance(runner.kv_caches, dict) else list(runner.kv_caches or ())
+    caches = getattr(runner, "kv_caches", None)  # the V1 runner's; the V2 runner binds them to the layers only
+    out = list(caches.values()) if isinstance(caches, dict) else list(caches or ())
     todo = [getattr(m, "kv_cache", None) for m in runner.vllm_config.compilation_config.static_forward_context.values()]
     while todo:
         x = todo.pop()
@@ -100,11 +102,8 @@ def live_storages() -> dict[tuple[str, int], int]:
     return out
 
 
-def held(cuda: bool, base: dict | int) -> int:
-    import torch
-
-    if cuda:
-        return torch.cuda.memory_allocated() - base
+def held(base: set) -> int:
+    """Bytes of the live tensors' storages that were not there at the baseline."""
     return sum(n for k, n in live_storages().items() if k not in base)
 
 
@@ -130,7 +129,7 @@ def memory(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
     if cuda:
         torch.zeros(1, device="cuda")
     gc.collect()
-    base = torch.cuda.memory_allocated() if cuda else set(live_storages())
+    base, base_cuda = set(live_storages()), torch.cuda.memory_allocated() if cuda else 0
     cycles = []
     for _ in range(2):
         llm = LLM(model=model, **args)
@@ -150,7 +149,8 @@ def memory(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
             if not (kv_alive or scales_alive) or time.perf_counter() - t0 > WAIT_S:
                 break
             time.sleep(0.2)
-        cycles.append({"held_bytes": held(cuda, base), "kv_cache_bytes": sum(n for *_, n in kv),
+        cycles.append({"held_bytes": held(base), "kv_cache_bytes": sum(n for *_, n in kv),
+                       **({"cuda_allocated_held_bytes": torch.cuda.memory_allocated() - base_cuda} if cuda else {}),
                        "kv_cache_alive_bytes": kv_alive, "scale_bytes": sum(n for *_, n in scales),
                        "scales_alive_bytes": scales_alive})
     growth = cycles[1]["held_bytes"] - cycles[0]["held_bytes"]
@@ -158,8 +158,7 @@ def memory(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
                "scale_caches_kept_after_shutdown": any(c["scales_alive_bytes"] for c in cycles),
                "tensor_kept_per_start": growth >= GROWTH_BYTES}
     effect = effects[fault] if fault in effects else any(effects.values())
-    return effect, {"measured_by": "cuda memory_allocated" if cuda else "live tensors' storages (gc)",
-                    "cycles": cycles, "growth_bytes": growth, "effects": effects}
+    return effect, {"cycles": cycles, "growth_bytes": growth, "effects": effects}
 
 
 def dtype(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
