@@ -351,3 +351,40 @@ def test_the_trained_zoo_qwen3_scores_on_the_hard_task_what_lm_evals_own_vllm_ba
         plain = json.loads(p.stdout.strip().splitlines()[-1])
         assert abs(ours - plain["scores"]["kv_recall_p128"]["acc,none"]) < 1e-9, (mode, ours, plain)
         assert by["fp8"]["status"] in ("pass", "fail"), by["fp8"]["findings"]
+
+
+def test_each_applicable_fault_has_a_real_effect_in_a_plain_vllm_script_and_selftest_agrees():
+    """Issue 28, the truth for each fault: every vLLM fault that applies here is run in a plain vLLM script with the
+    same patch (tests/vllm_fault_probe.py, one process per fault: sleep mode starts once per process) and its
+    scenario without the patch (the control, which must show no effect); `kvdiag selftest -e vllm` catches a fault
+    exactly when the plain script's patch fired and showed the effect, and a fault that cannot apply is n/a in
+    both with the same reason. Each probe's JSON goes to commands.jsonl."""
+    from test_vllm_fault_probe import MEMORY, case_of, control, run_probe
+
+    from kvdiag.checks.selftest_vllm import CATALOGUE
+    from kvdiag.engines.vllm.sizing import kv_cache_bytes
+    from kvdiag.zoo import resolve
+
+    truth = {}
+    for which in dict.fromkeys(x for name in CATALOGUE.names for x in (name, control(name))):
+        model, kv_dtype, *level = case_of(MEMORY if which == "clean" else which.removeprefix("clean:"))
+        path = str(resolve(model)) if model.startswith("zoo:") else model
+        engine = ["enforce_eager=true", f"kv_cache_memory_bytes={kv_cache_bytes(path)}", "gpu_memory_utilization=0.05",
+                  "max_model_len=2048"]
+        truth[which] = run_probe(which, model, kv_dtype, *level, *engine, timeout=900)
+        OUT.mkdir(parents=True, exist_ok=True)
+        with open(OUT / "commands.jsonl", "a") as f:
+            f.write(json.dumps({"name": f"fault-probe-{which}", "command": "python3 tests/vllm_fault_probe.py " +
+                                " ".join([which, model, kv_dtype, *level, *engine]), "probe": truth[which]}) + "\n")
+    checks = ",".join(dict.fromkeys(f.intended for f in CATALOGUE.faults))
+    _, run, _ = kvdiag("selftest-vllm", "selftest", "-e", "vllm", "--check", checks, timeout=3000)
+    rows = {r["fault"]: r for r in run["analysis"]["selftest"]["faults"]}
+    for name in CATALOGUE.names:
+        t, row = truth[name], rows[name]
+        if not t["applicable"]:
+            assert row["status"] == "not applicable", (name, t, row)
+            continue
+        plain = truth[control(name)]
+        assert plain["applicable"] and plain["fired"] == {} and plain["effect"] is False, (name, plain)
+        real = t["effect"] and t["fired"].get(name, 0) >= 1
+        assert (row["status"] == "caught") == real, (name, t, row)

