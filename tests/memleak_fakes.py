@@ -145,8 +145,8 @@ class SleepPoolEngine(LeakyEngine):
 def fake_cuda_snapshot(real):
     """kvdiag.measure.memory.snapshot with FakeDevice's counters as the CUDA measures."""
 
-    def snap(stage, cycle, cuda=False, census=None):
-        s = real(stage, cycle, False, census)
+    def snap(stage, cycle, cuda=False, census=None, frozen=True):
+        s = real(stage, cycle, False, census, frozen)
         s.cuda_allocated, s.cuda_reserved, s.cuda_peak = FakeDevice.allocated, FakeDevice.reserved, FakeDevice.peak
         s.driver_used = FakeDevice.driver_base + FakeDevice.reserved
         return s

@@ -26,7 +26,7 @@ def measure(device, stage: str, cycle: int):
         import torch
 
         torch.cuda.synchronize(device)
-    return snapshot(stage, cycle, cuda=device.type == "cuda")
+    return snapshot(stage, cycle, cuda=device.type == "cuda", frozen=False)
 
 
 def judged(snap, device, measure: str = "cuda_allocated") -> int:

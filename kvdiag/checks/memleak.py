@@ -198,7 +198,7 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
         raise RestartImpossible(f"{type(e).__name__}: {first_line(e)[:400]}") from e
     engine.generate(prompts, p.max_tokens)
     kv, kv_unknown = kv_identity.record(engine)
-    snaps.append(snapshot("after-workload", n, cuda))
+    snaps.append(snapshot("after-workload", n, cuda, frozen=False))
     engine.shutdown()
     cleanup(cuda)
     wait_children(snaps[0].processes or {}, leftover.WAIT_S)

@@ -43,22 +43,32 @@ class WakeParams:
 
 
 def run(case, ctx):
-    """Case function (runner target ``kvdiag.checks.wake_cycle:run``)."""
+    """Case function (runner target ``kvdiag.checks.wake_cycle:run``). The record's ``seconds``: the engine's
+    start, the cycles (with the reference outputs) and its shutdown, as tests/vllm_gpu_probe.py's ``wake`` mode
+    times the same phases of a plain script."""
+    import time
+
     p = WakeParams.from_case(case)
     engine = create_engine(case.engine)
+    t0 = time.perf_counter()
     try:
         engine.start(engine_spec(case, enable_sleep=True))
     except EngineUnsupported as e:
         return greedy.unsupported(case, str(e))
+    t1 = time.perf_counter()
     try:
         caps = engine.capabilities
         if p.level not in caps.sleep_levels:
             levels = ", ".join(map(str, caps.sleep_levels)) or "none"
             why = caps.sleep_reason or f"sleep level {p.level} unsupported (levels: {levels})"
             return greedy.unsupported(case, why)
-        return _run_cycles(case, engine, p)
+        rec = _run_cycles(case, engine, p)
     finally:
+        t2 = time.perf_counter()
         engine.shutdown()
+    rec.metrics["seconds"] = {"start": round(t1 - t0, 3), "cycles": round(t2 - t1, 3),
+                              "shutdown": round(time.perf_counter() - t2, 3)}
+    return rec
 
 
 def _run_cycles(case, engine, p: WakeParams):
