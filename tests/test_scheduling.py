@@ -153,7 +153,8 @@ def test_builtin_accuracy_cases_share_a_gpu_as_far_as_its_memory_holds(gpus, mem
     memory(80, 0.01)  # the shipped tiny model on an H100
     assert scheduling.place(sweep("accuracy")).per_gpu == scheduling.SHARED_GPU_MAX  # 62 would fit in 64 GiB
     assert scheduling.default_jobs(sweep("accuracy")) == 7 and scheduling.default_jobs(sweep("dtypes")) == 7
-    assert scheduling.default_jobs(sweep("accuracy", n=12)) == scheduling.SHARED_GPU_DEFAULT == 8  # unless asked:
+    assert scheduling.default_jobs(sweep("accuracy", n=12)) == 12  # one wave: as many as the cores (16) and cases
+    assert scheduling.default_jobs(sweep("accuracy", n=20)) == scheduling.SHARED_GPU_DEFAULT == 16  # unless asked:
     assert scheduling.cap_jobs(sweep("accuracy"), 12, quiet=True) == (12, ())  # -j 12 runs 12 at once
     assert scheduling.cap_jobs(sweep("accuracy"), 40, quiet=True) == (32, ())
     monkeypatch.setattr(os, "cpu_count", lambda: 2)

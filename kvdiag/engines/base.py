@@ -221,6 +221,12 @@ def preload_modules(name: str) -> tuple[str, ...]:
     return tuple(getattr(engine_traits(name), "PRELOAD", ()))
 
 
+def preload_env(name: str, models: list[str]) -> dict:
+    """The environment an engine's fork server reads for a run of ``models`` (its ``preload_env``; {} without)."""
+    make = getattr(engine_traits(name), "preload_env", None)
+    return make(models) if make else {}
+
+
 def gpus_spanned(name: str, engine_args: dict) -> int:
     """GPUs one engine of ``name`` uses with these engine arguments: the product of its ``SPAN_ARGS`` (1 without)."""
     n = 1

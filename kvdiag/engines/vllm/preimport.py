@@ -2,12 +2,21 @@
 engine start imports, transformers and lm_eval. Every worker is forked from that server, so a case starts with them
 instead of paying ~20 s of imports. Nothing here may initialise CUDA (a forked CUDA context is unusable):
 ``cuda_untouched()`` says whether that held, and the GPU tests assert it.
+
+It also inspects the run's model architectures once (``warm_model_info``): vLLM inspects a model class the first
+time a machine sees it in a subprocess of its own that imports vLLM again (its cache, ``~/.cache/vllm/modelinfos``,
+serves later runs). On a fresh H100 that cost every case of the first run ~25 s, the cases whose dtype no backend
+takes included (they are decided by vLLM's config checks, which inspect the model first).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
+from pathlib import Path
 
+from kvdiag.engines.vllm import MODELS_ENV
 from kvdiag.engines.vllm.engine import import_vllm
 
 # Imported by vllm.LLM() and the first generate; each is optional (vLLM moves them between releases).
@@ -30,3 +39,36 @@ def cuda_untouched() -> bool:
     import torch
 
     return not torch.cuda.is_initialized()
+
+
+def warm_model_info(models: list[str]) -> list[str]:
+    """Inspect the architectures of ``models`` (local folders) as vLLM's registry does, in this process instead of
+    the subprocess vLLM starts for an architecture it has not cached: the result is in the registry's in-memory
+    cache, which every forked worker inherits, and in vLLM's file cache. Importing a model class touches no CUDA
+    (vLLM's own reason for the subprocess is caution); ``cuda_untouched`` is checked by the GPU tests. Returns the
+    architectures inspected; quiet on any failure (the worker's engine start then inspects as vLLM does)."""
+    try:
+        from vllm.model_executor.models import registry
+    except Exception:  # noqa: BLE001 - another vLLM layout: nothing warmed
+        return []
+    archs = []
+    for model in models:
+        try:
+            archs += json.loads((Path(model) / "config.json").read_text()).get("architectures") or []
+        except (OSError, ValueError):
+            pass
+    done, in_subprocess = [], getattr(registry, "_run_in_subprocess", None)
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        for arch in dict.fromkeys(archs):
+            try:
+                if registry.ModelRegistry._try_inspect_model_cls(arch) is not None:
+                    done.append(arch)
+            except Exception:  # noqa: BLE001
+                pass
+    finally:
+        registry._run_in_subprocess = in_subprocess
+    return done
+
+
+WARMED = warm_model_info(json.loads(os.environ.get(MODELS_ENV) or "[]"))
