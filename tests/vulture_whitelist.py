@@ -45,3 +45,4 @@ _.cuda_untouched  # engines/vllm/preimport.py: asserted by tests/test_vllm_gpu.p
 _.display_type_rich  # cli/app.py: click's parameter attribute that typer's rich help reads
 _.schema_version  # results.RunRecord: a field of run.json, read by its users
 _._all_tasks, _._all_subtasks, _._all_groups, _._all_tags  # lm_eval's TaskManager fields (kvdiag.tasks._merge_index)
+_.WARMED  # kvdiag/engines/vllm/preimport.py: what the fork server warmed, read by tests/test_vllm_model_info.py
