@@ -72,7 +72,7 @@ def accuracy(
     """
     from kvdiag.run.cases import Target, check_cases
     from kvdiag.run.orchestrate import execute, make_run_dir
-    from kvdiag.run.scheduling import case_threads, default_jobs, worker_setup
+    from kvdiag.run.scheduling import case_threads, default_jobs
 
     p = A(tasks=tasks or [], include_paths=include_path or [], baseline=baseline, limit=limit,
           num_fewshot=num_fewshot, seed=seed, batch_size=batch_size, apply_chat_template=apply_chat_template,
@@ -82,9 +82,8 @@ def accuracy(
     cases, analyze = check_cases("accuracy", target, p)
     run_dir = make_run_dir(output_dir, "accuracy", resume)
     jobs = jobs or default_jobs(cases)
-    modules, env = worker_setup(cases, jobs)  # the fork server imports vLLM & co. and loads the tasks once
     code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
-                   jobs=jobs, env=env, preload=modules, analyze=analyze,
+                   jobs=jobs, analyze=analyze,
                    threads=case_threads(cases, isolate, jobs), finish=reports_into(run_dir))
     raise typer.Exit(code)
 

@@ -49,7 +49,7 @@ def command_for(check):
     def command(**kw) -> None:
         from kvdiag.run.cases import Target, check_cases
         from kvdiag.run.orchestrate import execute, make_run_dir
-        from kvdiag.run.scheduling import gpu_jobs, worker_setup
+        from kvdiag.run.scheduling import gpu_jobs
 
         values = {n: getattr(kw[n], "value", kw[n]) for n, _, _ in own if kw[n] is not None}
         p = check.make(values)
@@ -58,10 +58,8 @@ def command_for(check):
         cases, analyze = check_cases(check.name, target, p)
         run_dir = make_run_dir(kw["output_dir"], check.name, kw["resume"])
         jobs = kw["jobs"] or gpu_jobs(cases)
-        modules, env = worker_setup(cases, jobs)
         raise typer.Exit(execute(check.name, cases, run_dir, fmt=kw["fmt"], timeout=kw["timeout"],
-                                 resume=kw["resume"] is not None, quiet=kw["quiet"], jobs=jobs, analyze=analyze,
-                                 env=env, preload=modules))
+                                 resume=kw["resume"] is not None, quiet=kw["quiet"], jobs=jobs, analyze=analyze))
 
     isolate = [("isolate", o.CheckIsolateOpt, o.Isolate.case)] if check.isolate else []
     params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)

@@ -59,7 +59,7 @@ def ci(
     from kvdiag.report.baseline import load_side
     from kvdiag.run import shards
     from kvdiag.run.orchestrate import execute
-    from kvdiag.run.scheduling import gpu_jobs, worker_setup
+    from kvdiag.run.scheduling import gpu_jobs
 
     part = shards.parse_shard(shard) if shard is not None else None
     if durations is not None and part is None:
@@ -101,9 +101,8 @@ def ci(
         run.shard = record
         write_reports(run, run_dir)
 
-    modules, env = worker_setup(cases, jobs)
     code = execute("ci", cases, run_dir, fmt=fmt, timeout=900.0, resume=resume is not None, quiet=quiet, jobs=jobs,
-                   env=env, preload=modules, analyze=lambda run: [a(run) for a in analyzers], finish=finish)
+                   analyze=lambda run: [a(run) for a in analyzers], finish=finish)
     raise typer.Exit(code)
 
 

@@ -81,15 +81,13 @@ def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, i
            resume, quiet, fault) -> int:
     from kvdiag.run.cases import Target, check_cases
     from kvdiag.run.orchestrate import execute, make_run_dir
-    from kvdiag.run.scheduling import default_jobs, worker_setup
+    from kvdiag.run.scheduling import default_jobs
 
     target = Target(engine, model, kv_dtype, device, engine_arg, fault, isolate)
     cases, analyze = check_cases("dtypes", target, CHECK.params(max_kl=max_kl, min_top1=min_top1))
     jobs = jobs or default_jobs(cases)
     run_dir = make_run_dir(output_dir, "dtypes", resume)
-    modules, env = worker_setup(cases, jobs)
     return execute("dtypes --check", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
-                   quiet=quiet, jobs=jobs, env=env, preload=modules,
-                   analyze=analyze)
+                   quiet=quiet, jobs=jobs, analyze=analyze)
 
 

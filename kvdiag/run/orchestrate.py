@@ -110,7 +110,7 @@ def execute(
     analyze: Callable | None = None,
     render: Callable | None = None,
     finish: Callable | None = None,
-    preload: tuple[str, ...] = (),
+    preload: tuple[str, ...] | None = None,
     threads: int = 1,
 ) -> int:
     """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed). ``threads``: see
@@ -119,13 +119,20 @@ def execute(
 
     ``finish(run)`` (optional) runs on the finished run before run.json is written: it may add to
     run.analysis, set run.exit_code (which is first derived from the case statuses) and write reports.
+
+    ``preload`` None (every command's default): the workers fork from a server that imported what the cases'
+    engine and checks need, and their environment starts from ``scheduling.worker_setup`` (``env`` on top); a
+    caller that must keep process state apart (the builtin self-test's faults) passes ``()``.
     """
     from kvdiag.evaluation.provenance import models_record
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
     from kvdiag.run.runner import run_cases
-    from kvdiag.run.scheduling import cap_jobs
+    from kvdiag.run.scheduling import cap_jobs, worker_setup
 
     jobs, gpus = cap_jobs(cases, jobs, quiet=quiet)
+    if preload is None:
+        preload, setup = worker_setup(cases, jobs)
+        env = {**setup, **(env or {})}
     started = now()
     previous = _previous_run(run_dir) if resume else None
     run = RunRecord(command=previous.command if previous else command_line(),
