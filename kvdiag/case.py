@@ -15,6 +15,7 @@ from kvdiag.results import CaseResult
 
 LOG_TAIL_CHARS = 4000
 STAGE_MARK = "--- kvdiag stage: "  # a line in the case log: where the case is (a worker that dies names it)
+REPRODUCE_MARK = "--- kvdiag reproduce: "  # a line in the case log: a command that repeats the engine's start
 
 
 @dataclass

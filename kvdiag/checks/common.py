@@ -61,6 +61,12 @@ def engine_failed(case, exc: BaseException, stage: str, **metrics):
                       log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:])
     rec.add("error", "resource" if resource else "crashed",
             resource or f"{stage}: {type(exc).__name__}: {first_line(exc)}"[:500], stage=stage)
+    if not resource:
+        from kvdiag.engines.base import reproducer
+
+        command = reproducer(case.engine, stage)
+        if command:
+            rec.findings[-1].evidence["reproduce"] = command
     return rec
 
 

@@ -221,6 +221,13 @@ def preload_modules(name: str) -> tuple[str, ...]:
     return tuple(getattr(engine_traits(name), "PRELOAD", ()))
 
 
+def reproducer(name: str, stage: str) -> str | None:
+    """A command that repeats, without kvdiag, what the engine ``name`` was asked to do in this process before a
+    failure in ``stage`` (its ``reproducer``; None for an engine without one, or before any start)."""
+    make = getattr(engine_traits(name), "reproducer", None)
+    return make(stage) if make else None
+
+
 def preload_env(name: str, models: list[str]) -> dict:
     """The environment an engine's fork server reads for a run of ``models`` (its ``preload_env``; {} without)."""
     make = getattr(engine_traits(name), "preload_env", None)

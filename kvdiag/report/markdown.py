@@ -39,6 +39,8 @@ def render_markdown(run) -> str:
             out.append(f"### {c.id} — {c.status}")
             for f in c.findings:
                 out.append(f"- **{f.severity}** `{f.kind}`: {_esc(f.message)}")
+                if f.evidence.get("reproduce"):  # a crash of the engine's own: the command that shows it without kvdiag
+                    out += ["", "  reproduce without kvdiag:", "", "  ```", f"  {f.evidence['reproduce']}", "  ```"]
             if c.log_tail:
                 out += ["", "<details><summary>worker log (tail)</summary>", "", "```",
                         c.log_tail[-3000:], "```", "</details>"]

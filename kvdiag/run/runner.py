@@ -20,7 +20,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable
 
-from kvdiag.case import LOG_TAIL_CHARS, STAGE_MARK, Case, WorkerContext, call_target, safe_name, share_cores
+from kvdiag.case import (
+    LOG_TAIL_CHARS,
+    REPRODUCE_MARK,
+    STAGE_MARK,
+    Case,
+    WorkerContext,
+    call_target,
+    safe_name,
+    share_cores,
+)
 from kvdiag.gpus import VISIBLE as GPU_ENV
 from kvdiag.results import CaseResult, append_jsonl, read_jsonl
 from kvdiag.run.progress import make_progress
@@ -66,6 +75,9 @@ def died_of(tail: str) -> dict:
     stages = [line[len(STAGE_MARK):].rsplit(" (", 1)[0] for line in tail.splitlines() if line.startswith(STAGE_MARK)]
     if stages:
         out["stage"] = stages[-1]
+    commands = [line[len(REPRODUCE_MARK):] for line in tail.splitlines() if line.startswith(REPRODUCE_MARK)]
+    if commands:
+        out["reproduce"] = commands[-1]
     for pattern in ERROR_LINES:
         hits = re.findall(pattern, tail)
         if hits:

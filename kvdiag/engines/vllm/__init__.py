@@ -8,6 +8,7 @@
 - ``pools.py``: memory vLLM keeps after shutdown outside Python objects (the sleep-mode allocator pool);
 - ``sizing.py``: the explicit KV cache each engine gets on a GPU, so that several share one;
 - ``preimport.py``: what the workers' fork server imports once (vLLM and lm_eval), so no case pays for it;
+- ``repro.py``: the plain-vLLM command that repeats a case's engine start, for the findings of a crash;
 - ``faults/``: bugs vLLM fixed, re-introduced at the code point of the fix (``kvdiag selftest -e vllm``).
 
 Nothing here imports vllm at import time; ``engine.py`` needs it installed.
@@ -34,6 +35,13 @@ def preload_env(models: list[str]) -> dict:
     import json
 
     return {MODELS_ENV: json.dumps(sorted(set(models)))}
+
+
+def reproducer(stage: str) -> str | None:
+    """A plain-vLLM command that repeats this process's last engine start (and a request, past the start)."""
+    from kvdiag.engines.vllm import repro
+
+    return repro.last(stage)
 
 
 def cpu_only() -> bool:

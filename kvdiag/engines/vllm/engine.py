@@ -25,7 +25,7 @@ import os
 from typing import Sequence
 
 from kvdiag.engines.base import Capabilities, Completion, EngineSpec, KVBlockView, Scored
-from kvdiag.engines.vllm import adapt
+from kvdiag.engines.vllm import adapt, repro
 from kvdiag.engines.vllm.sleep import RELOAD, SleepState
 from kvdiag.errors import EngineUnsupported
 
@@ -98,6 +98,7 @@ class VllmEngine:
             raise EngineUnsupported(refusal)
         if cumem:  # from here on, a failed start leaves the singleton taken too
             _SLEEP_ENGINES_STARTED.append(spec.model)
+        repro.note(kwargs)  # a crash from here on is stated with a plain-vLLM command that shows it
         try:
             self.llm = adapt.create_llm(kwargs)
         except EngineUnsupported as e:

@@ -1,0 +1,41 @@
+"""A one-command plain-vLLM reproducer of what a case asked vLLM to do, for the findings of a case whose vLLM
+crashed (issue 27: vLLM's own failures are stated with a command that shows them without kvdiag).
+
+``VllmEngine.start`` notes the ``vllm.LLM`` arguments it is about to use (``note``): kept in this process for a
+crash the worker records itself (``command``, through ``kvdiag.engines.base.reproducer``), and printed into the case
+log (``MARK``) for a worker that dies (``kvdiag.run.runner.died_of`` reads the last such line). The command runs
+the engine core in its own process as kvdiag does (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the engine start alone
+for a crash at start, one greedy request after it for a crash later.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from kvdiag.case import REPRODUCE_MARK as MARK
+
+PROMPT = "The capital of France is"
+_NOTED: list[dict] = []  # the LLM arguments of this process's last engine start
+
+
+def note(kwargs: dict) -> None:
+    """Remember ``kwargs`` (what ``vllm.LLM`` gets) and print the reproducer line into the case log."""
+    _NOTED[:] = [dict(kwargs)]
+    print(MARK + command(kwargs, generate=True), flush=True)
+
+
+def command(kwargs: dict, generate: bool) -> str:
+    """``python3 -c '...'``: ``vllm.LLM(**kwargs)`` in a plain process, then (``generate``) one greedy request."""
+    args = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
+    body = ("import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'; "
+            f"from vllm import LLM, SamplingParams; llm = LLM({args})")
+    if generate:
+        body += f"; print(llm.generate([{PROMPT!r}], SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0])"
+    return "python3 -c " + shlex.quote(body)
+
+
+def last(stage: str) -> str | None:
+    """The reproducer of this process's last engine start for a failure in ``stage`` (None: no start noted)."""
+    if not _NOTED:
+        return None
+    return command(_NOTED[0], generate=stage != "engine start")
