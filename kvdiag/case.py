@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -62,6 +64,22 @@ class WorkerContext:
     def artifact(self, case: Case, suffix: str) -> Path:
         self.artifacts_dir.mkdir(parents=True, exist_ok=True)
         return self.artifacts_dir / f"{safe_name(case.id)}{suffix}"
+
+
+_NOTES = threading.local()  # what code below the checks has to say about the case running on this thread
+
+
+def engine_note(kind: str, message: str, **evidence) -> None:
+    """An info finding for the case running on this thread, from code below the checks (an engine working around a
+    known incompatibility at its start); the worker adds it to the case's record (``take_engine_notes``)."""
+    print(f"kvdiag: {message}", file=sys.stderr, flush=True)
+    _NOTES.items = [*getattr(_NOTES, "items", []), (kind, message, evidence)]
+
+
+def take_engine_notes() -> list[tuple[str, str, dict]]:
+    """The notes given on this thread since the last call, (kind, message, evidence) each; clears them."""
+    items, _NOTES.items = getattr(_NOTES, "items", []), []
+    return items
 
 
 def safe_name(s: str) -> str:

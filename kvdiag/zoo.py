@@ -59,9 +59,9 @@ PRESETS = {p.name: p for p in (
            dict(_SIZE, head_dim=256, sliding_window=64, layer_types=_ALT * 2, query_pre_attn_scalar=256),
            dict(layer_types=_ALT)),
     Preset("deepseek-v2", "deepseek_v2", "MLA: a latent KV of 512 (kv_lora_rank) + a 64-wide rope key per token, "
-           "shared by the 4 heads",
+           "shared by the 4 heads; DeepSeek-V2's head dims (q/k 128 + 64, v 128)",
            dict(_SIZE, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
-                qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=4, n_routed_experts=4,
+                qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=4, n_routed_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False),
            dict(num_key_value_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,

@@ -81,7 +81,7 @@ def test_a_plugin_engine_without_a_list_is_not_checked():
 def test_vllm_names_read_from_source_equal_the_imported_ones_and_refuse_a_typo(tmp_path):
     code = ("import sys, json; from kvdiag.engines.base import engine_arg_names; names = engine_arg_names('vllm');"
             "assert 'vllm' not in sys.modules, 'imported'; from kvdiag.engines.vllm import adapt;"
-            "imported = sorted(adapt._engine_arg_names_imported()); adapt._vllm_source = lambda *parts: None;"
+            "imported = sorted(adapt._engine_arg_names_imported()); adapt.vllm_source = lambda *parts: None;"
             "print(json.dumps([names, imported, adapt.engine_arg_names()]))")  # the last: source unreadable
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr

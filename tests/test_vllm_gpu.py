@@ -316,14 +316,37 @@ ZOO = ("qwen3", "gemma3", "deepseek-v2", "granite-hybrid", "gpt-oss")
 @pytest.mark.parametrize("name", ZOO)
 def test_each_zoo_family_starts_on_vllm_and_the_audit_names_its_layers(name):
     """Issue 27: every zoo family (QK-norm, sliding + global, MLA, Mamba hybrid, sinks) starts on vLLM for CUDA
-    with auto and fp8, and `dtypes --check` names its layer kinds as the preset's config says (tests/zoo_expect.py)."""
-    from zoo_expect import audit_of
+    with auto and fp8, and `dtypes --check` names its layer kinds as the preset's config says (tests/zoo_expect.py).
+    A crash of vLLM's own that docs/vllm-findings.md documents for this vLLM is accepted only as `crashed` in its
+    stage, with its words; a GraniteMoeHybrid layer table keyed by other names than transformers loads is worked
+    around (kvdiag/engines/vllm/compat.py) and said in an info finding."""
+    from importlib.metadata import version
+
+    from zoo_expect import audit_of, documented_crash
 
     code, run, _ = kvdiag(f"zoo-dtypes-{name}", "dtypes", "--check", "-e", "vllm", "-m", f"zoo:{name}", "-d", "auto",
                           "-d", "fp8", "-a", "enforce_eager=true")
     by = {c["kv_dtype"]: c for c in run["cases"]}
-    assert by["auto"]["status"] == "pass", by["auto"]["findings"]
-    assert by["fp8"]["status"] in ("pass", "unsupported"), by["fp8"]["findings"]
+    for dtype, allowed in (("auto", ("pass",)), ("fp8", ("pass", "unsupported"))):
+        c, crash = by[dtype], documented_crash(name, dtype, version("vllm"))
+        if crash:
+            stage, words = crash
+            assert c["status"] == "crashed" and any(f["kind"] == "crashed" and f["evidence"].get("stage") == stage
+                                                    and words in f["message"] for f in c["findings"]), c["findings"]
+        else:
+            assert c["status"] in allowed, (dtype, c["findings"])
+    if name == "granite-hybrid":  # the oracle: vLLM's own layer table against what transformers loads
+        import vllm.model_executor.models.granitemoehybrid as gmh
+        from transformers import AutoConfig
+
+        from kvdiag.zoo import resolve
+
+        loaded = AutoConfig.from_pretrained(resolve("zoo:granite-hybrid")).layer_types
+        shimmed = not set(loaded) <= set(gmh.ALL_DECODER_LAYER_TYPES)
+        kinds = {f["kind"] for f in by["auto"]["findings"]}
+        assert ("vllm_transformers_mismatch" in kinds) == shimmed, (loaded, by["auto"]["findings"])
+    if by["auto"]["status"] != "pass":  # an engine that did not start has no audit
+        return
     layers = run["analysis"]["dtypes"]["rows"][0]["layers"]
     if name == "gpt-oss":  # sliding and full layers with sinks: the kinds are named, 4 layers in all
         assert "2 sliding(window 64)" in layers and sum(int(r.split()[0]) for r in layers.split("; ")) == 4, layers

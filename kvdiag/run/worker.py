@@ -10,7 +10,7 @@ import time
 import traceback
 from pathlib import Path
 
-from kvdiag.case import LOG_TAIL_CHARS, SHARE_CORES, Case, WorkerContext, call_target, share_cores
+from kvdiag.case import LOG_TAIL_CHARS, SHARE_CORES, Case, WorkerContext, call_target, share_cores, take_engine_notes
 from kvdiag.errors import resource_failure
 from kvdiag.results import CaseResult
 
@@ -101,6 +101,7 @@ def _run_one(case: Case, ctx: WorkerContext) -> str:
     ``resource`` when the device ran out of memory, else ``exception``)."""
     print(f"=== case {case.id} ===", flush=True)
     t0 = time.perf_counter()
+    take_engine_notes()  # a note left by an earlier case of this thread is not this case's
     try:
         rec = call_target(case.target)(case, ctx)
         if not isinstance(rec, CaseResult):
@@ -112,6 +113,8 @@ def _run_one(case: Case, ctx: WorkerContext) -> str:
         resource = resource_failure(e)  # out of memory: the run's error, never an engine's refusal
         rec.add("error", "resource" if resource else "exception",
                 resource or f"{type(e).__name__}: {e}".splitlines()[0][:500])
+    for kind, message, evidence in take_engine_notes():
+        rec.add("info", kind, message, **evidence)
     rec.duration_s = rec.duration_s or round(time.perf_counter() - t0, 3)
     return rec.to_json()
 

@@ -49,7 +49,7 @@ def _cache_dtypes_from_source() -> list[str] | None:
     """``CacheDType = Literal[...]`` in vllm/config/cache.py, parsed without importing vllm; None if not found."""
     import ast
 
-    tree = _vllm_source("config", "cache.py")
+    tree = vllm_source("config", "cache.py")
     for node in tree.body if tree else ():
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["CacheDType"] \
                 and isinstance(node.value, ast.Subscript) and isinstance(node.value.slice, ast.Tuple):
@@ -59,8 +59,8 @@ def _cache_dtypes_from_source() -> list[str] | None:
     return None
 
 
-def _vllm_source(*parts: str):
-    """The ast of a module of the installed vLLM (``_vllm_source("config", "cache.py")``), read without importing
+def vllm_source(*parts: str):
+    """The ast of a module of the installed vLLM (``vllm_source("config", "cache.py")``), read without importing
     vllm; None when vLLM or the file is missing or does not parse."""
     import ast
     import importlib.util
@@ -86,7 +86,7 @@ def engine_arg_names() -> list[str]:
 def _engine_arg_names_from_source() -> set[str] | None:
     import ast
 
-    args_tree, llm_tree = _vllm_source("engine", "arg_utils.py"), _vllm_source("entrypoints", "llm.py")
+    args_tree, llm_tree = vllm_source("engine", "arg_utils.py"), vllm_source("entrypoints", "llm.py")
     engine_args = _top_class(args_tree, "EngineArgs")
     llm = _top_class(llm_tree, "LLM")
     init = next((n for n in llm.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None) if llm \
@@ -154,7 +154,21 @@ def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
         if not sizing:  # an explicit KV cache: no memory profiling, so engines can share the GPU (sizing.py)
             kw.update(_explicit_kv(spec, kw["max_model_len"]))
     kw.update(extra)
+    if "hf_overrides" not in extra:
+        _shim_layer_types(spec.model, kw)
     return kw, sampling
+
+
+def _shim_layer_types(model: str, kw: dict) -> None:
+    """``hf_overrides`` giving vLLM the layer names its model's table keys when transformers renamed them
+    (``compat.py``), said in the case's record."""
+    from kvdiag.case import engine_note
+    from kvdiag.engines.vllm import compat
+
+    shim = compat.granite_layer_types(model, vllm_source)
+    if shim:
+        kw["hf_overrides"], note = shim
+        engine_note(compat.MISMATCH, note, hf_overrides=kw["hf_overrides"])
 
 
 def _explicit_kv(spec: EngineSpec, max_model_len: int) -> dict:
