@@ -30,6 +30,21 @@ def on_gpu(case, gpus: list[str]) -> bool:
     return device == "cuda" or device.startswith("cuda:") or device == "auto" and bool(gpus)
 
 
+def own_workers(cases: list, gpus: list[str] | None = None) -> list:
+    """``cases``, each in a worker of its own (no ``group``) where it runs on a GPU with an engine that allows one
+    engine per process there (``one_engine_per_gpu_process``: vLLM on CUDA), whatever --isolate asked; the others
+    as given. ``gpus``: the visible ones (default: :func:`visible_gpus`, asked only for such an engine)."""
+    from dataclasses import replace
+
+    from kvdiag.engines.base import one_engine_per_gpu_process
+
+    solo = {e for e in {c.engine for c in cases if c.group} if one_engine_per_gpu_process(e)}
+    if not solo:
+        return cases
+    gpus = visible_gpus() if gpus is None else gpus
+    return [replace(c, group=None) if c.group and c.engine in solo and on_gpu(c, gpus) else c for c in cases]
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a list of cases runs."""
