@@ -245,15 +245,21 @@ def preload(cases: list, *modules: str) -> tuple[str, ...]:
 
 
 def worker_setup(cases: list, jobs: int) -> tuple[tuple[str, ...], dict]:
-    """(modules, environment) that every command's workers start with: what their fork server imports once
-    (``preload``; with accuracy cases also lm_eval and those cases' tasks, loaded once:
-    kvdiag.evaluation.preloaded) and ``worker_env``. Every check gets it: a memleak or wake-cycle case of vLLM
-    forked from that server starts in 0.1 s instead of importing vLLM for ~20 s."""
+    """(modules, environment) that every command's workers start with: their fork server's (``fork_server``) and
+    ``worker_env``. Every check gets it: a memleak or wake-cycle case of vLLM forked from that server starts in
+    0.1 s instead of importing vLLM for ~20 s."""
+    modules, env = fork_server(cases)
+    return modules, {**worker_env(jobs), **env}
+
+
+def fork_server(cases: list) -> tuple[tuple[str, ...], dict]:
+    """(modules, environment) of the workers' fork server: what it imports once (``preload``; with accuracy cases
+    also lm_eval and those cases' tasks, loaded once: kvdiag.evaluation.preloaded)."""
     from kvdiag.evaluation import preloaded
 
     accuracy = any(c.check == "accuracy" for c in cases)
     modules = preload(cases, *(preloaded.MODULES if accuracy else ()))
-    return modules, {**worker_env(jobs), **(preloaded.env_for(cases) if modules and accuracy else {})}
+    return modules, preloaded.env_for(cases) if modules and accuracy else {}
 
 
 def worker_env(jobs: int) -> dict:
