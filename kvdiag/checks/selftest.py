@@ -24,10 +24,13 @@ NOT_APPLICABLE = "not applicable"  # a row's status when the fault cannot apply 
 
 def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolate: str = "run",
                 cat: plan.Catalogue = plan.BUILTIN) -> list:
-    """Cases of the clean engine first (per check, every item a selected fault runs), then each fault's.
+    """Cases of the clean engine first (per check, every item a selected fault runs), then each fault's, with the
+    catalogue's engine arguments.
 
     ``isolate="run"``: one worker per check for the clean engine and the faults that stay inside an
-    engine object, one per fault for faults that leak into the process; ``"case"``: one per case.
+    engine object, one per fault for faults that leak into the process; ``"case"``: one per case. (Where the engine
+    allows one engine per process on a GPU, vLLM on CUDA, every case gets its own worker whatever this says:
+    ``kvdiag.run.scheduling.own_workers``, when the cases run.)
     """
     from kvdiag.assets import TINY_MODEL
     from kvdiag.case import Case
@@ -48,8 +51,9 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
         leaky = subject != CLEAN and cat.fault(subject).leaves_process_state
         group = None if isolate == "case" else f"selftest/{subject}" if leaky else f"selftest/{check}"
         for it in its:
-            params = {"device": device, "engine_args": {}, "faults": [] if subject == CLEAN else [subject],
-                      **get(check).selftest, **cat.sizes.get(check, {}), **it.params, "selftest": subject,
+            params = {"device": device, "engine_args": dict(cat.engine_args),
+                      "faults": [] if subject == CLEAN else [subject], **get(check).selftest,
+                      **cat.sizes.get(check, {}), **it.params, "selftest": subject,
                       "selftest_target": get(check).target}
             if check in plan.COMPARES_TO_BASELINE:
                 params["role"] = "baseline" if it.kv_dtype == plan.BASELINE else "test"
@@ -77,9 +81,10 @@ def jobs_of(cases) -> dict[tuple[str, str], list]:
 
 
 def analyze(run, faults: list, checks: list[str], not_applicable: dict | None = None,
-            engine: str = "builtin") -> None:
+            engine: str = "builtin", note: str = "") -> None:
     """Judge accuracy/dtypes jobs as their commands do, then fill run.analysis['selftest']. ``not_applicable``: the
-    faults not run because they cannot apply to this engine, with the reason."""
+    faults not run because they cannot apply to this engine, with the reason; ``note``: the catalogue's, on how its
+    cases run."""
     from kvdiag.checks import accuracy, dtypes_matrix
     from kvdiag.results import RunRecord
 
@@ -100,7 +105,7 @@ def analyze(run, faults: list, checks: list[str], not_applicable: dict | None = 
     ok = all(c["mark"] != "findings" for c in clean.values()) and all(r["status"] in (CAUGHT, NOT_APPLICABLE)
                                                                       for r in rows)
     run.analysis["selftest"] = {"engine": engine, "checks": list(checks), "clean": clean, "faults": rows, "ok": ok,
-                                "analyses": analyses}
+                                "analyses": analyses, **({"note": note} if note else {})}
 
 
 def exit_code(run) -> int:

@@ -146,12 +146,15 @@ def cell_plan(f: Fault, check: str) -> str:
 @dataclass(frozen=True)
 class Catalogue:
     """One engine's self-test: its faults, the sizes its cases need beside each check's ``Check.selftest`` (vLLM
-    has no 16-block cache), and why a fault cannot apply here (None: it can)."""
+    has no 16-block cache), why a fault cannot apply here (None: it can), the engine arguments of every case (vLLM:
+    eager) and what the output says of how the cases run (``note``)."""
 
     engine: str
     faults: tuple[Fault, ...]
     sizes: dict = field(default_factory=dict)  # check -> params over Check.selftest (None: the engine's default)
     applicability: Callable[[str], str | None] | None = None  # fault name -> why it cannot apply here, or None
+    engine_args: dict = field(default_factory=dict)  # every case's --engine-arg
+    note: str = ""  # shown under the matrix and in the reports
 
     def not_applicable(self, name: str) -> str | None:
         return self.applicability(name) if self.applicability is not None else None

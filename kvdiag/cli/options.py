@@ -62,10 +62,12 @@ IsolateOpt = Annotated[Isolate, typer.Option(
     "(weights loaded once; accuracy with the builtin engine on the CPU runs --jobs dtypes at a time there, each "
     "with its own KV cache; a crash ends the dtypes running and those after it). run saves a worker start, an "
     "engine start and a weight load per dtype, worth what those cost with your model and device; with the "
-    "shipped tiny model on the CPU both modes take the same time.")]
+    "shipped tiny model on the CPU both modes take the same time. vLLM on a GPU: always case (one vLLM engine per "
+    "process).")]
 CheckIsolateOpt = Annotated[Isolate, typer.Option(
     "--isolate", help="case: every dtype in its own worker process; run: one worker process runs the dtypes one "
-    "after another (the weights load once; a crash ends the dtype running and those after it).")]
+    "after another (the weights load once; a crash ends the dtype running and those after it). vLLM on a GPU: "
+    "always case (one vLLM engine per process).")]
 FaultOpt = Annotated[Optional[list[str]], typer.Option(
     "--fault", help="builtin engine only: re-introduce a known bug class (see `kvdiag selftest --list`).",
     hidden=True)]

@@ -24,7 +24,7 @@ ListOpt = Annotated[bool, typer.Option("--list", help="List the faults, their bu
 SelftestIsolateOpt = Annotated[Isolate, typer.Option(
     "--isolate", help="run: one worker per check for the clean engine and the faults that stay inside the "
     "engine object, one per fault for faults that leak into the process (the memleak faults); "
-    "case: every case in its own worker (slower).")]
+    "case: every case in its own worker (slower). vLLM on a GPU: always case (one vLLM engine per process).")]
 
 
 def selftest(
@@ -49,7 +49,7 @@ def selftest(
     engine runs the same cases and must report no error or warning. Exit code 0 only when every
     applicable fault is caught by its intended check and the clean engine has no findings; 1
     otherwise. Sizes are small (the shipped tiny model, short prompts, one or two cycles): a few
-    minutes on two CPU cores.
+    minutes on two CPU cores. vLLM's cases run eager, on a GPU each in a worker of its own (the output says why).
     """
     from kvdiag.checks import selftest_plan as plan
 
@@ -63,17 +63,20 @@ def selftest(
 
     from kvdiag.checks import selftest as st
     from kvdiag.run.orchestrate import execute, make_run_dir
-    from kvdiag.run.scheduling import preload
+    from kvdiag.run.scheduling import fork_server
 
     cases = st.build_cases([f for f in faults if f.name not in na], checks, device=device, isolate=isolate.value,
                            cat=cat)
     run_dir = make_run_dir(output_dir, "selftest")
+    # other engines' workers fork from a server that imported the engine (vLLM: ~20 s) and lm_eval once; the faults
+    # are applied in each worker, at its engine's start
+    modules, env = fork_server(cases) if cat.engine != "builtin" else ((), {})
     # one torch thread per worker (unless the user chose): the tiny model gains nothing from two, and two
     # OpenMP threads on a busy 2-core machine run many times slower
-    env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
+    env = {**env, **({} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"})}
     raise typer.Exit(execute("selftest", cases, run_dir, fmt=fmt, timeout=timeout, quiet=quiet, jobs=jobs, env=env,
-                             analyze=lambda run: st.analyze(run, faults, checks, na, cat.engine),
-                             finish=_judge, preload=preload(cases) if cat.engine != "builtin" else ()))
+                             analyze=lambda run: st.analyze(run, faults, checks, na, cat.engine, cat.note),
+                             finish=_judge, preload=modules))
 
 
 def _catalogue(engine: str):

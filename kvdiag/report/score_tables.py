@@ -77,7 +77,8 @@ def _selftest(a: dict) -> list:
 
     header, rows = matrix(a)
     ok, line = verdict(a)
-    title = matrix_title(a.get("engine")) + (": passed, " if ok else ": FAILED, ") + line
+    title = matrix_title(a.get("engine")) + (": passed, " if ok else ": FAILED, ") + line + \
+        (f". {a['note']}" if a.get("note") else "")
     return [(title, header, rows), ("selftest: what each check reported", REPORTED, [list(r) for r in reported(a)])]
 
 

@@ -190,6 +190,8 @@ def selftest(run, con) -> None:
     for fault, check, mark, finding in reported(a):
         f.add_row(fault, check, _mark(mark), escape(finding[:500]))
     con.print(f)
+    if a.get("note"):
+        con.print(f"[dim]{escape(a['note'])}[/]")
     ok, line = verdict(a)
     con.print(("[green]selftest passed[/]: " if ok else "[bold red]selftest failed[/]: ") + escape(line))
 

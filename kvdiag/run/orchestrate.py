@@ -115,7 +115,8 @@ def execute(
 ) -> int:
     """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed). ``threads``: see
     :func:`kvdiag.run.runner.run_cases`. ``jobs`` is capped at one case per GPU when cases run on GPUs, each worker
-    given its own (:mod:`kvdiag.run.scheduling`).
+    given its own, and cases of an engine that allows one engine per process on a GPU each get a worker of their own
+    there (:mod:`kvdiag.run.scheduling`).
 
     ``finish(run)`` (optional) runs on the finished run before run.json is written: it may add to
     run.analysis, set run.exit_code (which is first derived from the case statuses) and write reports.
@@ -127,8 +128,9 @@ def execute(
     from kvdiag.evaluation.provenance import models_record
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
     from kvdiag.run.runner import run_cases
-    from kvdiag.run.scheduling import cap_jobs, worker_setup
+    from kvdiag.run.scheduling import cap_jobs, own_workers, worker_setup
 
+    cases = own_workers(cases)  # vLLM on CUDA: one engine per process, whatever --isolate asked
     jobs, gpus = cap_jobs(cases, jobs, quiet=quiet)
     if preload is None:
         preload, setup = worker_setup(cases, jobs)

