@@ -161,9 +161,10 @@ def wake_probe(model: str) -> dict:
 
 
 def engine_args(pairs: list[str]) -> dict:
-    """``key=value`` words as vLLM's engine arguments (numbers and booleans parsed)."""
-    return {k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v
-            for k, v in (a.split("=", 1) for a in pairs)}
+    """``key=value`` words as vLLM's engine arguments, parsed as the other probes parse them."""
+    from vllm_case_probe import value
+
+    return {k: value(v) for k, v in (a.split("=", 1) for a in pairs)}
 
 
 def sleep_and_wake(llm, level: int) -> None:
