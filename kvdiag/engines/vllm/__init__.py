@@ -3,6 +3,7 @@
 - ``engine.py``: :class:`VllmEngine`, kvdiag's Engine protocol over ``vllm.LLM``;
 - ``adapt.py``: EngineSpec and ``--engine-arg`` in, ``vllm.LLM`` keyword arguments out; vLLM's outputs in,
   kvdiag's Completion/Scored out;
+- ``source.py``: the installed vLLM's source, read without importing it (its dtypes, ``-a`` keys, layer tables);
 - ``sleep.py``: which memory tags are asleep, and the calls that wake them as vLLM documents;
 - ``kv.py`` and ``cpu_layout.py``: vLLM's KV cache tensors and block pool as a KVBlockView;
 - ``pools.py``: memory vLLM keeps after shutdown outside Python objects (the sleep-mode allocator pool);

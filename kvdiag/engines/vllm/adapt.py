@@ -19,6 +19,7 @@ import dataclasses
 import re
 
 from kvdiag.engines.base import Completion, EngineSpec, Scored
+from kvdiag.engines.vllm.source import top_assign, vllm_source
 from kvdiag.errors import EngineUnsupported, first_line
 from kvdiag.models import weights_bytes
 
@@ -49,30 +50,13 @@ def _cache_dtypes_from_source() -> list[str] | None:
     """``CacheDType = Literal[...]`` in vllm/config/cache.py, parsed without importing vllm; None if not found."""
     import ast
 
-    tree = vllm_source("config", "cache.py")
-    for node in tree.body if tree else ():
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["CacheDType"] \
-                and isinstance(node.value, ast.Subscript) and isinstance(node.value.slice, ast.Tuple):
-            names = [e.value for e in node.value.slice.elts if isinstance(e, ast.Constant)]
-            if names and all(isinstance(n, str) for n in names):
-                return names
+    value = top_assign(vllm_source("config", "cache.py"), "CacheDType")
+    if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Tuple):
+        names = [e.value for e in value.slice.elts if isinstance(e, ast.Constant)]
+        if names and all(isinstance(n, str) for n in names):
+            return names
     return None
 
-
-def vllm_source(*parts: str):
-    """The ast of a module of the installed vLLM (``vllm_source("config", "cache.py")``), read without importing
-    vllm; None when vLLM or the file is missing or does not parse."""
-    import ast
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    try:
-        return ast.parse(Path(list(spec.submodule_search_locations)[0], *parts).read_text())
-    except (OSError, SyntaxError, ValueError):
-        return None
 
 
 def engine_arg_names() -> list[str]:

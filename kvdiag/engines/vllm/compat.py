@@ -28,12 +28,12 @@ def table_keys(tree, name: str = LAYER_TABLE) -> set[str] | None:
     """The string keys of the module-level dict ``name = {...}`` in a module's ast; None when there is none."""
     import ast
 
-    for node in tree.body if tree is not None else ():
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name] \
-                and isinstance(node.value, ast.Dict):
-            keys = {k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
-            return keys or None
-    return None
+    from kvdiag.engines.vllm.source import top_assign
+
+    value = top_assign(tree, name)
+    if not isinstance(value, ast.Dict):
+        return None
+    return {k.value for k in value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)} or None
 
 
 def transformers_remap() -> dict[str, str]:
@@ -60,7 +60,7 @@ def layer_types_for_vllm(table: set[str], on_disk: list[str], remap: dict[str, s
 def granite_layer_types(model: str, read_source) -> tuple[dict, str] | None:
     """(``hf_overrides``, the note saying why) when the installed vLLM cannot build the GraniteMoeHybrid checkpoint
     ``model`` (a folder) with the layer names transformers gives it; else None. ``read_source(*parts)``: the ast of
-    a module of the installed vLLM (``adapt.vllm_source``), read only for a GraniteMoeHybrid checkpoint."""
+    a module of the installed vLLM (``source.vllm_source``), read only for a GraniteMoeHybrid checkpoint."""
     try:
         cfg = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):
