@@ -258,11 +258,20 @@ def test_the_default_sweep_says_unsupported_up_front_and_crashed_with_the_stage(
 
 
 def test_the_fork_server_imports_vllm_without_touching_cuda():
-    """Workers are forked from a server that imported vLLM: a CUDA context there would be unusable in them."""
+    """Workers are forked from a server that imported vLLM: a CUDA context there would be unusable in them. The
+    server also inspects the run's model classes in-process (preimport.warm_model_info): every zoo family's too."""
+    import os
+
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.engines.vllm import preload_env
+    from kvdiag.zoo import resolve
+
+    models = [str(TINY_MODEL), *(str(resolve(f"zoo:{name}")) for name in ZOO)]
     code = ("import kvdiag.engines.vllm.preimport as p, threading; "
-            "print(p.cuda_untouched(), threading.active_count())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.stdout.split()[-2:] == ["True", "1"], out.stderr[-2000:]
+            "print(len(p.WARMED), p.cuda_untouched(), threading.active_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **preload_env(models)})
+    assert out.stdout.split()[-3:] == [str(len(models)), "True", "1"], out.stderr[-2000:]
 
 
 def test_a_wake_cycle_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycles():
