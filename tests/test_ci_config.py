@@ -136,3 +136,24 @@ def test_the_zoo_gpu_suites_load_and_cover_every_family_in_both_modes(tmp_path, 
     for mode in ("eager", "compiled"):
         assert {m for _, m in seen[mode]} == families, mode
         assert {k for k, _ in seen[mode]} == {"accuracy", "dtypes", "memleak", "wake-cycle", "poison"}, mode
+
+
+def test_a_config_without_jobs_takes_every_commands_default_on_its_cases(tmp_path, monkeypatch, capsys, gpus):
+    """On an H100 a zoo suite of accuracy and dtypes cases ran one case at a time under `kvdiag ci`, where `kvdiag
+    accuracy` runs many at once: a config that names no `jobs` now takes the same default as the commands
+    (scheduling.gpu_jobs: as many as share the GPU), and one that names it keeps it."""
+    import kvdiag.run.orchestrate as orchestrate
+    from kvdiag.ci.config import load_config
+
+    seen = []
+    monkeypatch.setattr(orchestrate, "execute", lambda *a, jobs, **k: seen.append(jobs) or 0)
+    monkeypatch.setattr("kvdiag.run.scheduling.per_gpu", lambda cases: 8)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    gpus(1)
+    body = 'engines = ["builtin"]\ndevice = "cuda"\nkv_dtypes = ["auto", "fp8", "int8"]\n[dtypes]\nenabled = true\n'
+    for extra, jobs in (("", 3), ("jobs = 2\n", 2)):
+        (tmp_path / "k.toml").write_text(extra + body)
+        assert load_config(tmp_path / "k.toml").jobs == (jobs if extra else None)
+        code, err = run_cli(capsys, "ci", "-c", str(tmp_path / "k.toml"), "-o", str(tmp_path / f"r{jobs}"))
+        assert code == 0, err
+    assert seen == [3, 2]

@@ -232,13 +232,14 @@ def test_selftest_catches_every_fault_on_cuda():
 
 
 def test_the_default_sweep_says_unsupported_up_front_and_crashed_with_the_stage():
-    """Issue 26: every dtype vLLM lists, eager: a dtype no attention backend takes is unsupported in vLLM's words
-    within seconds (decided before an engine starts), a crash at start is crashed with its stage, the rest pass; the
-    engines shared the GPU (several cases at once). The probe: lm_eval's own vLLM backend on auto scores what
-    kvdiag's auto case scores (tests/vllm_case_probe.py)."""
+    """Issue 26: the main job as a user runs it, `kvdiag accuracy -e vllm` (every dtype vLLM lists, vLLM's defaults:
+    torch.compile and CUDA graphs): a dtype no attention backend takes is unsupported in vLLM's words within
+    seconds (decided before an engine starts), a crash at start is crashed with its stage, the rest pass; the
+    engines shared the GPU (several cases at once). The probe: lm_eval's own vLLM backend on auto, same mode,
+    scores what kvdiag's auto case scores (tests/vllm_case_probe.py)."""
     from kvdiag.assets import TINY_MODEL
 
-    code, run, err = kvdiag("default-sweep", "accuracy", "-e", "vllm", "-a", "enforce_eager=true", timeout=900)
+    code, run, err = kvdiag("default-sweep", "accuracy", "-e", "vllm", timeout=900)
     by = {c["kv_dtype"]: c for c in run["cases"]}
     refused = {d: c for d, c in by.items() if c["status"] == "unsupported"}
     assert {"fp8_inc", "fp8_ds_mla"} <= set(refused), {d: c["status"] for d, c in by.items()}
@@ -249,7 +250,7 @@ def test_the_default_sweep_says_unsupported_up_front_and_crashed_with_the_stage(
     assert by["auto"]["status"] == "pass" and code == (1 if any(c["status"] == "crashed" for c in by.values()) else 0)
     assert run["environment"].get("vllm") and "error" not in {c["status"] for c in by.values()}
     p = subprocess.run([sys.executable, str(HERE / "vllm_case_probe.py"), str(TINY_MODEL), "auto",
-                        "enforce_eager=true", "kv_cache_memory_bytes=268435456", "gpu_memory_utilization=0.05",
+                        "kv_cache_memory_bytes=268435456", "gpu_memory_utilization=0.05",
                         "max_model_len=2048"], capture_output=True, text=True, timeout=600)
     plain = json.loads(p.stdout.strip().splitlines()[-1])
     ours = by["auto"]["metrics"]["scores"]

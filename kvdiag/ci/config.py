@@ -55,7 +55,7 @@ class CheckConfig:
 class CIConfig:
     path: Path
     checks: list[CheckConfig]
-    jobs: int = 1
+    jobs: int | None = None  # None: every command's default on its cases (scheduling.gpu_jobs)
     output_dir: str | None = None
     baseline: str | None = None
     compare: dict = field(default_factory=dict)
@@ -105,7 +105,7 @@ def load_config(path: Path) -> CIConfig:
         raise UserError(f"{path} has no [tool.kvdiag] table")
     cfg = CIConfig(path=path, checks=[], lines=key_lines(text, prefix), prefix=prefix)
     top = _validate(cfg, None, data, TOP, sections=True)
-    cfg.jobs = top.get("jobs", 1)
+    cfg.jobs = top.get("jobs")
     cfg.output_dir = cfg.resolve(top["output_dir"]) if "output_dir" in top else None
     cfg.baseline = cfg.resolve(top["baseline"]) if "baseline" in top else None
     cfg.compare = _validate(cfg, "compare", top.get("compare", {}), COMPARE)
