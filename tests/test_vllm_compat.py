@@ -12,6 +12,7 @@ from kvdiag.engines.vllm import compat
 V24_TABLE = 'ALL_DECODER_LAYER_TYPES = {\n    "attention": AttnLayer,\n    "mamba": MambaLayer,\n}\n'  # vLLM 0.24.0
 V32_TABLE = 'ALL_DECODER_LAYER_TYPES = {"full_attention": AttnLayer, "linear_attention": MambaLayer}\n'  # 0.32.0
 T5_REMAP = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers 5's _LEGACY_LAYER_TYPE_REMAP
+T517_REMAP = {"conv": "linear_attention", "mamba": "linear_attention", "attention": "full_attention"}  # 5.17's
 
 
 def v24(*parts):
@@ -28,12 +29,15 @@ def granite(tmp_path, layer_types, model_type="granitemoehybrid"):
     return str(tmp_path)
 
 
+@pytest.mark.parametrize("remap", [T5_REMAP, T517_REMAP])
 @pytest.mark.parametrize("on_disk", [["mamba", "attention"] * 2, ["linear_attention", "full_attention"] * 2])
-def test_a_legacy_layer_table_gets_the_legacy_names_back_whatever_the_checkpoint_says(on_disk):
-    """transformers 5 loads either spelling as the new names; vLLM 0.24's table indexes by the old ones."""
+def test_a_legacy_layer_table_gets_the_legacy_names_back_whatever_the_checkpoint_says(on_disk, remap):
+    """transformers 5 loads either spelling as the new names; vLLM 0.24's table indexes by the old ones. transformers
+    5.17 (the H100's) also renames LFM2's "conv" to "linear_attention": on the H100 the shim gave back "attention" but
+    kept "linear_attention" and vLLM 0.24 failed with KeyError: 'linear_attention'."""
     table = compat.table_keys(ast.parse(V24_TABLE))
     assert table == {"attention", "mamba"}
-    wanted = compat.layer_types_for_vllm(table, on_disk, T5_REMAP)
+    wanted = compat.layer_types_for_vllm(table, on_disk, remap)
     assert wanted == ["mamba", "attention"] * 2
     assert all(t in table for t in wanted)  # every layer index now finds its class
 

@@ -51,9 +51,13 @@ def layer_types_for_vllm(table: set[str], on_disk: list[str], remap: dict[str, s
     (``remap`` and LEGACY_LAYER_TYPES, either way). None when transformers' names already are the table's (or no
     other name is)."""
     loaded = [remap.get(t, t) for t in on_disk]
-    pairs = {**LEGACY_LAYER_TYPES, **remap}
-    other = {**pairs, **{new: old for old, new in pairs.items()}}
-    out = [t if t in table or other.get(t) not in table else other[t] for t in loaded]
+    pairs = {**LEGACY_LAYER_TYPES, **remap}.items()
+
+    def named(t: str) -> str:  # several old names may map to one new one (transformers 5.17: conv and mamba)
+        others = [old for old, new in pairs if new == t] + [new for old, new in pairs if old == t]
+        return t if t in table else next((o for o in others if o in table), t)
+
+    out = [named(t) for t in loaded]
     return out if out != loaded else None
 
 
