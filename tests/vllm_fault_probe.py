@@ -23,7 +23,9 @@ measured); a fault that cannot apply here has ``applicable: false`` and ``reason
   Effect: not the dtype asked for (or the engine refused to start).
 - wake (block_tables_not_rebuilt_on_wake, fp8_scales_not_reset_on_wake; needs sleep mode: CUDA): greedy outputs,
   ``sleep(level)``, vLLM's documented wake (level 2: weights, ``reload_weights``, kv_cache), the outputs again.
-  Effect: they differ.
+  Effect: they differ. Once woken the probe prints ``PROBE-WOKEN {fired}``: on an H100 the stale block tables of
+  block_tables_not_rebuilt_on_wake made the next generation fault on the device and the process abort before its
+  ``PROBE`` line (tests/test_vllm_fault_probe.run_probe reads that death as the effect, with the CUDA error).
 - poison (fresh_blocks_not_zeroed, on a hybrid model such as zoo:granite-hybrid): greedy outputs; every cache
   tensor of every layer (attention K/V, Mamba states) filled with NaN while no request runs; the prefix cache
   reset; the outputs again. Effect: other tokens or a non-finite logprob.
@@ -183,9 +185,12 @@ def wake(fault: str, model: str, args: dict, cuda: bool, level: int) -> tuple[bo
     from vllm import LLM
     from vllm_gpu_probe import sleep_and_wake
 
+    from kvdiag.engines.vllm.faults import fired
+
     llm = LLM(model=model, enable_sleep_mode=True, **args)
     ref = greedy(llm)
     sleep_and_wake(llm, level)
+    print("PROBE-WOKEN " + json.dumps(fired()), flush=True)  # a stale block table may kill the process from here
     out = greedy(llm)
     llm.llm_engine.engine_core.shutdown()
     same = [a[0] == b[0] for a, b in zip(ref, out)]

@@ -33,6 +33,15 @@ def start_engine(case, weights_from: Engine | None = None, **overrides) -> Engin
     return engine
 
 
+def spec_starter(spec: EngineSpec):
+    """A ``start`` for :func:`start_or_record` that starts the case's engine with ``spec`` (a check's own)."""
+    def start(case) -> Engine:
+        engine = create_engine(case.engine)
+        engine.start(spec)
+        return engine
+    return start
+
+
 REFUSALS = (EngineUnsupported, NotImplementedError, ValueError)  # how engines say "not here" (pydantic's
 # ValidationError, vLLM's config errors, is a ValueError)
 
@@ -74,17 +83,22 @@ def start_or_record(case, start=None):
     """(engine, None) when the case's engine started; else (None, record): ``unsupported`` in the engine's words
     when it refused the case's configuration, ``crashed`` when it raised anything else, ``error``/``resource``
     when the device ran out of memory. Every check that starts an engine per case words these the same way."""
-    from kvdiag.checks.greedy import unsupported
-
     try:
         return (start or start_engine)(case), None
     except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record
-        reason = refused(e)
-        if reason is not None:
-            rec = unsupported(case, reason)
-            rec.findings[-1].evidence["exception"] = type(e).__name__
-            return None, rec
-        return None, engine_failed(case, e, "engine start")
+        return None, start_failed(case, e)
+
+
+def start_failed(case, exc: BaseException):
+    """The record of a case whose engine did not start (``start_or_record``'s words)."""
+    from kvdiag.checks.greedy import unsupported
+
+    reason = refused(exc)
+    if reason is not None:
+        rec = unsupported(case, reason)
+        rec.findings[-1].evidence["exception"] = type(exc).__name__
+        return rec
+    return engine_failed(case, exc, "engine start")
 
 
 def device_info() -> dict:

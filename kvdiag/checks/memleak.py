@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from kvdiag.checks import greedy, kv_identity, leftover, surviving
-from kvdiag.checks.common import detector_disabled, engine_spec
+from kvdiag.checks.common import detector_disabled, engine_spec, start_failed
 from kvdiag.checks.registry import Check, option
 from kvdiag.engines.base import create_engine
-from kvdiag.errors import EngineUnsupported, first_line
+from kvdiag.errors import first_line
 from kvdiag.measure.memory import (
     Census,
     MiB,
@@ -101,6 +101,10 @@ class RestartImpossible(Exception):
     """The engine started once in this process and cannot start again."""
 
 
+class FirstStartFailed(Exception):
+    """The case's first engine start raised (its ``__cause__``)."""
+
+
 def run(case, ctx):
     """Case function (runner target ``kvdiag.checks.memleak:run``)."""
     p = LeakParams.from_case(case)
@@ -115,8 +119,8 @@ def run(case, ctx):
     for n in range(1, p.cycles + 1):
         try:
             cycles.append(_cycle(case, n, p, prompts, cuda, base, snaps))
-        except EngineUnsupported as e:
-            return greedy.unsupported(case, str(e))
+        except FirstStartFailed as e:  # unsupported, crashed or out of memory, worded as every check words it
+            return start_failed(case, e.__cause__)
         except RestartImpossible as e:
             restart = {"cycle": n, "message": str(e)}
             break
@@ -194,7 +198,7 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
         engine.start(engine_spec(case))
     except Exception as e:  # noqa: BLE001 - a first start that fails is the case's record; a later one, a finding
         if n == 1:
-            raise
+            raise FirstStartFailed from e
         raise RestartImpossible(f"{type(e).__name__}: {first_line(e)[:400]}") from e
     engine.generate(prompts, p.max_tokens)
     kv, kv_unknown = kv_identity.record(engine)

@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvdiag.checks import greedy, kv_tensors, mem_probe
-from kvdiag.checks.common import device_info, engine_spec
+from kvdiag.checks.common import device_info, engine_spec, spec_starter, start_or_record
 from kvdiag.checks.registry import Check, option
-from kvdiag.engines.base import create_engine
 from kvdiag.errors import EngineUnsupported
 
 FREED_MIN = 0.9  # asleep, at least this fraction of the expected bytes must be gone
@@ -49,12 +48,11 @@ def run(case, ctx):
     import time
 
     p = WakeParams.from_case(case)
-    engine = create_engine(case.engine)
     t0 = time.perf_counter()
-    try:
-        engine.start(engine_spec(case, enable_sleep=True))
-    except EngineUnsupported as e:
-        return greedy.unsupported(case, str(e))
+    ctx.stage(case, "engine start")
+    engine, failed = start_or_record(case, spec_starter(engine_spec(case, enable_sleep=True)))
+    if failed is not None:
+        return failed
     t1 = time.perf_counter()
     try:
         caps = engine.capabilities

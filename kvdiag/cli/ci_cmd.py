@@ -25,9 +25,9 @@ ShardOpt = Annotated[Optional[str], typer.Option(
 DurationsOpt = Annotated[Optional[Path], typer.Option(
     "--durations", help="With --shard: balance the shards by the case durations of this earlier run directory "
     "(default: round robin).")]
-JobsOpt = Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="Cases run at once (default: the config's "
-                                                "'jobs', else each command's own: on GPUs as many as share them, one per GPU for memleak, wake-cycle and "
-                                                "poison; else 1).")]
+JobsOpt = Annotated[Optional[int], typer.Option(
+    "--jobs", "-j", min=1, help="Cases run at once (default: the config's 'jobs', else each command's own: on GPUs as "
+    "many as share them, one per GPU for memleak, wake-cycle and poison; else 1).")]
 
 
 def ci(
