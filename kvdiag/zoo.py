@@ -39,6 +39,7 @@ class Preset:
     tiny: dict[str, Any] = field(default_factory=dict)  # overrides for a CPU test's few-layer model
     from_shipped: bool = False  # built from the shipped trained tiny-llama instead of random weights
     outliers: bool = False  # add_k_outliers after training / when built
+    recipe: dict[str, Any] = field(default_factory=dict)  # scripts/train_tiny_model.py defaults it changes
 
 
 _ALT = ["sliding_attention", "full_attention"]
@@ -57,7 +58,7 @@ PRESETS = {p.name: p for p in (
                 use_sliding_window=False)),
     Preset("gemma3", "gemma3_text", "sliding-window (64 tokens) and global layers alternating, head_dim 256",
            dict(_SIZE, head_dim=256, sliding_window=64, layer_types=_ALT * 2, query_pre_attn_scalar=256),
-           dict(layer_types=_ALT)),
+           dict(layer_types=_ALT), recipe=dict(steps=4000)),  # 1300 steps left the curriculum at 6-8 pairs
     Preset("deepseek-v2", "deepseek_v2", "MLA: a latent KV of 512 (kv_lora_rank) + a 64-wide rope key per token, "
            "shared by the 4 heads; DeepSeek-V2's head dims (q/k 128 + 64, v 128)",
            dict(_SIZE, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
@@ -65,7 +66,7 @@ PRESETS = {p.name: p for p in (
                 num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False),
            dict(num_key_value_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-                first_k_dense_replace=2, moe_intermediate_size=32)),
+                first_k_dense_replace=2, moe_intermediate_size=32), recipe=dict(steps=6000)),  # see gemma3
     Preset("granite-hybrid", "granitemoehybrid", "hybrid: Mamba-2 layers 0 and 2 (state, no KV), attention layers 1 "
            "and 3, dense MLPs",
            dict(_SIZE, layer_types=["mamba", "attention"] * 2, num_local_experts=0, shared_intermediate_size=384,

@@ -54,7 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="directory to write the checkpoint to")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--steps", type=int, default=1300)
+    p.add_argument("--steps", type=int, default=1300, help="default: 1300, or the preset's recipe (gemma3 4000, "
+                   "deepseek-v2 6000)")
     p.add_argument("--tokens-per-batch", type=int, default=16384)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
@@ -81,6 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-rows", type=int, default=64, help="sequences of the 16-pair check (long: a quarter)")
     p.add_argument("--time-limit", type=float, default=0, help="stop training after this many seconds (0: none)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.set_defaults(**zoo.preset(p.parse_known_args(argv)[0].arch).recipe)  # the preset's recipe (zoo.PRESETS)
     return p.parse_args(argv)
 
 

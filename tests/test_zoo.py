@@ -245,3 +245,17 @@ def test_vllm_runs_the_zoo_models_the_builtin_engine_refuses(name, tmp_path):
     log = next((tmp_path / "r" / "logs").glob("*.log")).read_text()
     arch = json.loads((tmp_path / "zoo" / f"{name}-random" / "config.json").read_text())["architectures"][0]
     assert f"Resolved architecture: {arch}" in log
+
+
+@pytest.mark.parametrize("name", ["gemma3", "deepseek-v2"])
+def test_the_recorded_training_of_a_zoo_model_is_what_its_command_runs_today(name):
+    """docs/zoo-training/NAME.json is the H100 run that taught NAME recall (1.0 on 16 pairs and on 64-96); `python
+    scripts/train_tiny_model.py --arch NAME --out DIR` must run the same recipe (the preset's steps included), so
+    that a rebuild can be compared with it. Only the output folder, the device and the time limit may differ."""
+    recorded = json.loads((ROOT / "docs" / "zoo-training" / f"{name}.json").read_text())["summary"]
+    assert recorded["acc16_bf16"] == 1.0 and recorded["acc_long_early_bf16"] == 1.0
+    args = vars(_load_trainer().parse_args(["--arch", name, "--out", "unused"]))
+    mine = {k: v for k, v in recorded["args"].items() if k not in ("out", "device", "time_limit")}
+    assert {k: args[k] for k in mine} == mine
+    assert args["steps"] > _load_trainer().parse_args(["--out", "unused"]).steps  # the preset's recipe
+    assert _load_trainer().parse_args(["--arch", name, "--out", "u", "--steps", "7"]).steps == 7  # a flag wins
