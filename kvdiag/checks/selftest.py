@@ -117,8 +117,9 @@ def detection(recs, kinds: tuple[str, ...] | None = None):
     else None."""
     for rec in recs:
         for f in rec.findings:
-            if f.severity == "error" and f.kind not in INCONCLUSIVE and (not kinds or f.kind in kinds):
-                return rec, f
+            if f.severity == "error" and f.kind not in INCONCLUSIVE and (not kinds or f.kind in kinds) \
+                    and not (f.kind == "crashed" and f.evidence.get("stage") == "engine start"):
+                return rec, f  # an engine that did not start shows no fault of a later code point
     return None
 
 

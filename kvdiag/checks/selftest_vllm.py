@@ -31,6 +31,8 @@ from kvdiag.checks.selftest_plan import (
 )
 
 OUTPUTS = ("divergence", "logprob_drift", "nan_output", "nan_kv")  # wake-cycle's and poison's output findings
+DEVICE_FAULT = ("engine_error", "crashed")  # the engine raised in a cycle, or its worker died (on an H100, stale
+# block tables after a wake: "CUDA error: an illegal memory access was encountered")
 HYBRID = "zoo:granite-hybrid"  # a Mamba/attention hybrid: the only kind of model vLLM zeroes fresh blocks for
 NO_OUTPUTS = "looks at memory, not at outputs"
 
@@ -54,7 +56,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault("block_tables_not_rebuilt_on_wake", "S2", "wake-cycle", {"wake-cycle": items(("auto", L1))},
           _na({"*": NEVER_SLEEPS}, "accuracy", "dtypes", "memleak", "poison"),
           "the V2 runner's post_kv_cache_wake_up does nothing: block tables not rebuilt after a wake (vLLM #40648)",
-          leaves_process_state=True, kinds={"wake-cycle": OUTPUTS}),
+          leaves_process_state=True, kinds={"wake-cycle": (*OUTPUTS, *DEVICE_FAULT)}),
     Fault("fp8_scales_not_reset_on_wake", "S2", "wake-cycle", {"wake-cycle": items(("fp8", L2))},
           _na({"*": NEVER_SLEEPS}, "accuracy", "dtypes", "memleak", "poison"),
           "a wake that skips the fp8 scale reset (the V1 runner's init_fp8_kv_scales)",

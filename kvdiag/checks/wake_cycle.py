@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvdiag.checks import greedy, kv_tensors, mem_probe
-from kvdiag.checks.common import device_info, engine_spec, spec_starter, start_or_record
+from kvdiag.checks.common import device_info, engine_failed, engine_spec, spec_starter, start_or_record
 from kvdiag.checks.registry import Check, option
 from kvdiag.errors import EngineUnsupported
 
@@ -41,6 +41,9 @@ class WakeParams:
         return cls(**{k: case.params[k] for k in asdict(cls()) if case.params.get(k) is not None})
 
 
+CYCLES = "sleep/wake cycles"  # the case's stage after its engine started
+
+
 def run(case, ctx):
     """Case function (runner target ``kvdiag.checks.wake_cycle:run``). The record's ``seconds``: the engine's
     start, the cycles (with the reference outputs) and its shutdown, as tests/vllm_gpu_probe.py's ``wake`` mode
@@ -54,16 +57,24 @@ def run(case, ctx):
     if failed is not None:
         return failed
     t1 = time.perf_counter()
+    rec = None
     try:
         caps = engine.capabilities
         if p.level not in caps.sleep_levels:
             levels = ", ".join(map(str, caps.sleep_levels)) or "none"
             why = caps.sleep_reason or f"sleep level {p.level} unsupported (levels: {levels})"
             return greedy.unsupported(case, why)
+        ctx.stage(case, CYCLES)
         rec = _run_cycles(case, engine, p)
+    except Exception as e:  # noqa: BLE001 - the engine raised in a cycle (a device fault after a wake): crashed there
+        rec = engine_failed(case, e, CYCLES)
     finally:
         t2 = time.perf_counter()
-        engine.shutdown()
+        try:
+            engine.shutdown()
+        except Exception:  # after a crash the shutdown may fail too: the crash is the case's record
+            if rec is None or rec.status != "crashed":
+                raise
     rec.metrics["seconds"] = {"start": round(t1 - t0, 3), "cycles": round(t2 - t1, 3),
                               "shutdown": round(time.perf_counter() - t2, 3)}
     return rec
