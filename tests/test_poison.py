@@ -8,13 +8,14 @@ import json
 import math
 import subprocess
 import sys
-from types import SimpleNamespace
+from pathlib import Path
 
 import limited_engines
 import pytest
 import torch
 from conftest import TEST_DEVICE
 
+from kvdiag.case import WorkerContext
 from kvdiag.checks import kv_tensors, poison
 from kvdiag.engines.base import KVBlockView, KVLayer, KVState
 from kvdiag.run.runner import Case
@@ -136,7 +137,7 @@ def test_blocks_needed_makes_later_waves_reuse_blocks():
 
 def run_case(model, dtype, engine="builtin", **params):
     case = Case("poison", engine, model, dtype, "kvdiag.checks.poison:run", params={"device": TEST_DEVICE, **params})
-    return poison.run(case, SimpleNamespace())
+    return poison.run(case, WorkerContext(Path('.'), Path('.')))
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,14 @@ import json
 import math
 import subprocess
 import sys
-from types import SimpleNamespace
+from pathlib import Path
 
 import limited_engines
 import pytest
 import torch
 from conftest import TEST_DEVICE
 
+from kvdiag.case import WorkerContext
 from kvdiag.checks import greedy, mem_probe, wake_cycle
 from kvdiag.engines.base import Completion
 from kvdiag.run.runner import Case
@@ -91,7 +92,7 @@ def test_a_sleep_is_judged_on_the_cuda_measure_that_shows_it(allocated, driver, 
 def run_case(model, dtype, **params):
     params = {"device": TEST_DEVICE, "cycles": 1, "max_tokens": 6, "kv_cache_memory": 4 * MiB, **params}
     case = Case("wake-cycle", "builtin", model, dtype, "kvdiag.checks.wake_cycle:run", params=params)
-    return wake_cycle.run(case, SimpleNamespace())
+    return wake_cycle.run(case, WorkerContext(Path('.'), Path('.')))
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def test_cli_table_both_levels(model, tmp_path):
 def test_engine_without_sleep_is_unsupported_with_its_reason(model):
     case = Case("wake-cycle", "limited_engines:no_sleep", model, "auto", "kvdiag.checks.wake_cycle:run",
                 params={"device": TEST_DEVICE})
-    rec = wake_cycle.run(case, SimpleNamespace())
+    rec = wake_cycle.run(case, WorkerContext(Path('.'), Path('.')))
     assert rec.status == "unsupported" and rec.findings[0].message == limited_engines.NO_SLEEP_REASON
 
 
@@ -166,7 +167,7 @@ def test_engine_whose_cache_is_in_another_process_is_judged_on_memory_and_output
     processes: on an H100 wake-cycle errored with KVAccessError. It now runs: outputs compared, no scan, said once."""
     case = Case("wake-cycle", "limited_engines:kv_elsewhere", model, "auto", "kvdiag.checks.wake_cycle:run",
                 params={"device": TEST_DEVICE, "cycles": 2, "max_tokens": 4, "num_prompts": 2, "level": 1})
-    rec = wake_cycle.run(case, SimpleNamespace())
+    rec = wake_cycle.run(case, WorkerContext(Path('.'), Path('.')))
     assert rec.status == "pass", rec.findings
     (note,) = [f for f in rec.findings if f.kind == "kv_not_scanned"]
     assert note.severity == "info" and limited_engines.KV_ELSEWHERE_REASON in note.message
