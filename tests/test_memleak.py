@@ -378,3 +378,18 @@ def test_references_a_thread_drops_soon_after_shutdown_do_not_survive_and_real_o
     t0 = time.monotonic()
     assert survivors(base, settled_census(base, cuda=False, wait_s=0.5)).keys
     assert 0.5 <= time.monotonic() - t0 < 2.0 and kept.numel()
+
+
+def test_the_record_says_where_the_time_went_phase_by_phase():
+    """metrics.seconds: the baseline, each cycle's start / workload / snapshot / shutdown / after_shutdown, the final
+    attribution; together the case's own time, measured here around the call."""
+    import time
+
+    t0 = time.perf_counter()
+    rec = run_tiny("builtin", "auto", cycles=3)
+    wall = time.perf_counter() - t0
+    sec = rec.metrics["seconds"]
+    assert [list(c) for c in sec["cycles"]] == [["start", "workload", "snapshot", "shutdown", "after_shutdown"]] * 3
+    total = sec["baseline"] + sec["final"] + sum(sum(c.values()) for c in sec["cycles"])
+    assert all(x >= 0 for c in sec["cycles"] for x in c.values())
+    assert 0.9 * wall - 0.05 <= total <= wall
