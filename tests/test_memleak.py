@@ -378,3 +378,48 @@ def test_references_a_thread_drops_soon_after_shutdown_do_not_survive_and_real_o
     t0 = time.monotonic()
     assert survivors(base, settled_census(base, cuda=False, wait_s=0.5)).keys
     assert 0.5 <= time.monotonic() - t0 < 2.0 and kept.numel()
+
+
+def test_the_record_says_where_the_time_went_phase_by_phase():
+    """metrics.seconds: the baseline, each cycle's start / workload / snapshot / shutdown / after_shutdown, the final
+    attribution; together the case's own time, measured here around the call."""
+    import time
+
+    t0 = time.perf_counter()
+    rec = run_tiny("builtin", "auto", cycles=3)
+    wall = time.perf_counter() - t0
+    sec = rec.metrics["seconds"]
+    assert [list(c) for c in sec["cycles"]] == [["start", "workload", "snapshot", "shutdown", "after_shutdown"]] * 3
+    total = sec["baseline"] + sec["final"] + sum(sum(c.values()) for c in sec["cycles"])
+    assert all(x >= 0 for c in sec["cycles"] for x in c.values())
+    assert 0.9 * wall - 0.05 <= total <= wall
+
+
+def test_survivors_the_previous_shutdown_left_are_not_waited_for_again_new_ones_are():
+    """A process-lifetime cache (the same tensor after every shutdown) cost every cycle the whole settle wait; given
+    the previous shutdown's survivors, the census returns at once, and still waits for a new tensor a thread drops."""
+    import threading
+    import time
+
+    import torch
+
+    from kvdiag.checks.memleak import settled_census
+    from kvdiag.measure.memory import survivors, take_census
+
+    base = take_census()
+    cache = [torch.zeros(1 << 16)]  # 256 KiB that stays
+    t0 = time.monotonic()
+    first = survivors(base, settled_census(base, cuda=False, wait_s=0.6)).keys
+    assert first and time.monotonic() - t0 >= 0.6  # the first cycle cannot tell a cache from a late drop
+    t0 = time.monotonic()
+    assert survivors(base, settled_census(base, cuda=False, wait_s=0.6, known=first)).keys == first
+    assert time.monotonic() - t0 < 0.6
+    held = [torch.zeros(1 << 20)]
+
+    def drop():
+        time.sleep(0.3)
+        held.clear()
+
+    threading.Thread(target=drop).start()
+    assert survivors(base, settled_census(base, cuda=False, wait_s=2.0, known=first)).keys == first
+    assert cache and not held

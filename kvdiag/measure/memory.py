@@ -70,16 +70,11 @@ def live_tensors(keys=None) -> list:
     import torch
 
     objs = gc.get_objects()
-    out = []
-    for o in objs:
-        if issubclass(type(o), torch.Tensor):
-            if keys is None:
-                out.append(o)
-            else:
-                st = storage_key(o)
-                if st is not None and (id(o), st[0], st[1]) in keys:
-                    out.append(o)
+    tensor_types = {tp for tp in set(map(type, objs)) if issubclass(tp, torch.Tensor)}  # the test once per type
+    out = [o for o in objs if type(o) in tensor_types]  # (~850k objects with vLLM imported: 2x faster)
     del objs
+    if keys is not None:
+        out = [o for o in out if (st := storage_key(o)) is not None and (id(o), st[0], st[1]) in keys]
     return out
 
 

@@ -54,6 +54,18 @@ def _apply_faults(spec: EngineSpec) -> None:
         raise EngineUnsupported(str(e)) from e
 
 
+_REFUSALS: dict[str, str | None] = {}  # backend_refusal's answers in this process, by its arguments
+
+
+def backend_refusal(kwargs: dict, faults=()) -> str | None:
+    """``adapt.backend_refusal`` once per arguments (and faults) in this process: the answer does not change between
+    starts, and a memleak case starts the same engine every cycle (about a second each on an H100)."""
+    key = repr((sorted(kwargs.items(), key=lambda kv: kv[0]), tuple(faults)))
+    if key not in _REFUSALS:
+        _REFUSALS[key] = adapt.backend_refusal(kwargs)
+    return _REFUSALS[key]
+
+
 class VllmEngine:
     name = "vllm"
 
@@ -94,7 +106,7 @@ class VllmEngine:
                                f"{_SLEEP_ENGINES_STARTED[0]}, so an engine with sleep mode cannot start again in "
                                "this process")
         # before anything is allocated, about a second (sleep mode: refused below, the engine starts without it)
-        refusal = adapt.backend_refusal({k: v for k, v in kwargs.items() if k != "enable_sleep_mode"})
+        refusal = backend_refusal({k: v for k, v in kwargs.items() if k != "enable_sleep_mode"}, spec.faults)
         if refusal:
             raise EngineUnsupported(refusal)
         if cumem:  # from here on, a failed start leaves the singleton taken too
