@@ -60,6 +60,8 @@ _REFUSALS: dict[str, str | None] = {}  # backend_refusal's answers in this proce
 def backend_refusal(kwargs: dict, faults=()) -> str | None:
     """``adapt.backend_refusal`` once per arguments (and faults) in this process: the answer does not change between
     starts, and a memleak case starts the same engine every cycle (about a second each on an H100)."""
+    if kwargs.get("kv_cache_dtype", "auto") == "auto":  # the model's own dtype: the start itself says the same
+        return None  # words (adapt.create_llm) as fast, and a single-start case saves the check's second
     key = repr((sorted(kwargs.items(), key=lambda kv: kv[0]), tuple(faults)))
     if key not in _REFUSALS:
         _REFUSALS[key] = adapt.backend_refusal(kwargs)
