@@ -92,3 +92,19 @@ def faults_after_wake():
             return super().generate(*args, **kwargs)
 
     return Engine()
+
+
+BF16_REFUSAL = "Unsupported data type of kv cache: bfloat16 (test engine)"
+
+
+def rejects_bf16():
+    """Refuses an explicit 'bfloat16' cache at start (bug S1: the model's own dtype named explicitly)."""
+    from kvdiag.engines.builtin.engine import BuiltinEngine
+
+    class Engine(BuiltinEngine):
+        def start(self, spec):
+            if spec.kv_cache_dtype == "bfloat16":
+                raise ValueError(BF16_REFUSAL)
+            return super().start(spec)
+
+    return Engine()

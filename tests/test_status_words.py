@@ -125,3 +125,19 @@ def test_every_check_words_a_refused_and_a_crashed_start_as_accuracy_does(tmp_pa
     crash = by["fp8_e5m2"]["findings"][0]
     assert by["fp8_e5m2"]["status"] == "crashed" and crash["kind"] == "crashed", by["fp8_e5m2"]["findings"]
     assert crash["evidence"]["stage"] == "engine start" and limited_engines.START_CRASH in crash["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", ["memleak", "wake-cycle", "poison"])
+def test_a_check_of_one_dtype_calls_refusing_the_models_own_dtype_wrong(tmp_path, check):
+    """memleak, wake-cycle and poison have no auto case beside theirs to judge a refusal by (accuracy and dtypes do):
+    an engine refusing an explicit 'bfloat16' on a bfloat16 model is wrong on its own (bug S1), a refused fp8 stays
+    unsupported."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}", "CI": "true", "NO_COLOR": "1"}
+    r = subprocess.run([sys.executable, "-m", "kvdiag", check, "-e", "limited_engines:rejects_bf16", "-d", "bfloat16",
+                        "--format", "json", "-o", str(tmp_path / "run")], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 1, r.stderr[-2000:]
+    (case,) = json.loads(r.stdout)["cases"]
+    wrong = [f for f in case["findings"] if f["kind"] == "wrong"]
+    assert case["status"] == "fail" and wrong and limited_engines.BF16_REFUSAL in wrong[0]["message"], case

@@ -79,26 +79,50 @@ def engine_failed(case, exc: BaseException, stage: str, **metrics):
     return rec
 
 
-def start_or_record(case, start=None):
+def start_or_record(case, start=None, alone: bool = False):
     """(engine, None) when the case's engine started; else (None, record): ``unsupported`` in the engine's words
     when it refused the case's configuration, ``crashed`` when it raised anything else, ``error``/``resource``
     when the device ran out of memory. Every check that starts an engine per case words these the same way."""
     try:
         return (start or start_engine)(case), None
     except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record
-        return None, start_failed(case, e)
+        return None, start_failed(case, e, alone)
 
 
-def start_failed(case, exc: BaseException):
-    """The record of a case whose engine did not start (``start_or_record``'s words)."""
+def start_failed(case, exc: BaseException, alone: bool = False):
+    """The record of a case whose engine did not start (``start_or_record``'s words). ``alone``: a check that runs
+    one dtype with no ``auto`` case beside it to judge a refusal by (memleak, wake-cycle, poison): there an engine
+    refusing the model's own dtype named explicitly is wrong (bug S1) on its own."""
     from kvdiag.checks.greedy import unsupported
 
     reason = refused(exc)
     if reason is not None:
         rec = unsupported(case, reason)
         rec.findings[-1].evidence["exception"] = type(exc).__name__
+        wrong = refused_own_dtype(case, reason) if alone else None
+        if wrong:
+            rec.status = "fail"
+            rec.add("error", "wrong", wrong)
         return rec
     return engine_failed(case, exc, "engine start")
+
+
+def refused_own_dtype(case, reason: str) -> str | None:
+    """Why refusing the case's kv dtype is wrong, else None: an explicit unquantized dtype equal to the model's
+    dtype (its config's) is what ``auto`` stores (``drift.wrongly_refused`` judges the same against an auto case)."""
+    import json
+    from pathlib import Path
+
+    from kvdiag.checks.drift import family
+
+    try:
+        cfg = json.loads((Path(case.model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg)
+    if case.kv_dtype == "auto" or family(case.kv_dtype, cfg.get("dtype") or cfg.get("torch_dtype")) != "identical":
+        return None
+    return f"explicit '{case.kv_dtype}' is the model's dtype (what 'auto' stores) but the engine refused it: {reason}"
 
 
 def device_info() -> dict:

@@ -134,7 +134,7 @@ def run(case, ctx):
             cycles.append(_cycle(case, n, p, prompts, cuda, base, snaps, cycles[-1].survivors.keys if cycles else
                                  frozenset()))
         except FirstStartFailed as e:  # unsupported, crashed or out of memory, worded as every check words it
-            return start_failed(case, e.__cause__)
+            return start_failed(case, e.__cause__, alone=True)
         except RestartImpossible as e:
             restart = {"cycle": n, "message": str(e)}
             break

@@ -88,7 +88,7 @@ def run(case, ctx):
     if spec.prefix_caching is None:
         spec.prefix_caching = False
     ctx.stage(case, "engine start")
-    engine, failed = start_or_record(case, spec_starter(spec))
+    engine, failed = start_or_record(case, spec_starter(spec), alone=True)
     if failed is not None:
         return failed
     try:

@@ -53,7 +53,7 @@ def run(case, ctx):
     p = WakeParams.from_case(case)
     t0 = time.perf_counter()
     ctx.stage(case, "engine start")
-    engine, failed = start_or_record(case, spec_starter(engine_spec(case, enable_sleep=True)))
+    engine, failed = start_or_record(case, spec_starter(engine_spec(case, enable_sleep=True)), alone=True)
     if failed is not None:
         return failed
     t1 = time.perf_counter()
