@@ -57,10 +57,23 @@ def workload(prompts: list[str], block_size: int) -> list[Wave]:
             Wave(list(prompts), block_size + 1)]
 
 
+def seq_blocks(prompt: str, max_tokens: int, block_size: int) -> int:
+    """Blocks one sequence holds at its longest (tokens estimated as UTF-8 bytes + 2, an upper bound for byte and
+    BPE tokenizers)."""
+    return -(-(len(prompt.encode()) + 2 + max_tokens) // block_size)
+
+
 def blocks_needed(waves: list[Wave], block_size: int) -> int:
-    """Blocks the largest wave holds at once (tokens estimated as UTF-8 bytes + 2, an upper bound
-    for byte and BPE tokenizers): a cache of this size makes later waves reuse freed blocks."""
-    return max(sum(-(-(len(p.encode()) + 2 + w.max_tokens) // block_size) for p in w.prompts) for w in waves)
+    """Blocks the largest wave holds at once: a cache of this size makes later waves reuse freed blocks."""
+    return max(sum(seq_blocks(p, w.max_tokens, block_size) for p in w.prompts) for w in waves)
+
+
+def longest_seq(waves: list[Wave], block_size: int) -> int:
+    """Tokens of the longest sequence, in whole blocks: the ``max_model_len`` the workload needs. Not the whole
+    cache: vLLM refuses to start when one sequence of ``max_model_len`` does not fit, and on a model with several
+    KV cache groups (sliding and full layers: gemma3, gpt-oss) the groups share the blocks (vLLM 0.24 on an H100:
+    57 blocks, max_model_len 896, "the estimated maximum model length is 448")."""
+    return block_size * max(seq_blocks(p, w.max_tokens, block_size) for w in waves for p in w.prompts)
 
 
 def run(case, ctx):
@@ -73,7 +86,7 @@ def run(case, ctx):
         needed = blocks_needed(waves, spec.block_size)
         spec.num_blocks = needed + 1  # + the null block an engine may keep (vLLM's block 0)
         if case.params.get("max_model_len") is None:
-            spec.max_model_len = min(spec.max_model_len, needed * spec.block_size)
+            spec.max_model_len = min(spec.max_model_len, longest_seq(waves, spec.block_size))
     if spec.prefix_caching is None:
         spec.prefix_caching = False
     engine = create_engine(case.engine)
