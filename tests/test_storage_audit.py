@@ -113,3 +113,14 @@ def test_vllm_cpu_audit_names_the_zoo_models_layer_kinds(tmp_path, name):
     assert r.returncode == 0, r.stderr[-3000:]
     row = json.loads((tmp_path / "run" / "run.json").read_text())["analysis"]["dtypes"]["rows"][0]
     assert row["layers"] == audit_of(name), row
+
+
+def test_a_mamba_spec_without_real_page_size_counts_its_states_without_padding():
+    """vLLM 0.24's MambaSpec has only the padded page_size_bytes (its page the size of an attention page); the audit
+    failed there with AttributeError on the H100. The states' own bytes, padding left out, whichever vLLM."""
+    from kvdiag.engines.vllm.specs import mamba_state_bytes
+
+    shapes, dtypes = ((3, 64), (4, 8, 16)), (torch.bfloat16, torch.float32)
+    v24 = SimpleNamespace(shapes=shapes, dtypes=dtypes, page_size_bytes=147456)  # padded, as on the H100
+    assert mamba_state_bytes(v24) == 3 * 64 * 2 + 4 * 8 * 16 * 4
+    assert mamba_state_bytes(SimpleNamespace(real_page_size_bytes=1234, page_size_bytes=147456)) == 1234

@@ -31,6 +31,21 @@ def _dtype_name(dtype, module) -> str:
     return name
 
 
+def mamba_state_bytes(spec) -> int:
+    """A Mamba layer's state bytes per sequence, without the padding that makes its page an attention page's size:
+    ``real_page_size_bytes`` where vLLM has it (0.32), else the states' own sum (vLLM 0.24's MambaSpec has only the
+    padded ``page_size_bytes``; on the H100 the audit failed with AttributeError)."""
+    import math
+
+    import torch
+
+    real = getattr(spec, "real_page_size_bytes", None)
+    if real is not None:
+        return int(real)
+    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+               for shape, dtype in zip(spec.shapes, spec.dtypes))
+
+
 def layer_dict(spec, module=None) -> dict:
     """One layer's audit dict from its vLLM spec (and its attention module, for kv_cache_dtype and MLA's ranks)."""
     kind = kind_of(spec)
@@ -38,7 +53,7 @@ def layer_dict(spec, module=None) -> dict:
         mamba_type = getattr(spec, "mamba_type", None)
         detail = str(getattr(mamba_type, "name", mamba_type) or "").lower() or None
         return {"kind": kind, "dtype": "/".join(_dtype_name(d, None) for d in spec.dtypes), "detail": detail,
-                "bytes_per_sequence": int(spec.real_page_size_bytes)}
+                "bytes_per_sequence": mamba_state_bytes(spec)}
     row = {"kind": kind, "dtype": _dtype_name(getattr(spec, "dtype", None), module),
            "bytes_per_token": int(spec.real_page_size_bytes) // int(spec.block_size)}
     if getattr(spec, "sliding_window", None) and "sliding" in kind:
