@@ -241,3 +241,18 @@ def test_an_engine_that_raises_after_a_wake_fails_its_cycle_and_that_catches_the
     s2 = VLLM.fault("block_tables_not_rebuilt_on_wake")
     seen = rec(s2.name, 1, *[(f["severity"], f["kind"]) for f in case["findings"]], check="wake-cycle")
     assert selftest.fault_row(s2, ["wake-cycle"], {(s2.name, "wake-cycle"): [seen]})["status"] == "caught"
+
+
+def test_a_fault_whose_patch_showed_no_effect_on_a_release_is_dropped_there(monkeypatch):
+    """On an H200 with vLLM 0.24.0 the plain probe of fp8_scales_not_reset_on_wake fired and changed nothing (the
+    same tokens after a level-2 wake): no fault there, so the self-test calls it not applicable, with that reason;
+    on another release its code point decides."""
+    from kvdiag.engines.vllm import faults
+
+    monkeypatch.setattr(faults, "missing_in_source", lambda cp: None)  # every code point present
+    monkeypatch.setattr(faults, "vllm_version", lambda: "0.24.0")
+    why = faults.applicability("fp8_scales_not_reset_on_wake", cpu=False)
+    assert why.startswith("dropped on vLLM 0.24.0:") and "changed nothing observable" in why
+    assert faults.applicability("block_tables_not_rebuilt_on_wake", cpu=False) is None  # real there: it faults
+    monkeypatch.setattr(faults, "vllm_version", lambda: "0.25.1")
+    assert faults.applicability("fp8_scales_not_reset_on_wake", cpu=False) is None

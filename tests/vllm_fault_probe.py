@@ -246,6 +246,12 @@ def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:
     args = {k: value(v) for k, v in (p.split("=", 1) for p in pairs)}
     level = int(args.pop("level", 1 if fault == "block_tables_not_rebuilt_on_wake" else 2))
     args = {**ARGS, **(CPU_ARGS if cpu else {}), "kv_cache_dtype": kv_dtype, **args}
+    from kvdiag.engines.vllm import compat
+    from kvdiag.engines.vllm.source import vllm_source
+
+    shim = compat.granite_layer_types(model, vllm_source)  # vLLM 0.24 + transformers 5 build no Granite hybrid
+    if shim and "hf_overrides" not in args:  # without the layer names its table has (docs/vllm-findings.md, 7)
+        args["hf_overrides"] = shim[0]
     if clean and fault == "fp8_scales_not_reset_on_wake":
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner the fault selects (faults/wake.py)
     if not clean:

@@ -107,6 +107,13 @@ def vllm_version() -> str | None:
     return None
 
 
+# Faults whose patch changed nothing observable in the plain probe (tests/vllm_fault_probe.py) on a vLLM release:
+# not faults there (issue 28: "a patch that changes nothing observable is not a fault"). {name: (version prefix, why)}
+NO_EFFECT = {wake.FP8_NOT_RESET: ("0.24.", "its patch fired and changed nothing observable in a plain vLLM script on "
+                                           "CUDA (an H200, fp8, a level-2 wake: the same tokens, finite logprobs, "
+                                           "2026-11-26), so it is no fault on this release")}
+
+
 def applicability(name: str, cpu: bool) -> str | None:
     """None when fault ``name`` can apply to the installed vLLM on this platform; else why not, in one line (its
     code point is absent from vLLM's source, or the platform lacks what it needs). ``cpu``: the installed vLLM is
@@ -120,6 +127,9 @@ def applicability(name: str, cpu: bool) -> str | None:
     if SLEEP in f.needs and cpu:
         reasons.append(f"needs vLLM's sleep mode, which {where} does not have (\"Sleep mode is not supported on "
                        "current platform.\"; kvdiag's wake-cycle is unsupported there)")
+    seen = NO_EFFECT.get(name)
+    if seen and (vllm_version() or "").startswith(seen[0]):
+        reasons.append(f"dropped on {where}: {seen[1]}")
     cp = SCALE_CACHE_POINTS[cpu]
     if SCALE_CACHES in f.needs and missing_in_source(cp):
         reasons.append(f"{where}: its attention backend {'CPU_ATTN' if cpu else 'TRITON_ATTN'} keeps no "
