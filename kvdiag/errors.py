@@ -22,6 +22,25 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+def raised_in(exc: BaseException) -> str | None:
+    """Where ``exc`` was raised: ``path:line (function)`` of its innermost frame, the path as imported (from the
+    ``sys.path`` entry it was found under: ``vllm/v1/worker/gpu_model_runner.py:953 (init_fp8_kv_scales)``,
+    wherever vLLM is installed); None without a traceback."""
+    import sys
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    if not frames:
+        return None
+    f = frames[-1]
+    path = f.filename
+    for root in sorted((p for p in sys.path if p), key=len, reverse=True):
+        if path.startswith(root.rstrip("/") + "/"):
+            path = path[len(root.rstrip("/")) + 1:]
+            break
+    return f"{path}:{f.lineno} ({f.name})"
+
+
 # What engines say when the device ran out of memory for them (torch, CUDA, vLLM's memory profiling and KV cache
 # sizing), lower case. On a GPU these mostly mean "something else holds the memory" (another engine on the same
 # GPU), so they are errors of the run, never an engine refusing a dtype.

@@ -135,6 +135,27 @@ def test_blocks_needed_makes_later_waves_reuse_blocks():
     assert poison.blocks_needed(waves, 16) == 11  # so waves 2 and 3 must reuse blocks wave 1 freed
 
 
+def test_the_engine_kvdiag_sizes_runs_no_more_sequences_at_once_than_a_wave_has(model, monkeypatch):
+    """poison sizes the KV cache to its waves; its engine is then asked for no more sequences at once than the
+    largest wave holds (vLLM's CUDA graphs of a hybrid need a Mamba block per sequence: with its default 64
+    sequences over 57 blocks, zoo:granite-hybrid with vLLM's defaults was refused before any poison, H100)."""
+    seen = []
+    real = poison.spec_starter
+
+    def spy(spec):
+        seen.append((spec.num_blocks, spec.max_num_seqs))
+        return real(spec)
+
+    monkeypatch.setattr(poison, "spec_starter", spy)
+    rec = run_case(model, "auto")
+    from kvdiag.checks import greedy
+    from kvdiag.engines.base import EngineSpec
+
+    waves = poison.workload(greedy.prompt_texts(model, None), EngineSpec(model=model).block_size)
+    ((blocks, seqs),) = seen
+    assert rec.status == "pass" and seqs == max(len(w.prompts) for w in waves) <= blocks, (seen, rec.findings)
+
+
 def run_case(model, dtype, engine="builtin", **params):
     case = Case("poison", engine, model, dtype, "kvdiag.checks.poison:run", params={"device": TEST_DEVICE, **params})
     return poison.run(case, WorkerContext(Path('.'), Path('.')))

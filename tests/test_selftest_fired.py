@@ -238,6 +238,9 @@ def test_an_engine_that_raises_after_a_wake_fails_its_cycle_and_that_catches_the
     errors = [f for f in case["findings"] if f["severity"] == "error"]
     assert case["status"] == "fail" and errors[0]["kind"] == "engine_error", case["findings"]
     assert errors[0]["evidence"]["cycle"] == 1 and DEVICE_FAULT in errors[0]["message"]
+    where = errors[0]["evidence"]["where"]  # the innermost frame: the engine's own code, named in the message too
+    assert where.startswith("limited_engines.py:") and where.endswith(")") and f"(raised in {where})" in \
+        errors[0]["message"], errors[0]  # the path as imported (tests/ is on PYTHONPATH), as vllm/... for vLLM
     s2 = VLLM.fault("block_tables_not_rebuilt_on_wake")
     seen = rec(s2.name, 1, *[(f["severity"], f["kind"]) for f in case["findings"]], check="wake-cycle")
     assert selftest.fault_row(s2, ["wake-cycle"], {(s2.name, "wake-cycle"): [seen]})["status"] == "caught"

@@ -275,6 +275,17 @@ def test_the_fork_server_imports_vllm_without_touching_cuda():
     assert out.stdout.split()[-3:] == [str(len(models)), "True", "1"], out.stderr[-2000:]
 
 
+def warm_caches(engine: list[str], levels=(1,)) -> None:
+    """Whichever runs first on a fresh machine fills the Triton and inductor caches (a fresh H100: the first
+    wake-cycle case's engine start took 22.8 s, the next one's 4.6 s): one plain sleep/wake cycle at each level,
+    not timed, fills them for kvdiag and the plain script alike before either is timed."""
+    from kvdiag.assets import TINY_MODEL
+
+    for level in levels:
+        subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "wake", str(TINY_MODEL), str(level), "1",
+                        *engine], capture_output=True, text=True, timeout=600, check=True)
+
+
 def test_a_wake_cycle_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycles():
     """Issue 26: `kvdiag wake-cycle -e vllm` (eager, kvdiag's explicit KV cache, 5 cycles) at level 1 and 2 against
     tests/vllm_gpu_probe.py's ``wake`` mode, the same engine arguments, prompts and cycles in one plain process: the
@@ -283,11 +294,12 @@ def test_a_wake_cycle_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycle
     from kvdiag.assets import TINY_MODEL
     from kvdiag.engines.vllm.sizing import kv_cache_bytes
 
+    engine = ["enforce_eager=true", f"kv_cache_memory_bytes={kv_cache_bytes(str(TINY_MODEL))}",
+              "gpu_memory_utilization=0.05", "max_model_len=2048", "max_num_seqs=64"]
+    warm_caches(engine, levels=(1, 2))
     code, run, _ = kvdiag("wake-explicit", "wake-cycle", "-e", "vllm", "-d", "auto", "-l", "1", "-l", "2",
                           "-a", "enforce_eager=true")
     assert code == 0, [c["findings"] for c in run["cases"]]
-    engine = ["enforce_eager=true", f"kv_cache_memory_bytes={kv_cache_bytes(str(TINY_MODEL))}",
-              "gpu_memory_utilization=0.05", "max_model_len=2048", "max_num_seqs=64"]
     for c in run["cases"]:
         level = c["metrics"]["level"]
         p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "wake", str(TINY_MODEL), str(level),
@@ -307,11 +319,12 @@ def test_a_memleak_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycles()
     from kvdiag.assets import TINY_MODEL
     from kvdiag.engines.vllm.sizing import kv_cache_bytes
 
+    engine = ["enforce_eager=true", f"kv_cache_memory_bytes={kv_cache_bytes(str(TINY_MODEL))}",
+              "gpu_memory_utilization=0.05", "max_model_len=2048", "max_num_seqs=64"]
+    warm_caches(engine)
     code, run, _ = kvdiag("memleak-timed", "memleak", "-e", "vllm", "-d", "auto", "-a", "enforce_eager=true")
     (c,) = run["cases"]
     assert c["status"] == "pass" and code == 0, c["findings"]
-    engine = ["enforce_eager=true", f"kv_cache_memory_bytes={kv_cache_bytes(str(TINY_MODEL))}",
-              "gpu_memory_utilization=0.05", "max_model_len=2048", "max_num_seqs=64"]
     p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "eager", str(TINY_MODEL), *engine],
                        capture_output=True, text=True, timeout=600)
     plain = json.loads(p.stdout.split("PROBE ", 1)[1])
@@ -343,6 +356,9 @@ def test_each_zoo_family_starts_on_vllm_and_the_audit_names_its_layers(name):
             stage, words = crash
             assert c["status"] == "crashed" and any(f["kind"] == "crashed" and f["evidence"].get("stage") == stage
                                                     and words in f["message"] for f in c["findings"]), c["findings"]
+        elif c["status"] == "fail":  # fp8's drift beyond its limit (gemma3: mean KL 0.024 > 0.02), never a crash
+            errors = [f for f in c["findings"] if f["severity"] == "error"]
+            assert dtype == "fp8" and errors and all("mean_kl" in f["message"] for f in errors), c["findings"]
         else:
             assert c["status"] in allowed, (dtype, c["findings"])
     if name == "granite-hybrid":  # the oracle: vLLM's own layer table against what transformers loads
@@ -361,7 +377,32 @@ def test_each_zoo_family_starts_on_vllm_and_the_audit_names_its_layers(name):
     if name == "gpt-oss":  # sliding and full layers with sinks: the kinds are named, 4 layers in all
         assert "2 sliding(window 64)" in layers and sum(int(r.split()[0]) for r in layers.split("; ")) == 4, layers
     else:
-        assert layers == audit_of(name), layers
+        assert layers == audit_of(name, ssm_bytes=2), layers  # vLLM 0.24 on CUDA: the SSM state in the conv's bf16
+
+
+def test_the_hybrid_s_fp8_wake_is_vllms_own_crash_and_its_reproducer_shows_it_without_kvdiag():
+    """Issue 27, docs/vllm-findings.md 11: `kvdiag wake-cycle` on zoo:granite-hybrid fails fp8 with an engine_error
+    in cycle 1 raised in vLLM's own ``init_fp8_kv_scales`` (a Mamba layer's state is a list), and passes auto. The
+    finding's ``reproduce`` command is the plain-vLLM probe: run as printed, it dies with the same words; the same
+    command with ``kv_cache_dtype='auto'`` (the control) answers after the wake."""
+    code, run, _ = kvdiag("zoo-granite-wake", "wake-cycle", "-e", "vllm", "-m", "zoo:granite-hybrid", "-d", "auto",
+                          "-d", "fp8", "-a", "enforce_eager=true")
+    by = {c["kv_dtype"]: c for c in run["cases"]}
+    assert code == 1 and by["auto"]["status"] == "pass", by["auto"]["findings"]
+    (err,) = [f for f in by["fp8"]["findings"] if f["severity"] == "error"]
+    words = "'list' object has no attribute 'zero_'"
+    assert err["kind"] == "engine_error" and words in err["message"] and err["evidence"]["cycle"] == 1, err
+    assert err["evidence"]["where"].startswith("vllm/") and "(init_fp8_kv_scales)" in err["evidence"]["where"], err
+    command = err["evidence"]["reproduce"]
+    assert "kv_cache_dtype='fp8'" in command and "llm.sleep(level=1)" in command, command
+    probes = {}
+    for name, cmd in (("fp8", command), ("auto", command.replace("kv_cache_dtype='fp8'", "kv_cache_dtype='auto'"))):
+        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=600)
+        probes[name] = {"rc": p.returncode, "words": words in p.stderr, "answered": p.stdout.count("CompletionOutput")}
+    with open(OUT / "commands.jsonl", "a") as f:
+        f.write(json.dumps({"name": "granite-fp8-wake-probe", "command": command, "probe": probes}) + "\n")
+    assert probes["fp8"]["rc"] != 0 and probes["fp8"]["words"] and probes["fp8"]["answered"] == 1, probes
+    assert probes["auto"] == {"rc": 0, "words": False, "answered": 2}, probes
 
 
 def test_the_trained_zoo_qwen3_scores_on_the_hard_task_what_lm_evals_own_vllm_backend_scores():

@@ -86,3 +86,23 @@ def test_a_start_that_fails_before_its_arguments_are_known_carries_no_earlier_en
         VllmEngine().start(EngineSpec(model="/models/m"))
     assert repro.last("engine start") is None
     assert "reproduce" not in crashed("engine start").findings[-1].evidence
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_failure_in_a_sleep_wake_cycle_is_reproduced_with_the_sleep_and_vllms_documented_wake(level):
+    """wake-cycle's engine_error carries the start, a request, the sleep at the case's level and vLLM's wake (level 2:
+    weights, ``reload_weights``, kv_cache), then the request again: valid Python, in that order."""
+    import ast
+    import shlex
+
+    cmd = repro.command({**ARGS, "enable_sleep_mode": True}, generate=True, sleep_level=level)
+    body = shlex.split(cmd)[2]
+    ast.parse(body)
+    calls = [s.strip() for s in body.split(";")]
+    start = next(i for i, c in enumerate(calls) if c.startswith("llm = LLM("))
+    wake = ["llm.wake_up()"] if level == 1 else [
+        "llm.wake_up(tags=['weights'])", "llm.collective_rpc('reload_weights')", "llm.wake_up(tags=['kv_cache'])"]
+    assert calls[start + 1].startswith("print(llm.generate(") and calls[start + 2] == f"llm.sleep(level={level})"
+    assert calls[start + 3:start + 3 + len(wake)] == wake and calls[-1] == calls[start + 1]
+    repro.note({**ARGS, "enable_sleep_mode": True})
+    assert repro.last("sleep/wake cycles", level) == cmd

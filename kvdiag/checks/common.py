@@ -69,14 +69,19 @@ def engine_failed(case, exc: BaseException, stage: str, **metrics):
     rec = case.result("error" if resource else "crashed", metrics=metrics,
                       log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:])
     rec.add("error", "resource" if resource else "crashed",
-            resource or f"{stage}: {type(exc).__name__}: {first_line(exc)}"[:500], stage=stage)
-    if not resource:
-        from kvdiag.engines.base import reproducer
-
-        command = reproducer(case.engine, stage)
-        if command:
-            rec.findings[-1].evidence["reproduce"] = command
+            resource or f"{stage}: {type(exc).__name__}: {first_line(exc)}"[:500], stage=stage,
+            **({} if resource else failure_evidence(case, exc, stage)))
     return rec
+
+
+def failure_evidence(case, exc: BaseException, stage: str, sleep_level: int | None = None) -> dict:
+    """What a finding on an engine's failure carries besides its words: ``where`` it was raised (the innermost
+    frame, e.g. in vLLM's own code) and a command that ``reproduce``s it without kvdiag (the engine's, if any)."""
+    from kvdiag.engines.base import reproducer
+    from kvdiag.errors import raised_in
+
+    out = {"where": raised_in(exc), "reproduce": reproducer(case.engine, stage, sleep_level)}
+    return {k: v for k, v in out.items() if v}
 
 
 def start_or_record(case, start=None, alone: bool = False):

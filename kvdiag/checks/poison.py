@@ -83,6 +83,9 @@ def run(case, ctx):
     if case.params.get("num_blocks") is None and case.params.get("kv_cache_memory") is None:
         needed = blocks_needed(waves, spec.block_size)
         spec.num_blocks = needed + 1  # + the null block an engine may keep (vLLM's block 0)
+        # no more sequences than a wave runs at once: vLLM's CUDA graphs of a hybrid need one Mamba block per
+        # sequence (compiled, 64 sequences over 57 blocks was refused before any poison)
+        spec.max_num_seqs = min(spec.max_num_seqs, max(len(w.prompts) for w in waves))
         if case.params.get("max_model_len") is None:
             spec.max_model_len = min(spec.max_model_len, longest_seq(waves, spec.block_size))
     if spec.prefix_caching is None:

@@ -14,9 +14,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvdiag.checks import greedy, kv_tensors, mem_probe
-from kvdiag.checks.common import device_info, engine_failed, engine_spec, spec_starter, start_or_record
+from kvdiag.checks.common import (
+    device_info,
+    engine_failed,
+    engine_spec,
+    failure_evidence,
+    spec_starter,
+    start_or_record,
+)
 from kvdiag.checks.registry import Check, option
-from kvdiag.errors import EngineUnsupported
+from kvdiag.errors import EngineUnsupported, first_line
 
 FREED_MIN = 0.9  # asleep, at least this fraction of the expected bytes must be gone
 RESTORE_TOL = 0.1  # awake, memory within this fraction of the freed bytes of its level before sleep
@@ -101,7 +108,10 @@ def _run_cycles(case, engine, p: WakeParams):
         except EngineUnsupported as e:
             return greedy.unsupported(case, str(e))
         except Exception as e:  # noqa: BLE001 - an engine raising mid-cycle is what this check looks for
-            rec.add("error", "engine_error", f"cycle {n}: {type(e).__name__}: {e}".splitlines()[0][:400], cycle=n)
+            ev = failure_evidence(case, e, CYCLES, sleep_level=p.level)
+            where = f" (raised in {ev['where']})" if "where" in ev else ""
+            rec.add("error", "engine_error", f"cycle {n}: {type(e).__name__}: {first_line(e)}"[:400] + where,
+                    **ev, cycle=n)
             break
         rec.metrics["cycles"].append(row)
         for kind, message in problems:

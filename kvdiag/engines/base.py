@@ -228,11 +228,14 @@ def preload_modules(name: str) -> tuple[str, ...]:
     return tuple(getattr(engine_traits(name), "PRELOAD", ()))
 
 
-def reproducer(name: str, stage: str) -> str | None:
+def reproducer(name: str, stage: str, sleep_level: int | None = None) -> str | None:
     """A command that repeats, without kvdiag, what the engine ``name`` was asked to do in this process before a
-    failure in ``stage`` (its ``reproducer``; None for an engine without one, or before any start)."""
+    failure in ``stage`` (its ``reproducer``; None for an engine without one, or before any start); a failure in a
+    sleep/wake cycle passes its ``sleep_level``."""
     make = getattr(engine_traits(name), "reproducer", None)
-    return make(stage) if make else None
+    if not make:
+        return None
+    return make(stage) if sleep_level is None else make(stage, sleep_level=sleep_level)
 
 
 def preload_env(name: str, models: list[str]) -> dict:

@@ -44,6 +44,7 @@ def _device(name: str) -> torch.device:
 
 class BuiltinEngine:
     name = "builtin"
+    shutdown_collects = True  # shutdown() ends with gc.collect() (and empty_cache() on CUDA)
 
     def __init__(self):
         self.spec: EngineSpec | None = None

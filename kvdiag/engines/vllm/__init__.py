@@ -42,11 +42,12 @@ def preload_env(models: list[str]) -> dict:
     return {MODELS_ENV: json.dumps(sorted(set(models)))}
 
 
-def reproducer(stage: str) -> str | None:
-    """A plain-vLLM command that repeats this process's last engine start (and a request, past the start)."""
+def reproducer(stage: str, sleep_level: int | None = None) -> str | None:
+    """A plain-vLLM command that repeats this process's last engine start (and a request, past the start; and a
+    sleep at ``sleep_level`` with vLLM's wake, for a failure in a sleep/wake cycle)."""
     from kvdiag.engines.vllm import repro
 
-    return repro.last(stage)
+    return repro.last(stage, sleep_level)
 
 
 def cpu_only() -> bool:

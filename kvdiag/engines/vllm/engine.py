@@ -70,6 +70,7 @@ def backend_refusal(kwargs: dict, faults=()) -> str | None:
 
 class VllmEngine:
     name = "vllm"
+    shutdown_collects = True  # shutdown() ends with gc.collect() and empty_cache(): memleak need not repeat them
 
     def __init__(self):
         self.llm = self.spec = self.tokenizer = self.dtype = None

@@ -20,8 +20,9 @@ from kvdiag.engines.vllm import MODELS_ENV
 from kvdiag.engines.vllm.engine import import_vllm
 
 # Imported by vllm.LLM() and the first generate; each is optional (vLLM moves them between releases).
-MODULES = ("vllm.v1.engine.llm_engine", "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor",
-           "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner",
+MODULES = ("vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
+           "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner",
+           "vllm.v1.worker.gpu.model_runner",
            "vllm.model_executor.models.llama", "vllm.model_executor.model_loader",
            "vllm.v1.attention.backends.flash_attn", "vllm.v1.attention.backends.triton_attn",
            "vllm.v1.sample.sampler", "transformers", "lm_eval.evaluator", "kvdiag.evaluation.lm_eval_adapter")

@@ -30,18 +30,27 @@ def forget() -> None:
     _NOTED.clear()
 
 
-def command(kwargs: dict, generate: bool) -> str:
-    """``python3 -c '...'``: ``vllm.LLM(**kwargs)`` in a plain process, then (``generate``) one greedy request."""
+WAKE = {1: "llm.wake_up()",  # vLLM's documented wake after each level (kvdiag/engines/vllm/sleep.py)
+        2: "llm.wake_up(tags=['weights']); llm.collective_rpc('reload_weights'); llm.wake_up(tags=['kv_cache'])"}
+
+
+def command(kwargs: dict, generate: bool, sleep_level: int | None = None) -> str:
+    """``python3 -c '...'``: ``vllm.LLM(**kwargs)`` in a plain process, then (``generate``) one greedy request;
+    with ``sleep_level``, then a sleep at that level, vLLM's wake and the request again."""
     args = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
     body = ("import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'; "
             f"from vllm import LLM, SamplingParams; llm = LLM({args})")
+    request = f"print(llm.generate([{PROMPT!r}], SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0])"
     if generate:
-        body += f"; print(llm.generate([{PROMPT!r}], SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0])"
+        body += "; " + request
+    if sleep_level in WAKE:
+        body += f"; llm.sleep(level={sleep_level}); {WAKE[sleep_level]}; {request}"
     return "python3 -c " + shlex.quote(body)
 
 
-def last(stage: str) -> str | None:
-    """The reproducer of this process's last engine start for a failure in ``stage`` (None: no start noted)."""
+def last(stage: str, sleep_level: int | None = None) -> str | None:
+    """The reproducer of this process's last engine start for a failure in ``stage`` (None: no start noted); a
+    failure in a sleep/wake cycle (``sleep_level``) repeats the request, the sleep and the wake."""
     if not _NOTED:
         return None
-    return command(_NOTED[0], generate=stage != "engine start")
+    return command(_NOTED[0], generate=stage != "engine start", sleep_level=sleep_level)
