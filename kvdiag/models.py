@@ -237,6 +237,30 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+def config(model: str | Path, text: bool = False) -> dict:
+    """A model folder's config.json as a dict; {} when it is missing or does not parse (callers fall back to their
+    defaults: the folder itself was checked before any worker started, :func:`check_folder`). ``text``: the
+    ``text_config`` of a multimodal checkpoint (Gemma 3) when there is one, else the whole config."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(cfg, dict):
+        return {}
+    inner = cfg.get("text_config")
+    return inner if text and isinstance(inner, dict) else cfg
+
+
+def config_dtype(model: str | Path) -> str | None:
+    """The dtype the checkpoint's config names for its weights (``dtype``, or the older ``torch_dtype``; a
+    multimodal checkpoint's top level first, then its ``text_config``); None when it names none."""
+    for cfg in (config(model), config(model, text=True)):
+        d = cfg.get("dtype") or cfg.get("torch_dtype")
+        if d:
+            return str(d)
+    return None
+
+
 def weights_bytes(model: str) -> int:
     """Bytes of a model folder's weight files (safetensors, else PyTorch .bin)."""
     folder = Path(model)

@@ -176,3 +176,21 @@ def test_wanted_files_take_top_level_hf_weights_configs_and_tokenizer():
     assert wanted_files(["config.json", "pytorch_model.bin", "vocab.json", "merges.txt"]) == [
         "pytorch_model.bin", "config.json", "vocab.json", "merges.txt"]
     assert label(f"/c/hub/models--org--name/snapshots/{SHA}") == "name" and label(str(TINY_MODEL)) == "tiny-llama"
+
+
+def test_config_reads_the_folder_once_for_every_caller_and_falls_back_to_nothing(tmp_path):
+    """One reader of config.json for the checks and engines (``models.config``): the whole config or a multimodal
+    checkpoint's text part, {} for a folder without a readable one; ``config_dtype`` takes the top level's dtype
+    (or the older torch_dtype), else the text part's."""
+    from kvdiag.models import config, config_dtype
+
+    assert config(tmp_path) == {} and config_dtype(tmp_path) is None
+    (tmp_path / "config.json").write_text("{not json")
+    assert config(tmp_path, text=True) == {}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {"dtype": "bfloat16",
+                                                                                               "head_dim": 256}}))
+    assert config(tmp_path)["model_type"] == "gemma3" and config(tmp_path, text=True) == {"dtype": "bfloat16",
+                                                                                         "head_dim": 256}
+    assert config_dtype(tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16", "num_hidden_layers": 2}))
+    assert config(tmp_path, text=True) == config(tmp_path) and config_dtype(tmp_path) == "float16"

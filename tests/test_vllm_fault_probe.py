@@ -113,6 +113,8 @@ def test_the_probe_measures_each_effect_where_it_lies():
     assert probe("clean:explicit_bf16_as_fp8")["observed"]["kv_cache_dtypes"] == ["bfloat16"]
     nan = probe("fresh_blocks_not_zeroed")["observed"]
     assert not any(nan["same_tokens"]) and nan["nonfinite_logprobs"] > 0, nan
+    kept = probe("clean:fresh_blocks_not_zeroed")["observed"]  # vLLM zeroes the fresh blocks: less poison is left
+    assert all(kept["same_tokens"]) and nan["nonfinite_left"] > kept["nonfinite_left"], (nan, kept)
 
 
 def test_a_probe_that_dies_after_its_wake_shows_the_effect_with_the_device_error():

@@ -460,5 +460,9 @@ def test_each_applicable_fault_has_a_real_effect_in_a_plain_vllm_script_and_self
             continue
         plain = truth[control(name)]
         assert plain["applicable"] and plain["fired"] == {} and plain["effect"] is False, (name, plain)
-        real = t["effect"] and t["fired"].get(name, 0) >= 1
+        # the poison scenario's effect is also in the cache itself: more poison left than without the patch (fresh
+        # Mamba pages not zeroed; on CUDA vLLM 0.24's kernels do not read them back, so the outputs stay the same)
+        stale = t.get("scenario") == "poison" and \
+            t["observed"].get("nonfinite_left", 0) > plain["observed"].get("nonfinite_left", 0)
+        real = (t["effect"] or stale) and t["fired"].get(name, 0) >= 1
         assert (row["status"] == "caught") == real, (name, t, row)

@@ -28,7 +28,10 @@ measured); a fault that cannot apply here has ``applicable: false`` and ``reason
   ``PROBE`` line (tests/test_vllm_fault_probe.run_probe reads that death as the effect, with the CUDA error).
 - poison (fresh_blocks_not_zeroed, on a hybrid model such as zoo:granite-hybrid): greedy outputs; every cache
   tensor of every layer (attention K/V, Mamba states) filled with NaN while no request runs; the prefix cache
-  reset; the outputs again. Effect: other tokens or a non-finite logprob.
+  reset; the outputs again. Effect: other tokens or a non-finite logprob. ``observed.nonfinite_left``: the
+  non-finite elements left in the cache's storages after those requests (what no write and no zeroing replaced);
+  more than the control's is the fault's effect in the cache itself, where the outputs do not show it (vLLM 0.24
+  on CUDA: its Mamba kernels start a new sequence without reading the unzeroed page).
 """
 
 from __future__ import annotations
@@ -216,10 +219,15 @@ def poison(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
                 filled[key] = t.numel()
     llm.reset_prefix_cache()
     out = greedy(llm)
+    with torch.inference_mode():  # the poison the requests left in the cache: what no write and no zeroing replaced
+        whole = [torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())  # each storage whole,
+                 for t in {storage(t)[:2]: t for t in reversed(tensors)}.values()]  # read as its first tensor's dtype
+        left = sum(int((~torch.isfinite(w)).sum()) for w in whole)
     llm.llm_engine.engine_core.shutdown()
     same = [a[0] == b[0] for a, b in zip(ref, out)]
     bad = sum(1 for _, lps in out for x in lps if not math.isfinite(x))
-    return not all(same) or bad > 0, {"tensors_filled": len(filled), "same_tokens": same, "nonfinite_logprobs": bad}
+    return not all(same) or bad > 0, {"tensors_filled": len(filled), "same_tokens": same, "nonfinite_logprobs": bad,
+                                      "nonfinite_left": left}
 
 
 def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:

@@ -20,6 +20,7 @@ from kvdiag.checks.engine_use import acquire_engine, release_engine, startup_onc
 from kvdiag.checks.registry import Check, option
 from kvdiag.errors import UserError
 from kvdiag.evaluation.lm_eval_options import AUTO_BATCH
+from kvdiag.models import config_dtype
 
 SAMPLES = ".samples.json"
 DRIFT = ".drift.npz"
@@ -175,11 +176,7 @@ def model_dtype(engine, case) -> str | None:
     d = getattr(engine, "dtype", None)
     if d is not None and not callable(d):
         return str(d).removeprefix("torch.")
-    try:
-        cfg = json.loads((Path(case.model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return cfg.get("dtype") or cfg.get("torch_dtype")
+    return config_dtype(case.model)
 
 
 def _max_len(engine, params) -> int:

@@ -115,17 +115,11 @@ def start_failed(case, exc: BaseException, alone: bool = False):
 def refused_own_dtype(case, reason: str) -> str | None:
     """Why refusing the case's kv dtype is wrong, else None: an explicit unquantized dtype equal to the model's
     dtype (its config's) is what ``auto`` stores (``drift.wrongly_refused`` judges the same against an auto case)."""
-    import json
-    from pathlib import Path
-
     from kvdiag.checks.drift import family
+    from kvdiag.models import config_dtype
 
-    try:
-        cfg = json.loads((Path(case.model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    cfg = cfg.get("text_config", cfg)
-    if case.kv_dtype == "auto" or family(case.kv_dtype, cfg.get("dtype") or cfg.get("torch_dtype")) != "identical":
+    own = config_dtype(case.model)
+    if case.kv_dtype == "auto" or own is None or family(case.kv_dtype, own) != "identical":
         return None
     return f"explicit '{case.kv_dtype}' is the model's dtype (what 'auto' stores) but the engine refused it: {reason}"
 

@@ -173,14 +173,9 @@ def _explicit_kv(spec: EngineSpec, max_model_len: int) -> dict:
 
 def _max_model_len(spec: EngineSpec) -> int:
     """``spec.max_model_len``, capped at the checkpoint's ``max_position_embeddings`` (as the builtin engine)."""
-    import json
-    from pathlib import Path
+    from kvdiag.models import config
 
-    try:
-        cfg = json.loads((Path(spec.model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return spec.max_model_len
-    cfg = cfg.get("text_config", cfg)
+    cfg = config(spec.model, text=True)
     return min(spec.max_model_len, int(cfg.get("max_position_embeddings") or spec.max_model_len))
 
 

@@ -14,8 +14,7 @@ of the user's replaces it. docs/vllm-findings.md lists the vLLM failures behind 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from kvdiag.models import config
 
 GRANITE_MODEL_TYPE = "granitemoehybrid"
 GRANITE_SOURCE = ("model_executor", "models", "granitemoehybrid.py")  # under the installed vllm package
@@ -65,10 +64,7 @@ def granite_layer_types(model: str, read_source) -> tuple[dict, str] | None:
     """(``hf_overrides``, the note saying why) when the installed vLLM cannot build the GraniteMoeHybrid checkpoint
     ``model`` (a folder) with the layer names transformers gives it; else None. ``read_source(*parts)``: the ast of
     a module of the installed vLLM (``source.vllm_source``), read only for a GraniteMoeHybrid checkpoint."""
-    try:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+    cfg = config(model)
     on_disk = cfg.get("layer_types") or cfg.get("layers_block_type")
     if cfg.get("model_type") != GRANITE_MODEL_TYPE or not isinstance(on_disk, list):
         return None

@@ -14,10 +14,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from pathlib import Path
 
 from kvdiag.engines.vllm import MODELS_ENV
 from kvdiag.engines.vllm.engine import import_vllm
+from kvdiag.models import config
 
 # Imported by vllm.LLM() and the first generate; each is optional (vLLM moves them between releases).
 MODULES = ("vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
@@ -54,10 +54,7 @@ def warm_model_info(models: list[str]) -> list[str]:
         return []
     archs = []
     for model in models:
-        try:
-            archs += json.loads((Path(model) / "config.json").read_text()).get("architectures") or []
-        except (OSError, ValueError):
-            pass
+        archs += config(model).get("architectures") or []
     done, in_subprocess = [], getattr(registry, "_run_in_subprocess", None)
     registry._run_in_subprocess = lambda fn: fn()
     try:

@@ -11,8 +11,7 @@ Nothing here imports vLLM or torch: the scheduler (kvdiag.run.scheduling) reads 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from kvdiag.models import config
 
 SIZING_ARGS = ("gpu_memory_utilization", "kv_cache_memory_bytes")  # -a keys with which the user sizes the cache
 OVERHEAD = 2 << 30  # per engine besides weights and KV cache: CUDA context, activations, workspaces, CUDA graphs
@@ -23,11 +22,7 @@ DEFAULT_SEQS, DEFAULT_LEN = 64, 2048  # EngineSpec's max_num_seqs, max_model_len
 def token_bytes(model: str) -> int:
     """Bytes of K+V one token takes in all layers at the model's precision, from config.json (MLA: the latent and
     the rope key); 0 when the config does not say."""
-    try:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    cfg = cfg.get("text_config", cfg)
+    cfg = config(model, text=True)
     layers = int(cfg.get("num_hidden_layers") or 0)
     width = 2 if str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16") != "float32" else 4
     if cfg.get("kv_lora_rank"):  # MLA: one latent vector and the rope part of the key per token and layer

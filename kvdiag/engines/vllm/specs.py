@@ -37,13 +37,10 @@ def mamba_state_bytes(spec) -> int:
     padded ``page_size_bytes``; on the H100 the audit failed with AttributeError)."""
     import math
 
-    import torch
-
     real = getattr(spec, "real_page_size_bytes", None)
     if real is not None:
         return int(real)
-    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-               for shape, dtype in zip(spec.shapes, spec.dtypes))
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes))
 
 
 def layer_dict(spec, module=None) -> dict:
