@@ -254,7 +254,9 @@ def config(model: str | Path, text: bool = False) -> dict:
 def config_dtype(model: str | Path) -> str | None:
     """The dtype the checkpoint's config names for its weights (``dtype``, or the older ``torch_dtype``; a
     multimodal checkpoint's top level first, then its ``text_config``); None when it names none."""
-    for cfg in (config(model), config(model, text=True)):
+    top = config(model)  # read once; its text part is a dict inside it
+    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else {}
+    for cfg in (top, text):
         d = cfg.get("dtype") or cfg.get("torch_dtype")
         if d:
             return str(d)
