@@ -18,6 +18,7 @@ from kvdiag.results import CaseResult
 LOG_TAIL_CHARS = 4000
 STAGE_MARK = "--- kvdiag stage: "  # a line in the case log: where the case is (a worker that dies names it)
 REPRODUCE_MARK = "--- kvdiag reproduce: "  # a line in the case log: a command that repeats the engine's start
+FIRED_MARK = "--- kvdiag fault fired: "  # a line in the case log: a re-introduced fault ran (said before a crash)
 
 
 @dataclass

@@ -98,3 +98,14 @@ def noted(case, ctx):
 
     engine_note("planted_note", f"a planted note for {case.id}", value=case.params.get("value"))
     return case.result("pass")
+
+
+def fires_then_aborts(case, ctx):
+    """As a vLLM worker whose re-introduced fault's effect kills it: the fault fires twice (its marks in the log),
+    a long traceback pushes the marks out of the log's tail, then SIGABRT."""
+    from kvdiag.engines.vllm.faults.patching import fire
+
+    fire("block_tables_not_rebuilt_on_wake")
+    fire("block_tables_not_rebuilt_on_wake")
+    print("  File \"vllm/v1/worker/gpu/model_runner.py\", line 1, in execute_model\n" * 100, flush=True)
+    os.abort()

@@ -61,6 +61,57 @@ def test_only_the_intended_finding_kind_catches_and_unrecorded_firing_is_not_a_m
     assert row["status"] == "caught" and row["fired"] is None
 
 
+def test_a_fault_whose_effect_kills_the_worker_counts_the_firing_its_log_said(tmp_path):
+    """vLLM's S2 fault crashes the worker after the wake (CUDA illegal memory access, SIGABRT), so its record comes
+    from the runner: the fault marks in the whole case log (not only the tail) still say it fired; a crash with no
+    mark, for an engine that records firing, is `did not fire`; an engine that records none stays unknown."""
+    from kvdiag.results import Finding
+    from kvdiag.run.runner import Case, run_cases
+
+    s2 = VLLM.fault("block_tables_not_rebuilt_on_wake")
+    case = Case(check="t", engine="none", model="m", kv_dtype="auto", target="case_fns:fires_then_aborts",
+                id="t/fires")
+    (died,) = run_cases([case], tmp_path, quiet=True)
+    crash = died.findings[0]
+    assert died.status == "crashed" and crash.evidence["signal"] == "SIGABRT"
+    assert crash.evidence["fired"] == {s2.name: 2} and "fault fired" not in died.log_tail  # past the 4000-char tail
+
+    def crashed(engine, marks):
+        r = CaseResult(id="wake-cycle/x/auto/L1", check="wake-cycle", engine=engine, model="m", kv_dtype="auto",
+                       status="crashed", params={"selftest": s2.name, "faults": [s2.name]})
+        r.findings.append(Finding("error", "crashed", "worker died", {"signal": "SIGABRT", "fired": marks}))
+        return r
+
+    jobs = {(s2.name, "wake-cycle"): [crashed("vllm", crash.evidence["fired"])]}
+    row = selftest.fault_row(s2, ["wake-cycle"], jobs)
+    assert row["status"] == "caught" and row["fired"] == 2
+    silent = selftest.fault_row(s2, ["wake-cycle"], {(s2.name, "wake-cycle"): [crashed("vllm", {})]})
+    assert silent["status"] == "did not fire" and silent["fired"] == 0
+    builtin = selftest.fault_row(s2, ["wake-cycle"], {(s2.name, "wake-cycle"): [crashed("builtin", {})]})
+    assert builtin["fired"] is None  # the builtin engine records no firing: unknown, as before
+
+
+def test_a_clean_engine_with_only_a_warning_passes_the_selftest_and_shows_the_warning():
+    """vLLM keeps a 64 KiB Triton buffer cache for the process's life: memleak warns of it on the clean engine,
+    which still passed; the self-test shows the warning and does not fail on it (an error finding would)."""
+    from kvdiag.report.selftest_rows import matrix, verdict
+
+    for severity, ok in (("warning", True), ("error", False)):
+        run = clean_run(rec(S4.name, 2, ("error", "kv_cache_survived")))
+        run.cases[0].add(severity, "tensor_survived", "0.063 MiB held by _TRITON_BUFFER_CACHE")
+        if severity == "error":
+            run.cases[0].status = "fail"
+        selftest.analyze(run, [S4], ["memleak"], engine="vllm")
+        a = run.analysis["selftest"]
+        assert a["ok"] is ok and selftest.exit_code(run) == (0 if ok else 1)
+        assert a["clean"]["memleak"]["mark"] == ("warnings" if ok else "findings")
+        assert "_TRITON_BUFFER_CACHE" in a["clean"]["memleak"]["finding"]
+        assert matrix(a)[1][0][-1] == a["clean"]["memleak"]["mark"]
+        assert not ok or verdict(a) == (True, "1 fault(s) caught by their intended check; the clean engine has no "
+                                              "error findings (warnings in: memleak)")
+    assert verdict(a)[0] is False and "clean engine not clean in: memleak" in verdict(a)[1]
+
+
 def test_a_fault_that_cannot_apply_is_na_with_its_reason_and_does_not_fail_the_run():
     s2 = VLLM.fault("block_tables_not_rebuilt_on_wake")
     why = "code point absent in vLLM 9.9: no post_kv_cache_wake_up"

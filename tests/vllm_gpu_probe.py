@@ -8,7 +8,9 @@ what this prints.  ``python3 tests/vllm_gpu_probe.py sleep|eager MODEL``  -> one
   GPU memory still used beyond the start; then a second engine with sleep mode in the same process.
 - ``eager [key=value ...]``: three start / generate / shutdown cycles without sleep mode: CUDA allocated and the
   driver's used memory after each shutdown, and the cycles' time (``case_work_s``: the oracle for "a memleak case
-  costs at most 1.3x the plain script"); engine arguments given replace the defaults' (kvdiag's explicit KV cache).
+  costs at most 1.3x the plain script"); engine arguments given replace the defaults' (kvdiag's explicit KV cache;
+  ``enforce_eager=false`` for vLLM's compiled mode); also how many of torch.compile's bytecode hooks stay
+  registered after each shutdown and whether the ``LLMEngine`` (whose finalizer removes its own) was collected.
 - ``defaults``: the same with vLLM's defaults (torch.compile, CUDA graphs captured on a new stream each start),
   then torch's cuBLAS workspaces (one per cuBLAS handle and stream) cleared: what that gives back.
 - ``wake LEVEL CYCLES [key=value ...]``: what one ``kvdiag wake-cycle -e vllm -l LEVEL -n CYCLES`` case does, with
@@ -26,6 +28,7 @@ import gc
 import json
 import os
 import sys
+import weakref
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "key 7 maps to"]
@@ -111,16 +114,20 @@ def eager_probe(model: str, eager: bool = True, **engine) -> dict:
         (x @ x).sum().item()
     del x
     base_alloc, base_used = torch.cuda.memory_allocated(), used()
-    alloc, drv = [], []
+    alloc, drv, hooks, engines_alive = [], [], [], []
     for _ in range(3):
         llm = LLM(model=model, **{**ARGS, "enforce_eager": eager, **engine})
         greedy(llm)
+        engine_ref = weakref.ref(llm.llm_engine)
         llm.llm_engine.engine_core.shutdown()
         del llm
         cleanup()
         alloc.append((torch.cuda.memory_allocated() - base_alloc) / MiB)
         drv.append((used() - base_used) / MiB)
+        hooks.append(len(getattr(torch._dynamo.convert_frame, "_bytecode_hooks", ())))
+        engines_alive.append(engine_ref() is not None)
     out = {"allocated_after_shutdown_mib": alloc, "driver_used_after_shutdown_mib": drv,
+           "dynamo_bytecode_hooks_after_shutdown": hooks, "llm_engine_alive_after_shutdown": engines_alive,
            "baseline_cublas_workspace_mib": (base_alloc - start) / MiB, "import_s": round(t1 - t0, 2),
            "case_work_s": round(time.perf_counter() - t1, 2)}
     torch._C._cuda_clearCublasWorkspaces()

@@ -124,16 +124,20 @@ def detection(recs, kinds: tuple[str, ...] | None = None):
 
 
 def clean_cell(recs) -> dict:
-    """``pass`` when every clean case passed with no error or warning finding, else ``findings``."""
+    """``findings`` when a clean case did not pass or reported an error finding (the self-test fails);
+    ``warnings`` when every case passed and some reported a warning (shown, not failed: vLLM keeps a 64 KiB Triton
+    buffer cache for the process's life, which memleak rightly warns of); else ``pass``."""
     if not recs:
         return {"mark": "-", "cases": []}
-    bad = [(r, f) for r in recs for f in r.findings if f.severity in ("error", "warning")]
+    bad = [(r, f) for r in recs for f in r.findings if f.severity == "error"]
     bad += [(r, None) for r in recs if r.status != "pass" and not any(x is r for x, _ in bad)]
-    cell = {"mark": "findings" if bad else "pass", "cases": [r.id for r in recs]}
-    if bad:
-        r, f = bad[0]
+    warned = [(r, f) for r in recs for f in r.findings if f.severity == "warning"]
+    shown = bad or warned
+    cell = {"mark": "findings" if bad else "warnings" if warned else "pass", "cases": [r.id for r in recs]}
+    if shown:
+        r, f = shown[0]
         cell["finding"] = _describe(r, f) if f else f"{r.id}: {r.status}"
-        cell["count"] = len(bad)
+        cell["count"] = len(shown)
     return cell
 
 
@@ -174,8 +178,13 @@ def _worker_not_applicable(f, jobs: dict) -> str | None:
 
 def fired(f, recs) -> int | None:
     """How often the fault's patched code ran in these cases; None when no case recorded it (the engine does not
-    record firing, or every case ended before it could say)."""
+    record firing). A case whose worker died has no record of its own: the fault marks in its log say instead
+    (``runner.fired_marks``, in the crash finding's evidence), for an engine that records firing."""
+    from kvdiag.checks.selftest_case import fault_state
+
     counts = [(r.metrics.get("faults") or {}).get("fired", {}).get(f.name) for r in recs]
+    counts += [x.evidence["fired"].get(f.name, 0) for r in recs if "faults" not in r.metrics
+               for x in r.findings if x.kind == "crashed" and "fired" in x.evidence and fault_state(r.engine)]
     counts = [c for c in counts if c is not None]
     return sum(counts) if counts else None
 

@@ -29,9 +29,9 @@ def matrix(a: dict) -> tuple[tuple[str, ...], list[list[str]]]:
     intended check) and its status."""
     header = ("fault", "class", "fired", *CHECKS, "verdict")
     clean = a["clean"]
-    dirty = any(x["mark"] == "findings" for x in clean.values())
+    marks = {x["mark"] for x in clean.values()}
     rows = [["clean engine", "-", "-", *[clean.get(c, {"mark": "-"})["mark"] for c in CHECKS],
-             "findings" if dirty else "pass"]]
+             "findings" if "findings" in marks else "warnings" if "warnings" in marks else "pass"]]
     for r in a["faults"]:
         rows.append([r["fault"], r["bug_class"], fired_text(r),
                      *[r["cells"][c]["mark"] + ("*" if c == r["intended"] else "") for c in CHECKS],
@@ -64,8 +64,9 @@ def verdict(a: dict) -> tuple[bool, str]:
     dirty = [c for c, x in a["clean"].items() if x["mark"] == "findings"]
     na = f", {len(by['not applicable'])} not applicable here" if by["not applicable"] else ""
     if a["ok"]:
+        warned = [c for c, x in a["clean"].items() if x["mark"] == "warnings"]
         return True, (f"{len(by['caught'])} fault(s) caught by their intended check{na}; the clean engine has no "
-                      "findings")
+                      + (f"error findings (warnings in: {', '.join(warned)})" if warned else "findings"))
     parts = ([f"missed by the intended check: {', '.join(by['missed'])}"] if by["missed"] else []) + \
         ([f"did not fire (never counted as caught): {', '.join(by['did not fire'])}"] if by["did not fire"] else []) + \
         ([f"clean engine not clean in: {', '.join(dirty)}"] if dirty else [])

@@ -160,7 +160,7 @@ def _yn(v) -> str:
 
 
 SELFTEST_STYLE = {"caught": "green", "pass": "green", "missed": "bold red", "findings": "bold red",
-                  "did not fire": "bold red", "n/a": "dim", "not applicable": "dim", "-": "dim"}
+                  "warnings": "yellow", "did not fire": "bold red", "n/a": "dim", "not applicable": "dim", "-": "dim"}
 
 
 def selftest(run, con) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterable
 
 from kvdiag.case import (
+    FIRED_MARK,
     LOG_TAIL_CHARS,
     REPRODUCE_MARK,
     STAGE_MARK,
@@ -39,10 +40,11 @@ __all__ = ["Case", "WorkerContext", "call_target", "run_cases"]  # Case and Work
 # --------------------------------------------------------------------------- parent side
 
 
-def _tail(path: Path, start: int = 0) -> str:
+def _tail(path: Path, start: int = 0, chars: int | None = LOG_TAIL_CHARS) -> str:
+    """The log from byte ``start``, its last ``chars`` at most (None: all of it)."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(start, os.path.getsize(path) - LOG_TAIL_CHARS))
+            f.seek(start if chars is None else max(start, os.path.getsize(path) - chars))
             return f.read().decode("utf-8", "replace")
     except OSError:
         return ""
@@ -83,6 +85,16 @@ def died_of(tail: str) -> dict:
         if hits:
             out["error_line"] = hits[-1].strip()[:300]
             break
+    return out
+
+
+def fired_marks(log: str) -> dict[str, int]:
+    """``{fault: times}`` from the ``FIRED_MARK`` lines of a case's log (the faults whose code ran before it died)."""
+    out: dict[str, int] = {}
+    for line in log.splitlines():
+        if line.startswith(FIRED_MARK):
+            name = line[len(FIRED_MARK):].strip()
+            out[name] = out.get(name, 0) + 1
     return out
 
 
@@ -203,11 +215,12 @@ class _Worker:
         now = time.monotonic()
         running = [c for c in self.pending if c.id in self.running]
         culprits = culprits or running or self.pending[:1]
-        tail = _tail(self.log_path, min(self.log_from.get(c.id, 0) for c in culprits))
+        start = min(self.log_from.get(c.id, 0) for c in culprits)
+        tail = _tail(self.log_path, start)
         if status == "crashed":
             cause = died_of(tail)
-            evidence = {**evidence, **cause}
             message += "".join(f"; {k.replace('_', ' ')}: {v}" for k, v in cause.items())
+            evidence = {**evidence, **cause, "fired": fired_marks(_tail(self.log_path, start, None))}
         recs = []
         for c in self.pending:
             if c in culprits:
