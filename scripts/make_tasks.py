@@ -11,8 +11,9 @@ kv_recall:       200 documents, 16 pairs, the asked key anywhere in the context.
 kv_recall_long:  100 documents, 64-96 pairs (~650-970 tokens), the asked key in
                  the first 10% of the pairs.
 kv_recall_p128:  100 documents, 112-144 pairs (~1.1-1.4k tokens), the key anywhere.
+kv_recall_p152:  100 documents, 144-160 pairs (~1.4-1.6k tokens), the key anywhere.
 kv_recall_p176:  100 documents, 160-190 pairs (~1.6-1.9k tokens), the key anywhere.
-                 Both are longer than anything the tiny models were trained on (at most 100 pairs), so recall
+                 All three are longer than anything the tiny models were trained on (at most 100 pairs), so recall
                  degrades: zoo:qwen3 scores 0.92 and 0.81 with auto (docs/zoo.md).
 Each document offers 4 choices, all values of the same context (the right one
 and 3 others). Keys are drawn only from the held-out keys (recall.is_heldout),
@@ -49,6 +50,7 @@ SPECS = {
     "kv_recall_long": (20260102, 100, (64, 96), 0.1),
     # harder: longer than the training curriculum's 100 pairs (seed 1: the --name default they were first made with)
     "kv_recall_p128": (1, 100, (112, 144), 1.0),
+    "kv_recall_p152": (1, 100, (144, 160), 1.0),
     "kv_recall_p176": (1, 100, (160, 190), 1.0),
 }
 

