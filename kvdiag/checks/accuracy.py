@@ -42,8 +42,9 @@ def drift_limit(name: str):
 class AccuracyParams:
     tasks: list[str] = option([], "--tasks", "-t", help="lm_eval task names or globs (comma-separated or repeated). "
                               "Default: kvdiag's shipped tasks (kv_recall, kv_recall_long); it also ships the harder "
-                              "kv_recall_p128, kv_recall_p152, kv_recall_p176 (longer than the tiny models were trained on: scores "
-                              "below 1, for zoo models). Any lm_eval task works (indexing lm_eval's tasks adds ~7 s).")
+                              "kv_recall_p128, kv_recall_p152, kv_recall_p176 (longer than the tiny models were "
+                              "trained on: scores below 1, for zoo models). Any lm_eval task works (indexing "
+                              "lm_eval's tasks adds ~7 s).")
     include_paths: list[str] = option([], "--include-path", help="A folder of your own lm_eval task YAML files; "
                                       "repeatable.")
     baseline: str = option("auto", "--baseline", help="The kv dtype every other dtype is compared with.")
