@@ -63,15 +63,20 @@ def kvdiag(name: str, *args: str, timeout: float = 1500) -> tuple[int, dict, str
     return p.returncode, run, p.stderr
 
 
+def plain_probe(*args: str, timeout: float = 900) -> dict:
+    """``python3 tests/vllm_gpu_probe.py ARGS``: its ``PROBE`` line's JSON (the process's stderr when it has none)."""
+    p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), *args], capture_output=True, text=True,
+                       timeout=timeout)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
+    assert line, p.stderr[-3000:]
+    return json.loads(line[6:])
+
+
 @functools.lru_cache(maxsize=None)
 def probe(mode: str) -> dict:
     from kvdiag.assets import TINY_MODEL
 
-    p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), mode, str(TINY_MODEL)], capture_output=True,
-                       text=True, timeout=900)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
-    assert line, p.stderr[-3000:]
-    result = json.loads(line[6:])
+    result = plain_probe(mode, str(TINY_MODEL))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"probe-{mode}.json").write_text(json.dumps(result, indent=1))
     return result
@@ -303,9 +308,8 @@ def test_a_wake_cycle_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycle
     assert code == 0, [c["findings"] for c in run["cases"]]
     for c in run["cases"]:
         level = c["metrics"]["level"]
-        p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "wake", str(TINY_MODEL), str(level),
-                            str(len(c["metrics"]["cycles"])), *engine], capture_output=True, text=True, timeout=600)
-        plain = json.loads(p.stdout.split("PROBE ", 1)[1])
+        plain = plain_probe("wake", str(TINY_MODEL), str(level), str(len(c["metrics"]["cycles"])), *engine,
+                            timeout=600)
         with open(OUT / "commands.jsonl", "a") as f:
             f.write(json.dumps({"name": f"wake-probe-{level}", "probe": plain, "kvdiag_s": c["duration_s"]}) + "\n")
         assert all(plain["identical"]) and all(r["identical"] for r in c["metrics"]["cycles"]), (plain, c)
@@ -326,9 +330,7 @@ def test_a_memleak_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycles()
     code, run, _ = kvdiag("memleak-timed", "memleak", "-e", "vllm", "-d", "auto", "-a", "enforce_eager=true")
     (c,) = run["cases"]
     assert c["status"] == "pass" and code == 0, c["findings"]
-    p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "eager", str(TINY_MODEL), *engine],
-                       capture_output=True, text=True, timeout=600)
-    plain = json.loads(p.stdout.split("PROBE ", 1)[1])
+    plain = plain_probe("eager", str(TINY_MODEL), *engine, timeout=600)
     with open(OUT / "commands.jsonl", "a") as f:
         f.write(json.dumps({"name": "memleak-probe", "probe": plain, "kvdiag_s": c["duration_s"]}) + "\n")
     assert c["duration_s"] <= 1.3 * plain["case_work_s"], (c["duration_s"], plain)
@@ -352,9 +354,7 @@ def test_compiled_qwen3_keeps_its_kv_cache_through_a_bytecode_hook_as_plain_vllm
         (cases[name],) = run["cases"]
         engine = ["enforce_eager=false", f"kv_cache_memory_bytes={kv_cache_bytes(model)}", "max_model_len=2048",
                   "gpu_memory_utilization=0.05", "max_num_seqs=64"]
-        p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "eager", model, *engine],
-                           capture_output=True, text=True, timeout=900)
-        plain[name] = json.loads(p.stdout.split("PROBE ", 1)[1])
+        plain[name] = plain_probe("eager", model, *engine)
         with open(OUT / "commands.jsonl", "a") as f:
             f.write(json.dumps({"name": f"compiled-memleak-probe-{name}", "engine": engine, "probe": plain[name]})
                     + "\n")

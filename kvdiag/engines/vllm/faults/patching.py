@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import ast
 import importlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from kvdiag.case import FIRED_MARK
 
 
 class NotApplicable(Exception):
@@ -41,10 +44,6 @@ _PATCHES: list[tuple[object, str, object, str]] = []  # (owner, attribute, origi
 def fire(fault: str) -> None:
     """The patched behaviour of ``fault`` ran (a counter per fault, for this process), also said in the case log
     (``FIRED_MARK``): a fault whose effect kills the worker is still known to have fired."""
-    import sys
-
-    from kvdiag.case import FIRED_MARK
-
     _FIRED[fault] = _FIRED.get(fault, 0) + 1
     print(f"{FIRED_MARK}{fault}", file=sys.stderr, flush=True)
 
