@@ -40,6 +40,7 @@ class Preset:
     from_shipped: bool = False  # built from the shipped trained tiny-llama instead of random weights
     outliers: bool = False  # add_k_outliers after training / when built
     recipe: dict[str, Any] = field(default_factory=dict)  # scripts/train_tiny_model.py defaults it changes
+    warm_from_llama: bool = False  # training starts from tiny-llama's layers, state layers inserted (kvdiag.zoo_warm)
 
 
 _ALT = ["sliding_attention", "full_attention"]
@@ -67,14 +68,17 @@ PRESETS = {p.name: p for p in (
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False),
            dict(num_key_value_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
                 first_k_dense_replace=2, moe_intermediate_size=32), recipe=dict(steps=6000)),  # see gemma3
-    Preset("granite-hybrid", "granitemoehybrid", "hybrid: Mamba-2 layers 0 and 2 (state, no KV), attention layers 1 "
-           "and 3, dense MLPs",
-           dict(_SIZE, layer_types=["mamba", "attention"] * 2, num_local_experts=0, shared_intermediate_size=384,
+    Preset("granite-hybrid", "granitemoehybrid", "hybrid: Mamba-2 layers 0 and 3 (state, no KV), attention layers 1, "
+           "2, 4, 5 (tiny-llama's, fine-tuned with the Mamba layers), dense MLPs",
+           dict(_SIZE, num_hidden_layers=6, layer_types=["mamba", "attention", "attention"] * 2, num_local_experts=0,
+                shared_intermediate_size=384, attention_multiplier=0.125, rms_norm_eps=1e-5,
                 mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4,
                 mamba_expand=2, mamba_chunk_size=256, position_embedding_type="rope", rope_theta=10000.0,
                 tie_word_embeddings=False),
            dict(layer_types=["mamba", "attention"], shared_intermediate_size=128, mamba_n_heads=4, mamba_d_head=32,
-                mamba_d_state=16)),
+                mamba_d_state=16),
+           warm_from_llama=True, recipe=dict(steps=300, lr=3e-4, warmup=20, start_pairs=100, min_pairs=16,
+                                             tokens_per_batch=4096, eval_every=100)),
     Preset("gpt-oss", "gpt_oss", "attention sinks, sliding (64) and full layers alternating, MoE (4 experts)",
            dict(_SIZE, head_dim=64, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2,
                 sliding_window=64, layer_types=_ALT * 2, tie_word_embeddings=False,

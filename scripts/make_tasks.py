@@ -13,7 +13,9 @@ kv_recall_long:  100 documents, 64-96 pairs (~650-970 tokens), the asked key in
 kv_recall_p128:  100 documents, 112-144 pairs (~1.1-1.4k tokens), the key anywhere.
 kv_recall_p152:  100 documents, 144-160 pairs (~1.4-1.6k tokens), the key anywhere.
 kv_recall_p176:  100 documents, 160-190 pairs (~1.6-1.9k tokens), the key anywhere.
-                 All three are longer than anything the tiny models were trained on (at most 100 pairs), so recall
+kv_recall_p176_early:
+                 100 documents, 160-190 pairs, the key in the first 10% of the pairs (1.5k tokens back or more).
+                 All four are longer than anything the tiny models were trained on (at most 100 pairs), so recall
                  degrades: zoo:qwen3 scores 0.92 and 0.81 with auto (docs/zoo.md).
 Each document offers 4 choices, all values of the same context (the right one
 and 3 others). Keys are drawn only from the held-out keys (recall.is_heldout),
@@ -52,6 +54,7 @@ SPECS = {
     "kv_recall_p128": (1, 100, (112, 144), 1.0),
     "kv_recall_p152": (1, 100, (144, 160), 1.0),
     "kv_recall_p176": (1, 100, (160, 190), 1.0),
+    "kv_recall_p176_early": (2, 100, (160, 190), 0.1),  # the asked key far back: where the Llama shapes fail
 }
 
 

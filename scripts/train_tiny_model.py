@@ -152,13 +152,18 @@ def check_format(rng, key_pool):
 
 # ---------------------------------------------------------------- model
 def build_model(args):
-    """The --arch preset's model (kvdiag.zoo) with the size options applied, transformers' random init."""
+    """The --arch preset's model (kvdiag.zoo) with the size options applied, transformers' random init; a preset
+    that starts from tiny-llama (kvdiag.zoo_warm) does so at its own size."""
     sizes = dict(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                  num_key_value_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate,
                  max_position_embeddings=args.max_positions)
     if zoo.preset(args.arch).model_type == "llama" and args.head_dim is None and (args.hidden or args.heads):
         cfg = zoo.hf_config(args.arch, tiny=args.tiny, **sizes)
         sizes["head_dim"] = cfg.hidden_size // cfg.num_attention_heads
+    if zoo.preset(args.arch).warm_from_llama and not args.tiny and not any(v is not None for v in sizes.values()):
+        from kvdiag import zoo_warm
+
+        return zoo_warm.from_llama(args.arch, seed=args.seed)
     return zoo.random_model(args.arch, seed=args.seed, tiny=args.tiny, **sizes)
 
 
@@ -181,6 +186,24 @@ def evaluate(model, device, rng, key_pool, rows, n_lo, n_hi, early: float | None
         total += ids.shape[0]
     model.train()
     return correct / total
+
+
+def state_layers_zeroed(model, eval_keys, rows, amp) -> dict:
+    """The long check again with every Mamba layer's output projection zeroed (the layers as inserted), and the
+    mean KL of the answer digits' distributions between the two: 0 would mean the state layers do nothing."""
+    import copy
+
+    ablated = copy.deepcopy(model)
+    for name, prm in ablated.named_parameters():
+        if name.endswith("mamba.out_proj.weight"):
+            prm.data.zero_()
+    ids, mask, *_ = make_batch(np.random.default_rng(9), eval_keys, rows, 80, 8)
+    m = (mask[:, 1:] == 1) | (mask[:, 1:] == 2)
+    with torch.no_grad(), amp():
+        lp = [torch.log_softmax(x(ids[:, :-1]).logits[m].float(), -1) for x in (model, ablated)]
+    kl = (lp[0].exp() * (lp[0] - lp[1])).sum(-1).mean().item()
+    acc = evaluate(ablated, torch.device("cpu"), np.random.default_rng(8), eval_keys, rows, 64, 96, 0.1, amp)
+    return {"acc_long_early_bf16_state_layers_zeroed": acc, "answer_kl_state_layers_zeroed": round(kl, 4)}
 
 
 def _requery(ids, mask, rng, n, early):
@@ -315,6 +338,8 @@ def main(argv=None):
         "acc_long_early_bf16": evaluate(model, cpu, np.random.default_rng(8), eval_keys, max(1, rows_long // 2), 64,
                                         96, 0.1, no_amp),
     }
+    if zoo.preset(args.arch).warm_from_llama:  # how much the inserted state layers now matter
+        final.update(state_layers_zeroed(model, eval_keys, max(1, rows_long // 2), no_amp))
     zoo.save_checkpoint(model, out)
     if zoo.preset(args.arch).outliers:
         zoo.add_k_outliers(out)

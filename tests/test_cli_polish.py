@@ -127,3 +127,14 @@ def test_comparing_unrelated_runs_is_bad_input(tmp_path):
     assert "'kvdiag memleak' on tiny-llama vs 'kvdiag accuracy' on tiny-llama" in r.stderr
     r = kvdiag("compare", str(accuracy_run), str(accuracy_run))  # the same run: related, nothing regressed
     assert r.returncode == 0, r.stderr
+
+
+def test_an_option_of_one_value_given_twice_is_bad_input_not_the_last_one_silently(tmp_path):
+    """`kvdiag accuracy -m A -m B` ran only B (click keeps the last value); the H100 session that met it lost four
+    of five models' bands. Now one line, exit 2, before anything runs; a repeatable option still repeats."""
+    r = kvdiag("accuracy", "-m", "zoo:qwen3", "--model=zoo:gemma3", "-d", "auto", "-o", str(tmp_path / "r"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--model/-m given 2 times" in r.stderr and "kvdiag ci" in r.stderr, r.stderr
+    assert not (tmp_path / "r").exists()
+    r = kvdiag("accuracy", "-d", "auto", "-d", "fp8", "--timeout", "1", "--timeout", "2")
+    assert r.returncode == 2 and "--timeout given 2 times" in r.stderr, r.stderr

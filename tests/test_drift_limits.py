@@ -12,6 +12,7 @@ from kvdiag.checks import drift
 # family -> (mean KL, max KL, min top-1 agreement, max |d logprob|, bit-identical required), as calibrated
 OLD_LIMITS = {
     "identical": (0.0, 0.0, 1.0, 0.0, True),
+    "recompiled": (1e-4, 2e-3, 0.99, 0.5, False),  # the identical family on a compiled engine (added at 2026-11-26)
     "unquantized": (2e-3, 0.1, 0.95, 1.0, False),
     "fp8_e4m3": (0.02, 1.0, 0.9, 4.0, False),
     "fp8_e5m2": (0.06, 4.0, 0.8, 5.0, False),
@@ -74,3 +75,46 @@ def test_each_dtype_gets_the_limits_it_had(model_dtype):
     assert got == want
     for n in OLD_FAMILY:
         assert _limits(drift.limits_for(n, model_dtype)) == OLD_LIMITS[want[n]]
+        compiled = "recompiled" if want[n] == "identical" else want[n]  # only the identical family changes
+        assert _limits(drift.limits_for(n, model_dtype, compiled=True)) == OLD_LIMITS[compiled]
+
+
+# drift.compare's totals measured with vLLM 0.24 (docs/vllm-gpu-results.md, 2026-11-26, fourth session)
+COMPILED_BF16_VS_AUTO = dict(identical=False, mean_kl=3.2e-6, max_kl=2.46e-4, top1_agreement=1.0,
+                             max_abs_dlogprob=0.0567, first_divergence=None)  # zoo:qwen3 compiled, H200
+S1_FAULT = dict(identical=False, mean_kl=7.56e-4, max_kl=9.97e-3, top1_agreement=1.0, max_abs_dlogprob=0.261,
+                first_divergence={"prompt": 1, "position": 6})  # explicit_bf16_as_fp8 on tiny-llama, H200
+
+
+def test_a_compiled_engines_own_dtype_may_differ_by_compile_noise_but_not_by_the_s1_fault():
+    """Compiled, vLLM compiles and autotunes each kv dtype apart: `bfloat16` on a bf16 model was bit-identical to
+    `auto` in one run and off by KL 3e-6 in another. Eager stays exact; compiled, that noise passes and the S1 fault
+    (bfloat16 silently run as fp8) still fails, on both KL limits."""
+    eager = drift.limits_for("bfloat16", "bfloat16")
+    compiled = drift.limits_for("bfloat16", "bfloat16", compiled=True)
+    assert drift.judge(COMPILED_BF16_VS_AUTO, eager) and not drift.judge(COMPILED_BF16_VS_AUTO, compiled)
+    problems = drift.judge(S1_FAULT, compiled)
+    assert [p.split()[0] for p in problems] == ["mean_kl", "max_kl"], problems
+
+
+def test_the_compiled_flag_of_either_record_picks_the_recompiled_limits():
+    class Rec:
+        def __init__(self, compiled):
+            self.metrics = {"compiled": compiled}
+
+    assert drift.compiled_pair(Rec(True), Rec(False)) and drift.compiled_pair(Rec(False), Rec(True))
+    assert not drift.compiled_pair(Rec(False), Rec(None))
+
+
+def test_a_vllm_engine_is_compiled_unless_eager_or_compilation_off():
+    """vLLM 0.24 sets compilation mode NONE (0) for enforce_eager; its defaults compile (VLLM_COMPILE, 3)."""
+    from types import SimpleNamespace as NS
+
+    from kvdiag.engines.vllm.adapt import compiles
+
+    def llm(eager, mode):
+        cfg = NS(model_config=NS(enforce_eager=eager), compilation_config=NS(mode=mode))
+        return NS(llm_engine=NS(vllm_config=cfg))
+
+    assert compiles(llm(False, 3)) and not compiles(llm(True, 0)) and not compiles(llm(False, 0))
+    assert not compiles(NS(llm_engine=NS()))  # a vLLM without vllm_config on its engine: eager, as before

@@ -19,7 +19,7 @@ SOURCES = {"kvdiag": ROOT / "kvdiag", "kvdiag.kernels": ROOT / "kernels"}  # pac
 # Lowest first; a module may import from its own layer and those below. The same order is in docs/DESIGN.md.
 LAYERS = [
     ("foundation", ["kvdiag", "kvdiag.errors", "kvdiag.dtypes", "kvdiag.results", "kvdiag.models",
-                    "kvdiag.modelgen", "kvdiag.zoo", "kvdiag.assets", "kvdiag.case", "kvdiag.gpus",
+                    "kvdiag.modelgen", "kvdiag.zoo", "kvdiag.zoo_warm", "kvdiag.assets", "kvdiag.case", "kvdiag.gpus",
                     "kvdiag.keyvalue"]),
     ("kernels", ["kvdiag.kernels"]),
     ("engines", ["kvdiag.engines"]),

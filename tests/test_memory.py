@@ -99,3 +99,20 @@ def test_snapshot_on_cpu_leaves_cuda_columns_empty():
     assert row["rss_mib"] > 10 and row["frozen"] == gc.get_freeze_count()
     assert [row[k] for k in ("cuda_allocated_mib", "cuda_reserved_mib", "driver_used_mib", "nvml_process_mib")] \
         == [None] * 4
+
+
+def test_torch_compiles_fake_tensors_hold_no_memory_and_are_named_in_a_chain(tmp_path):
+    """A compiled vLLM model keeps FakeTensors (dynamo's, sizes possibly symbolic) alive beside real ones: they own
+    no device memory, so the census leaves them out, and a holder chain through one still prints (on the H200 a
+    compiled Qwen3 memleak case died in the chain's formatting of such a size)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kvdiag.measure.holders import short
+
+    before = take_census()
+    with FakeTensorMode():
+        fake = torch.empty(1024, 1024)
+    real = torch.empty(1024, 1024)
+    s = survivors(before, take_census())
+    assert s.count == 1 and s.bytes == real.untyped_storage().nbytes()
+    assert short(fake) == "FakeTensor[1024x1024] float32 cpu" and "storage 4 MiB" in short(real)

@@ -445,6 +445,40 @@ def test_the_hybrid_s_fp8_wake_is_vllms_own_crash_and_its_reproducer_shows_it_wi
     assert probes["auto"] == {"rc": 0, "words": False, "answered": 2}, probes
 
 
+def test_the_compiled_hybrid_s_first_decode_is_vllms_own_crash_and_kvdiag_says_crashed_there():
+    """Issue 27, docs/vllm-findings.md 14: with vLLM's defaults (torch.compile, CUDA graphs) zoo:granite-hybrid's
+    first decode step dies with a CUDA error (an illegal memory access, or "operation not supported on global/shared
+    address space", both seen on the H100). The plain script (tests/vllm_gpu_probe.py ``eager`` with kvdiag's
+    engine arguments) dies the same way with ``enforce_eager=false`` and runs its three cycles eager; kvdiag's
+    memleak says ``crashed`` in cycle 1's workload (not an error of kvdiag's), in vLLM's code, with a reproducer."""
+    from kvdiag.engines.vllm import compat
+    from kvdiag.engines.vllm.sizing import kv_cache_bytes
+    from kvdiag.engines.vllm.source import vllm_source
+    from kvdiag.zoo import resolve
+
+    model = str(resolve("zoo:granite-hybrid"))
+    shim = compat.granite_layer_types(model, vllm_source)
+    extra = [f"hf_overrides={json.dumps(shim[0])}"] if shim else []
+    args = [f"kv_cache_memory_bytes={kv_cache_bytes(model)}", "max_model_len=2048", "gpu_memory_utilization=0.05",
+            "max_num_seqs=64", *extra]
+    eager = plain_probe("eager", model, "enforce_eager=true", *args)
+    assert len(eager["allocated_after_shutdown_mib"]) == 3, eager
+    p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "eager", model, "enforce_eager=false", *args],
+                       capture_output=True, text=True, timeout=900)
+    died = p.returncode != 0 and "PROBE " not in p.stdout and "CUDA error" in p.stderr
+    code, run, _ = kvdiag("zoo-granite-memleak-compiled", "memleak", "-e", "vllm", "-m", "zoo:granite-hybrid",
+                          "-d", "auto")
+    with open(OUT / "commands.jsonl", "a") as f:
+        f.write(json.dumps({"name": "granite-compiled-decode-probe", "rc": p.returncode, "died": died,
+                            "stderr_tail": p.stderr[-600:], "eager": eager}) + "\n")
+    assert died, p.stderr[-2000:]
+    (case,) = run["cases"]
+    (err,) = [f for f in case["findings"] if f["severity"] == "error"]
+    assert code == 1 and case["status"] == "crashed" and err["kind"] == "crashed", case["findings"]
+    assert err["message"].startswith("workload (cycle 1): ") and "CUDA error" in err["message"], err
+    assert err["evidence"]["where"].startswith("vllm/") and "llm.generate(" in err["evidence"]["reproduce"], err
+
+
 def test_the_trained_zoo_qwen3_scores_on_the_hard_task_what_lm_evals_own_vllm_backend_scores():
     """Issue 27: zoo:qwen3 on kv_recall_p128 (auto between 0.6 and 0.95), kvdiag's vLLM engine against lm_eval's own
     vLLM backend with the same engine arguments (tests/vllm_case_probe.py), eager and with vLLM's defaults."""

@@ -243,7 +243,8 @@ def test_vllm_runs_the_zoo_models_the_builtin_engine_refuses(name, tmp_path):
     [rec] = [json.loads(x) for x in (tmp_path / "r" / "results.jsonl").read_text().splitlines()][-1:]
     assert rec["status"] == "pass"
     log = next((tmp_path / "r" / "logs").glob("*.log")).read_text()
-    arch = json.loads((tmp_path / "zoo" / f"{name}-random" / "config.json").read_text())["architectures"][0]
+    folder = zoo.shipped_dir(name) if name == "granite-hybrid" else tmp_path / "zoo" / f"{name}-random"  # trained
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
     assert f"Resolved architecture: {arch}" in log
 
 
@@ -259,3 +260,20 @@ def test_the_recorded_training_of_a_zoo_model_is_what_its_command_runs_today(nam
     assert {k: args[k] for k in mine} == mine
     assert args["steps"] > _load_trainer().parse_args(["--out", "unused"]).steps  # the preset's recipe
     assert _load_trainer().parse_args(["--arch", name, "--out", "u", "--steps", "7"]).steps == 7  # a flag wins
+
+
+def test_the_shipped_hybrid_is_what_its_command_trains_and_its_mamba_layers_matter():
+    """kvdiag/assets/zoo/granite-hybrid is `train_tiny_model.py --arch granite-hybrid` (tiny-llama's layers, Mamba-2
+    layers inserted as identities, fine-tuned: kvdiag.zoo_warm); its log records the run. A rebuild must run the same
+    recipe, and the fine-tune must have put the Mamba layers in the computation: zeroing their outputs again changes
+    the answers' distributions (KL > 0.01), while recall stays learned."""
+    folder = zoo.shipped_dir("granite-hybrid")
+    assert zoo.resolve("zoo:granite-hybrid") == folder
+    recorded = json.loads((folder / "training_log.json").read_text())["summary"]
+    args = vars(_load_trainer().parse_args(["--arch", "granite-hybrid", "--out", "unused"]))
+    mine = {k: v for k, v in recorded["args"].items() if k not in ("out", "device", "time_limit", "threads")}
+    assert {k: args[k] for k in mine} == mine
+    assert recorded["acc16_bf16"] == 1.0 and recorded["acc_long_early_bf16"] >= 0.95
+    assert recorded["answer_kl_state_layers_zeroed"] > 0.01
+    marker = json.loads((folder / zoo.MARKER).read_text())
+    assert marker["trained"] is True and marker["preset"] == zoo.digest("granite-hybrid")

@@ -25,7 +25,7 @@ def value(text: str):
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
-    for cast in (int, float):
+    for cast in (int, float, json.loads):  # json: hf_overrides={"layer_types": [...]}
         try:
             return cast(text)
         except ValueError:

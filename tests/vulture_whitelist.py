@@ -47,3 +47,5 @@ _.schema_version  # results.RunRecord: a field of run.json, read by its users
 _._all_tasks, _._all_subtasks, _._all_groups, _._all_tags  # lm_eval's TaskManager fields (kvdiag.tasks._merge_index)
 _.WARMED  # kvdiag/engines/vllm/preimport.py: what the fork server warmed, read by tests/test_vllm_model_info.py
 _.recipe  # zoo.Preset: scripts/train_tiny_model.py reads it (outside vulture's paths)
+_.warm_from_llama  # zoo.Preset: scripts/train_tiny_model.py reads it
+_.from_llama  # kvdiag.zoo_warm: scripts/train_tiny_model.py calls it

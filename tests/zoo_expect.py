@@ -36,5 +36,7 @@ def audit_of(name: str, ssm_bytes: int = 4) -> str:
     conv = (c["mamba_d_conv"] - 1) * (inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]) * 2
     ssm = c["mamba_n_heads"] * c["mamba_d_head"] * c["mamba_d_state"] * ssm_bytes
     head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return (f"2 mamba(mamba2) bf16/{'fp32' if ssm_bytes == 4 else 'bf16'} {conv + ssm} B/sequence; "
-            f"2 full bf16 {2 * c['num_key_value_heads'] * head_dim * 2} B/token")
+    kinds = c["layer_types"]
+    ssm_type = "fp32" if ssm_bytes == 4 else "bf16"
+    return (f"{kinds.count('mamba')} mamba(mamba2) bf16/{ssm_type} {conv + ssm} B/sequence; "
+            f"{kinds.count('attention')} full bf16 {2 * c['num_key_value_heads'] * head_dim * 2} B/token")

@@ -42,9 +42,9 @@ def drift_limit(name: str):
 class AccuracyParams:
     tasks: list[str] = option([], "--tasks", "-t", help="lm_eval task names or globs (comma-separated or repeated). "
                               "Default: kvdiag's shipped tasks (kv_recall, kv_recall_long); it also ships the harder "
-                              "kv_recall_p128, kv_recall_p152, kv_recall_p176 (longer than the tiny models were "
-                              "trained on: scores below 1, for zoo models). Any lm_eval task works (indexing "
-                              "lm_eval's tasks adds ~7 s).")
+                              "kv_recall_p128, kv_recall_p152, kv_recall_p176, kv_recall_p176_early (longer than the "
+                              "tiny models were trained on: scores below 1, for zoo models). Any lm_eval task works "
+                              "(indexing lm_eval's tasks adds ~7 s).")
     include_paths: list[str] = option([], "--include-path", help="A folder of your own lm_eval task YAML files; "
                                       "repeatable.")
     baseline: str = option("auto", "--baseline", help="The kv dtype every other dtype is compared with.")
@@ -114,7 +114,8 @@ def run_case(case, ctx):
     times["lm_eval"], times["lm_eval_in_engine"] = _lap(t), round(lm.engine_seconds, 3)
     times["cpu"] = round(_cpu_time() - cpu, 3)
     metrics = {"scores": out["scores"], "lm_eval": out["settings"], "model_dtype": model_dtype(engine, case),
-               "finite": drift.finite(probe), "drift_over": probe["over"], "timings": times,
+               "compiled": compiled(engine), "finite": drift.finite(probe), "drift_over": probe["over"],
+               "timings": times,
                "worker": _worker_info(engine), **documents(out["scores"], times["lm_eval"]), "peak_mib": peak_mib(),
                "artifacts": {"samples": ctx.artifact(case, SAMPLES).name, "drift": ctx.artifact(case, DRIFT).name}}
     release_engine(case, engine)
@@ -180,6 +181,11 @@ def model_dtype(engine, case) -> str | None:
     return config_dtype(case.model)
 
 
+def compiled(engine) -> bool:
+    """Whether the engine runs a compiled model (vLLM's defaults; not with enforce_eager): drift.limits_for."""
+    return bool(getattr(engine, "compiled", False))
+
+
 def _max_len(engine, params) -> int:
     return int(getattr(engine, "max_model_len", 0) or params.get("max_model_len") or 2048)
 
@@ -227,7 +233,8 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
         else:
             samples = json.loads(artifact_path(run, rec, "samples").read_text())
             d = drift.compare(base_probe, drift.load(artifact_path(run, rec, "drift")))
-            lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"), max_kl=max_kl, min_top1=min_top1)
+            lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"),
+                                   compiled=drift.compiled_pair(rec, base), max_kl=max_kl, min_top1=min_top1)
             rows += verdicts.judge_case(rec, base, base_samples, samples, d, lim, max_drop=max_drop, alpha=alpha)
             by_position += [r for r in [verdicts.position_row(rec)] if r]
             changed.append(rec)

@@ -287,6 +287,13 @@ class Limits:
 # bf16 model is bit-identical. KL limits leave >= 5x headroom, |Δ logprob| >= 3x.
 FAMILY_LIMITS = {
     "identical": Limits("identical", 0.0, 0.0, 1.0, 0.0, identical=True),
+    # the identical family when the engine compiles its model (vLLM's defaults): each kv dtype is compiled and
+    # autotuned apart (vLLM hashes cache_dtype into the compile cache; Inductor max-autotune picks kernels by
+    # timing), so two equal caches can differ in the last bits. Measured with vLLM 0.24, zoo:qwen3, `bfloat16`
+    # against `auto`, compiled (docs/vllm-gpu-results.md): identical in some runs, in others mean KL 3.2e-6 to
+    # 6.1e-6, max KL 2.5e-4, max |Δ logprob| 0.057-0.077, the same greedy tokens. The S1 fault (bfloat16 run as
+    # fp8, tiny-llama) gives mean KL 7.6e-4, max KL 0.010: both limits sit ~8x above that noise, 5x below S1.
+    "recompiled": Limits("recompiled", 1e-4, 2e-3, 0.99, 0.5),
     "unquantized": Limits("unquantized", 2e-3, 0.1, 0.95, 1.0),
     "fp8_e4m3": Limits("fp8_e4m3", 0.02, 1.0, 0.9, 4.0),
     "fp8_e5m2": Limits("fp8_e5m2", 0.06, 4.0, 0.8, 5.0),
@@ -320,11 +327,19 @@ def wrongly_refused(rec, base) -> str | None:
             f"the engine refused it: {reason}")
 
 
-def limits_for(kv_dtype: str, model_dtype: str | None, *, max_kl: float | None = None,
+def compiled_pair(rec, base) -> bool:
+    """Whether a case or its baseline ran a compiled model (their records' ``compiled``)."""
+    return bool(rec.metrics.get("compiled") or base.metrics.get("compiled"))
+
+
+def limits_for(kv_dtype: str, model_dtype: str | None, *, compiled: bool = False, max_kl: float | None = None,
                min_top1: float | None = None) -> Limits:
+    """The limits a case is judged by; ``compiled``: the case or its baseline ran a compiled model (the engine's
+    ``compiled``), where the identical family becomes ``recompiled``. ``max_kl``/``min_top1`` tighten or loosen
+    the others, never these two."""
     lim = FAMILY_LIMITS[family(kv_dtype, model_dtype)]
     if lim.identical:
-        return lim
+        return FAMILY_LIMITS["recompiled"] if compiled else lim
     if max_kl is not None:
         lim = replace(lim, mean_kl=max_kl, max_kl=max(lim.max_kl, max_kl * 25))
     if min_top1 is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiag.checks import drift
-from kvdiag.checks.accuracy import DRIFT, drift_limit, model_dtype
+from kvdiag.checks.accuracy import DRIFT, compiled, drift_limit, model_dtype
 from kvdiag.checks.common import engine_failed, start_or_record
 from kvdiag.checks.engine_use import acquire_engine, release_engine
 from kvdiag.checks.registry import Check
@@ -54,6 +54,7 @@ def run_case(case, ctx):
     path = ctx.artifact(case, DRIFT)
     drift.save(probe, path)
     rec = case.result("pass", metrics={"started": True, "model_dtype": model_dtype(engine, case),
+                                       "compiled": compiled(engine),
                                        "finite": drift.finite(probe), "drift_over": probe["over"],
                                        "storage": cache_storage(engine), "artifacts": {"drift": path.name}})
     release_engine(case, engine)
@@ -133,9 +134,10 @@ def _row(rec, base, base_probe, folder: Path, max_kl, min_top1) -> dict:
     if base_probe is None:
         return {**row, "detail": "no usable baseline 'auto' to compare with"}
     d = drift.compare(base_probe, _probe(folder, rec))
-    lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"), max_kl=max_kl, min_top1=min_top1)
+    lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"), compiled=drift.compiled_pair(rec, base),
+                           max_kl=max_kl, min_top1=min_top1)
     rec.metrics.update(drift=d, drift_limits=lim.to_json())
-    row.update(identical_to_auto=d["identical"] if lim.family in ("identical", "unquantized") else None,
+    row.update(identical_to_auto=d["identical"] if lim.family in ("identical", "recompiled", "unquantized") else None,
                mean_kl=d["mean_kl"], top1_agreement=d["top1_agreement"], drift_grows=drift.grows(d, lim))
     problems = drift.judge(d, lim)
     if problems:

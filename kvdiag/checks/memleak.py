@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from kvdiag.checks import greedy, kv_identity, leftover, surviving
-from kvdiag.checks.common import detector_disabled, engine_spec, start_failed
+from kvdiag.checks.common import detector_disabled, engine_failed, engine_spec, start_failed
 from kvdiag.checks.registry import Check, option
 from kvdiag.engines.base import create_engine
 from kvdiag.errors import first_line
@@ -114,6 +114,10 @@ class FirstStartFailed(Exception):
     """The case's first engine start raised (its ``__cause__``)."""
 
 
+class WorkloadFailed(Exception):
+    """The engine raised while it served a cycle's workload (its ``__cause__``): the engine crashed, not kvdiag."""
+
+
 def run(case, ctx):
     """Case function (runner target ``kvdiag.checks.memleak:run``). The record's ``seconds``: the baseline, each
     cycle's phases (start, workload, snapshot, shutdown, after_shutdown: the cleanup and the measurements after it)
@@ -135,6 +139,8 @@ def run(case, ctx):
                                  frozenset()))
         except FirstStartFailed as e:  # unsupported, crashed or out of memory, worded as every check words it
             return start_failed(case, e.__cause__, alone=True)
+        except WorkloadFailed as e:  # e.g. a device fault in vLLM's step: crashed there, with its reproducer
+            return engine_failed(case, e.__cause__, f"workload (cycle {n})")
         except RestartImpossible as e:
             restart = {"cycle": n, "message": str(e)}
             break
@@ -231,7 +237,10 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
             raise FirstStartFailed from e
         raise RestartImpossible(f"{type(e).__name__}: {first_line(e)[:400]}") from e
     sec["start"] = _lap(t)
-    engine.generate(prompts, p.max_tokens)
+    try:
+        engine.generate(prompts, p.max_tokens)
+    except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record (run)
+        raise WorkloadFailed from e
     sec["workload"] = _lap(t)
     kv, kv_unknown = kv_identity.record(engine)
     snaps.append(snapshot("after-workload", n, cuda, frozen=False))

@@ -134,6 +134,28 @@ def options_of(command: str | None) -> set[str] | None:
     return {o for p in found.params for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))}
 
 
+def repeated_single_values(args: list[str]) -> None:
+    """UserError when an option that takes one value is given twice (click would keep the last one silently:
+    ``accuracy -m A -m B`` ran only B)."""
+    import typer.main
+
+    from kvdiag.errors import UserError
+
+    command = next((a for a in args if not a.startswith("-")), None)
+    found = getattr(typer.main.get_command(app), "commands", {}).get(command)
+    if found is None:
+        return
+    head = args[:args.index("--")] if "--" in args else args
+    for p in found.params:
+        opts = [*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ())]
+        if getattr(p, "multiple", True) or getattr(p, "is_flag", True) or getattr(p, "count", False):
+            continue
+        n = sum(a in opts or a.split("=", 1)[0] in opts and "=" in a for a in head)
+        if n > 1:
+            hint = " (several models: one run each, or `kvdiag ci` with models = [...])" if "--model" in opts else ""
+            raise UserError(f"{'/'.join(opts)} given {n} times; '{command}' takes one value{hint}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one line on stderr for bad input (exit 2) or an internal failure (exit 3)."""
     try:  # typer >= 0.20 vendors click
@@ -150,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         args = translate(sys.argv[1:] if argv is None else list(argv), options_of)
+        repeated_single_values(args)
         rv = app(args=optional_values(args), standalone_mode=False, prog_name="kvdiag")
     except UserError as e:
         print(f"kvdiag: error: {e}", file=sys.stderr)

@@ -53,14 +53,16 @@ class Census:
 
 
 def storage_key(t) -> tuple[str, int, int] | None:
-    """(device, storage data_ptr, storage nbytes) of a tensor; None where there is no real storage (meta, sparse)."""
+    """(device, storage data_ptr, storage nbytes) of a tensor; None where there is no real storage (meta, sparse,
+    torch.compile's fake tensors, whose sizes may be symbolic)."""
     import torch
 
     try:
-        if t.layout is not torch.strided or t.device.type == "meta":
+        if t.layout is not torch.strided or t.device.type == "meta" or getattr(t, "fake_mode", None) is not None:
             return None
         s = t.untyped_storage()
-        return str(t.device), s.data_ptr(), s.nbytes()
+        ptr, n = s.data_ptr(), s.nbytes()
+        return (str(t.device), ptr, n) if type(ptr) is int and type(n) is int else None
     except Exception:  # noqa: BLE001 - fake, functional or otherwise storage-less tensors
         return None
 

@@ -143,6 +143,14 @@ def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
     return kw, sampling
 
 
+def compiles(llm) -> bool:
+    """Whether this engine runs its model through torch.compile: not eager, compilation mode not NONE (0)."""
+    cfg = getattr(llm.llm_engine, "vllm_config", None)
+    if cfg is None or cfg.model_config.enforce_eager:
+        return False
+    return int(getattr(cfg.compilation_config, "mode", 0) or 0) != 0
+
+
 def _shim_layer_types(model: str, kw: dict) -> None:
     """``hf_overrides`` giving vLLM the layer names its model's table keys when transformers renamed them
     (``compat.py``), said in the case's record."""

@@ -74,6 +74,7 @@ class VllmEngine:
 
     def __init__(self):
         self.llm = self.spec = self.tokenizer = self.dtype = None
+        self.compiled = False  # torch.compile'd model (vLLM's defaults): drift.limits_for
         self.max_model_len = 0
         self._caps: Capabilities | None = None
         self._sleep = SleepState()
@@ -127,6 +128,7 @@ class VllmEngine:
         mc = self.llm.llm_engine.model_config
         # vLLM wants room for one sampled token after a prompt, so score() takes one token less
         self.dtype, self.max_model_len = mc.dtype, mc.max_model_len - 1
+        self.compiled = adapt.compiles(self.llm)
         self._caps = self._probe(bool(kwargs.get("enable_sleep_mode")), sleep_reason, mc.max_logprobs)
 
     def _probe(self, sleep_on: bool, sleep_reason: str | None, max_logprobs: int) -> Capabilities:
