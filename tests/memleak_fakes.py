@@ -179,3 +179,13 @@ class BufferKeeperEngine(BuiltinEngine):
         super().start(spec)
         if "buffer" not in KEPT:
             KEPT["buffer"] = torch.zeros(12 * 1024)
+
+
+class DiesInWorkloadEngine(LeakyEngine):
+    """An engine that starts, then fails in its first generate as vLLM's compiled hybrid does on a GPU
+    (docs/vllm-findings.md 14)."""
+
+    name = "dies-in-workload"
+
+    def generate(self, prompts, max_tokens, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")

@@ -432,3 +432,15 @@ def test_survivors_the_previous_shutdown_left_or_small_ones_are_not_waited_for_l
     assert survivors(base, settled_census(base, cuda=False, wait_s=2.0, known=first)).keys == first
     assert 0.3 <= time.monotonic() - t0 < 2.0
     assert small and cache and not held
+
+
+def test_an_engine_that_dies_in_the_workload_is_crashed_there_not_an_error_of_kvdiags():
+    """vLLM's compiled hybrid dies at its first decode (finding 14): the case is the engine's crash, in the stage
+    where it happened and with the frame it was raised in, as every check words an engine's failure."""
+    rec = memleak.run(Case("memleak", "memleak_fakes:DiesInWorkloadEngine", "m", "auto", "kvdiag.checks.memleak:run",
+                           params={"device": "cpu", "cycles": 3, "num_prompts": 1}), None)
+    assert rec.status == "crashed"
+    (f,) = rec.findings
+    assert f.kind == "crashed" and f.severity == "error"
+    assert f.message == "workload (cycle 1): RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert f.evidence["stage"] == "workload (cycle 1)" and "memleak_fakes.py" in f.evidence["where"]

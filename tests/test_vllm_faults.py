@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvdiag import zoo
 from kvdiag.checks.selftest_vllm import CATALOGUE
 from kvdiag.engines.vllm import faults
 from kvdiag.engines.vllm.faults import patching
@@ -233,6 +234,8 @@ def test_s3_fresh_blocks_not_zeroed_on_a_hybrid_is_caught_by_poison_which_covers
     assert row["cells"]["poison"]["finding"].startswith("auto: ")
     clean = next(c for c in run["cases"] if c["params"]["selftest"] == "clean")
     m = clean["status"], clean["metrics"]
-    assert m[0] == "pass" and m[1]["poisoned"]["state_layers"] == 2 and m[1]["poisoned"]["kv_layers"] == 2
+    kinds = zoo.PRESETS["granite-hybrid"].config["layer_types"]  # every Mamba layer's state, every attention layer
+    assert m[0] == "pass" and m[1]["poisoned"]["state_layers"] == kinds.count("mamba") == 2
+    assert m[1]["poisoned"]["kv_layers"] == kinds.count("attention") == 4
     assert m[1]["fresh_state_blocks"] > 0 and m[1]["fresh_blocks"] > m[1]["fresh_state_blocks"]
     assert m[1]["kv_state_nonfinite"] == 0 and m[1]["kv_nonfinite"] == 0
