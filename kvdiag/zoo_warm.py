@@ -1,4 +1,4 @@
-"""A zoo preset warm-started from the shipped trained tiny-llama (``Preset.warm_from``).
+"""A zoo preset warm-started from the shipped trained tiny-llama (``Preset.warm_from_llama``).
 
 The hybrid preset keeps tiny-llama's four attention+MLP layers, in order, and inserts its state layers (Mamba-2)
 between them as identities: their output projection and their MLP's output projection are zero, so the new model

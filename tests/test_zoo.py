@@ -248,6 +248,15 @@ def test_vllm_runs_the_zoo_models_the_builtin_engine_refuses(name, tmp_path):
     assert f"Resolved architecture: {arch}" in log
 
 
+def _assert_todays_command_runs(name: str, recorded: dict) -> dict:
+    """`train_tiny_model.py --arch NAME` has the recorded run's arguments (returned); only the output folder, the
+    device and the time limit may differ."""
+    args = vars(_load_trainer().parse_args(["--arch", name, "--out", "unused"]))
+    mine = {k: v for k, v in recorded["args"].items() if k not in ("out", "device", "time_limit")}
+    assert {k: args[k] for k in mine} == mine
+    return args
+
+
 @pytest.mark.parametrize("name", ["gemma3", "deepseek-v2"])
 def test_the_recorded_training_of_a_zoo_model_is_what_its_command_runs_today(name):
     """docs/zoo-training/NAME.json is the H100 run that taught NAME recall (1.0 on 16 pairs and on 64-96); `python
@@ -255,9 +264,7 @@ def test_the_recorded_training_of_a_zoo_model_is_what_its_command_runs_today(nam
     that a rebuild can be compared with it. Only the output folder, the device and the time limit may differ."""
     recorded = json.loads((ROOT / "docs" / "zoo-training" / f"{name}.json").read_text())["summary"]
     assert recorded["acc16_bf16"] == 1.0 and recorded["acc_long_early_bf16"] == 1.0
-    args = vars(_load_trainer().parse_args(["--arch", name, "--out", "unused"]))
-    mine = {k: v for k, v in recorded["args"].items() if k not in ("out", "device", "time_limit")}
-    assert {k: args[k] for k in mine} == mine
+    args = _assert_todays_command_runs(name, recorded)
     assert args["steps"] > _load_trainer().parse_args(["--out", "unused"]).steps  # the preset's recipe
     assert _load_trainer().parse_args(["--arch", name, "--out", "u", "--steps", "7"]).steps == 7  # a flag wins
 
@@ -270,9 +277,7 @@ def test_the_shipped_hybrid_is_what_its_command_trains_and_its_mamba_layers_matt
     folder = zoo.shipped_dir("granite-hybrid")
     assert zoo.resolve("zoo:granite-hybrid") == folder
     recorded = json.loads((folder / "training_log.json").read_text())["summary"]
-    args = vars(_load_trainer().parse_args(["--arch", "granite-hybrid", "--out", "unused"]))
-    mine = {k: v for k, v in recorded["args"].items() if k not in ("out", "device", "time_limit", "threads")}
-    assert {k: args[k] for k in mine} == mine
+    _assert_todays_command_runs("granite-hybrid", recorded)
     assert recorded["acc16_bf16"] == 1.0 and recorded["acc_long_early_bf16"] >= 0.95
     assert recorded["answer_kl_state_layers_zeroed"] > 0.01
     marker = json.loads((folder / zoo.MARKER).read_text())

@@ -124,30 +124,37 @@ def optional_values(args: list[str]) -> list[str]:
     return out
 
 
-def options_of(command: str | None) -> set[str] | None:
-    """The option names a command takes (None: no such command)."""
+def _click_command(command: str | None):
+    """The click command behind ``kvdiag COMMAND`` (None: no such command)."""
     import typer.main
 
-    found = getattr(typer.main.get_command(app), "commands", {}).get(command)
+    return getattr(typer.main.get_command(app), "commands", {}).get(command)
+
+
+def _names(param) -> list[str]:
+    return [*getattr(param, "opts", ()), *getattr(param, "secondary_opts", ())]
+
+
+def options_of(command: str | None) -> set[str] | None:
+    """The option names a command takes (None: no such command)."""
+    found = _click_command(command)
     if found is None:
         return None
-    return {o for p in found.params for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))}
+    return {o for p in found.params for o in _names(p)}
 
 
 def repeated_single_values(args: list[str]) -> None:
     """UserError when an option that takes one value is given twice (click would keep the last one silently:
     ``accuracy -m A -m B`` ran only B)."""
-    import typer.main
-
     from kvdiag.errors import UserError
 
     command = next((a for a in args if not a.startswith("-")), None)
-    found = getattr(typer.main.get_command(app), "commands", {}).get(command)
+    found = _click_command(command)
     if found is None:
         return
     head = args[:args.index("--")] if "--" in args else args
     for p in found.params:
-        opts = [*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ())]
+        opts = _names(p)
         if getattr(p, "multiple", True) or getattr(p, "is_flag", True) or getattr(p, "count", False):
             continue
         n = sum(a in opts or a.split("=", 1)[0] in opts and "=" in a for a in head)
