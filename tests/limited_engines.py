@@ -108,3 +108,29 @@ def rejects_bf16():
             return super().start(spec)
 
     return Engine()
+
+
+def dies_in_generate(after: int):
+    """The builtin engine, failing in its generate call number ``after + 1`` as vLLM's compiled hybrid fails on a
+    GPU (docs/vllm-findings.md 14)."""
+    from kvdiag.engines.builtin.engine import BuiltinEngine
+
+    class Engine(BuiltinEngine):
+        calls = 0
+
+        def generate(self, *a, **kw):
+            Engine.calls += 1
+            if Engine.calls > after:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return super().generate(*a, **kw)
+
+    return Engine()
+
+
+def dies_at_once():
+    return dies_in_generate(0)
+
+
+def dies_when_poisoned():
+    """Runs the zero-filled reference's three waves, then dies in the poisoned run's first."""
+    return dies_in_generate(3)

@@ -194,6 +194,20 @@ def test_either_s3_half_alone_is_harmless(model, fault):
     assert rec.status == "pass", rec.findings
 
 
+@pytest.mark.parametrize("engine,stage", [
+    ("dies_at_once", "workload (zero-filled reference, wave 1)"),
+    ("dies_when_poisoned", "workload (blocks poisoned with nan, wave 1; the zero-filled reference ran)")])
+def test_an_engine_that_dies_in_a_wave_is_crashed_there_not_an_error_of_kvdiags(model, engine, stage):
+    """vLLM's compiled hybrid dies at its first decode (finding 14): poison says the engine crashed, in which run
+    and wave, with the frame it was raised in, as memleak does."""
+    rec = run_case(model, "auto", engine=f"limited_engines:{engine}", value="nan")
+    assert rec.status == "crashed"
+    (f,) = rec.findings
+    assert f.kind == "crashed" and f.evidence["stage"] == stage
+    assert f.message == f"{stage}: RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert "limited_engines.py" in f.evidence["where"]
+
+
 def kvdiag(*args):
     return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True)
 

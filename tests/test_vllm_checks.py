@@ -79,6 +79,7 @@ def test_accuracy_through_vllm_agrees_with_the_builtin_engine(tmp_path):
     assert by["auto"]["metrics"]["scores"]["kv_recall"]["acc"]["n"] == 6
     bf16 = by["bfloat16"]["metrics"]
     assert bf16["drift"]["identical"] and bf16["drift"]["mean_kl"] == 0 and bf16["verdict"] == "ok"
+    assert bf16["drift"]["context_from_cache"] > 0.9  # read back from the cache: all but one context under a block
     assert by["auto"]["metrics"]["drift_over"] == "top-k"  # vLLM gives top-k logprobs, not whole distributions
     code, ref = kvdiag("accuracy", "-e", "builtin", "-d", "auto", *FEW_DOCS, "-o", str(tmp_path / "builtin"))
     assert code == 0

@@ -129,6 +129,20 @@ def test_score_matches_transformers(probe, hf, hf32):
     assert probe["score_empty"]["logprobs"] == [] and probe["score_empty"]["is_greedy"]
 
 
+def test_a_long_context_is_read_back_from_the_cache_and_scores_as_transformers(probe, hf, hf32):
+    """score() writes the context first, so the continuation is computed against the cached context (whole
+    blocks of it: a backend attending a first prefill on unquantized K/V would otherwise never read the cache);
+    the same pair scored again (its continuation's blocks now cached too: a hit past the context) is scored
+    again in full, without the cache."""
+    c, t = hf.encode(vllm_probe.LONG_CONTEXT), hf.encode(vllm_probe.LONG_CONTINUATION, special=False)
+    _, want, tol = oracle(hf, hf32, c + t, list(range(len(c) - 1, len(c) + len(t) - 1)), t)
+    first, again = probe["score_long"][0], probe["score_long_again"][0]
+    assert 0 < first["context_from_cache"] < len(c) and first["context_from_cache"] % 16 == 0
+    assert first["logprobs"] == pytest.approx(want.tolist(), abs=tol)
+    assert len(t) > 32 and again["context_from_cache"] == 0  # the pair's blocks would have hit into the continuation
+    assert again["logprobs"] == pytest.approx(first["logprobs"], abs=1e-6)
+
+
 def test_generate_is_greedy_under_transformers(probe, hf, hf32):
     seen = []
     for p, c, ci in zip(vllm_probe.PROMPTS, probe["generate"], probe["generate_ids"]):

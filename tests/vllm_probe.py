@@ -12,6 +12,10 @@ from dataclasses import asdict
 PROMPTS = ["the quick brown fox", "0123456789", "kv cache"]
 CONTEXTS = ["the quick brown", "abc", "hello there"]
 CONTINUATIONS = [" fox jumps", "d", " general"]
+# a context of whole blocks of vLLM's (CPU: 32 tokens; ~150 tokens of this tokenizer): score() reads them back from
+# the cache; a continuation longer than a block, so that scoring the pair again hits past the context
+LONG_CONTEXT = " ".join(f"key {i} is {i * 7 % 13}." for i in range(12))
+LONG_CONTINUATION = " key 3 is 8. key 5 is 9. key 7 is 10. key 11 is 12."
 KV_PROMPT = "keys and values of one block"  # shorter than a block: one block holds all of it
 
 
@@ -80,6 +84,8 @@ def main(model: str, out_path: str) -> None:
     res["score"] = [asdict(s) for s in engine.score(CONTEXTS, CONTINUATIONS, top_k=5)]
     res["score_top0"] = [asdict(s) for s in engine.score(CONTEXTS, CONTINUATIONS)]
     res["score_empty"] = asdict(engine.score(["abc"], [""])[0])
+    res["score_long"] = [asdict(s) for s in engine.score([LONG_CONTEXT], [LONG_CONTINUATION])]
+    res["score_long_again"] = [asdict(s) for s in engine.score([LONG_CONTEXT], [LONG_CONTINUATION])]
     res["kv_bf16"] = written_block(engine, KV_PROMPT) if engine.capabilities.kv_access else None
     res["isa_bf16"] = attention_isa(engine)
     try:

@@ -57,6 +57,11 @@ def refused(exc: BaseException) -> str | None:
     return first_line(exc)
 
 
+class WorkloadFailed(Exception):
+    """The engine raised while it served a check's workload (its ``__cause__``): the engine crashed, not kvdiag
+    (``engine_failed`` words it, in the stage the check names)."""
+
+
 def engine_failed(case, exc: BaseException, stage: str, **metrics):
     """The record of a case whose engine raised in ``stage`` ("engine start", "drift probe", "lm_eval"): status
     ``crashed`` with a ``crashed`` finding that names the stage, or, when the device ran out of memory, ``error``

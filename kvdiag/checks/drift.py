@@ -60,7 +60,8 @@ def _scores(engine, contexts, continuations, max_full_bytes: int, keep: int) -> 
     full = bool(engine.capabilities.full_logits)
     top_k = -1 if full else min(keep, engine.capabilities.max_logprobs or keep)
     scored = engine.score(contexts, continuations, top_k=top_k)
-    out = {"over": "full" if full else "top-k", "chosen": [list(map(float, s.logprobs)) for s in scored]}
+    out = {"over": "full" if full else "top-k", "chosen": [list(map(float, s.logprobs)) for s in scored],
+           "from_cache": [s.context_from_cache for s in scored]}
     if full:
         dists = [torch.as_tensor(s.distributions).float().cpu().numpy() for s in scored]
         if sum(d.size for d in dists) * 4 > max_full_bytes:
@@ -191,7 +192,15 @@ def compare(base: dict, test: dict) -> dict:
         "first_divergence": first,
         "identical": bool(identical),
         "by_position": by_position,
+        "context_from_cache": from_cache(test),
     }
+
+
+def from_cache(data: dict) -> float | None:
+    """The share of prompts whose continuation was scored against its context read back from the KV cache
+    (``Scored.context_from_cache`` > 0); None when the engine does not say (an artifact of an earlier kvdiag)."""
+    said = [n for n in data.get("from_cache") or [] if n is not None]
+    return sum(n > 0 for n in said) / len(said) if said else None
 
 
 def _per_position(base: dict, test: dict) -> tuple[str, list[list[float]], list[list[bool]]]:
@@ -382,4 +391,22 @@ def grows(d: dict, lim: Limits) -> list[tuple[str, dict]]:
     return out
 
 
+def warnings(d: dict, lim: Limits) -> list[tuple[str, str, dict]]:
+    """The drift's warnings (kind, line, evidence): ``drift_grows`` (``grows``) and ``drift_uncached``: a quantized
+    dtype whose teacher-forced scores mostly did not read their context back from the KV cache (contexts shorter
+    than a block, prefix caching off, blocks evicted), so that a backend attending a first prefill on unquantized
+    K/V would show little or no drift."""
+    out = [("drift_grows", msg, evidence) for msg, evidence in grows(d, lim)]
+    share = d.get("context_from_cache")
+    if share is not None and share < MIN_FROM_CACHE and lim.family not in UNQUANTIZED_FAMILIES:
+        out.append(("drift_uncached", f"drift read the context back from the KV cache for {share:.0%} of the "
+                    "prompts: the rest were scored in one prefill, which some backends attend on the unquantized "
+                    "K/V, so drift may not show this cache (contexts shorter than one KV block of the engine, "
+                    "or prefix caching off: vLLM turns it off for hybrid models, whose blocks hold hundreds of tokens)",
+                    {"context_from_cache": share}))
+    return out
+
+
+MIN_FROM_CACHE = 0.5  # a drift whose prompts read their context back from the cache less often than this is warned
+UNQUANTIZED_FAMILIES = ("identical", "recompiled", "unquantized")
 SECTION_WORDS = {"prompts": "prompts' continuations", "long": f"long continuations ({LONG_TOKENS} tokens)"}

@@ -101,7 +101,7 @@ def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) 
             rec.status = "fail"
             rec.add("error", "wrong", row["detail"])
         warnings = [("not_quantized", row["not_quantized"], {})] if row["not_quantized"] else []
-        warnings += [("drift_grows", msg, evidence) for msg, evidence in row.pop("drift_grows")]
+        warnings += row.pop("drift_warnings")
         for kind, msg, evidence in warnings:
             rec.add("warning", kind, msg, **evidence)
             row["detail"] = "; ".join(x for x in (row["detail"], msg) if x)
@@ -115,7 +115,7 @@ def _row(rec, base, base_probe, folder: Path, max_kl, min_top1) -> dict:
     started = bool(rec.metrics.get("started", rec.status == "pass"))
     row = {"kv_dtype": rec.kv_dtype, "result": "pass", "started": started,
            "finite": rec.metrics.get("finite"), "identical_to_auto": None, "mean_kl": None, "top1_agreement": None,
-           "detail": "", "drift_grows": []}
+           "detail": "", "drift_warnings": []}
     first = rec.findings[0].message if rec.findings else ""
     if rec.status in NOT_RUN_STATUSES:
         wrong = drift.wrongly_refused(rec, base)
@@ -137,8 +137,8 @@ def _row(rec, base, base_probe, folder: Path, max_kl, min_top1) -> dict:
     lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"), compiled=drift.compiled_pair(rec, base),
                            max_kl=max_kl, min_top1=min_top1)
     rec.metrics.update(drift=d, drift_limits=lim.to_json())
-    row.update(identical_to_auto=d["identical"] if lim.family in ("identical", "recompiled", "unquantized") else None,
-               mean_kl=d["mean_kl"], top1_agreement=d["top1_agreement"], drift_grows=drift.grows(d, lim))
+    row.update(identical_to_auto=d["identical"] if lim.family in drift.UNQUANTIZED_FAMILIES else None,
+               mean_kl=d["mean_kl"], top1_agreement=d["top1_agreement"], drift_warnings=drift.warnings(d, lim))
     problems = drift.judge(d, lim)
     if problems:
         return {**row, "result": "wrong", "detail": "; ".join(problems)}

@@ -34,7 +34,13 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from kvdiag.checks import greedy, kv_identity, leftover, surviving
-from kvdiag.checks.common import detector_disabled, engine_failed, engine_spec, start_failed
+from kvdiag.checks.common import (
+    WorkloadFailed,
+    detector_disabled,
+    engine_failed,
+    engine_spec,
+    start_failed,
+)
 from kvdiag.checks.registry import Check, option
 from kvdiag.engines.base import create_engine
 from kvdiag.errors import first_line
@@ -112,10 +118,6 @@ class RestartImpossible(Exception):
 
 class FirstStartFailed(Exception):
     """The case's first engine start raised (its ``__cause__``)."""
-
-
-class WorkloadFailed(Exception):
-    """The engine raised while it served a cycle's workload (its ``__cause__``): the engine crashed, not kvdiag."""
 
 
 def run(case, ctx):

@@ -24,7 +24,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvdiag.checks import greedy, kv_tensors
-from kvdiag.checks.common import device_info, engine_spec, spec_starter, start_or_record
+from kvdiag.checks.common import (
+    WorkloadFailed,
+    device_info,
+    engine_failed,
+    engine_spec,
+    spec_starter,
+    start_or_record,
+)
 from kvdiag.checks.registry import Check, option
 
 
@@ -94,21 +101,35 @@ def run(case, ctx):
     engine, failed = start_or_record(case, spec_starter(spec), alone=True)
     if failed is not None:
         return failed
+    rec = None
     try:
         caps = engine.capabilities
         if not caps.kv_access or engine.kv_blocks() is None:
             return greedy.unsupported(case, caps.kv_access_reason or "the engine gives no access to its KV blocks")
-        ref, _ = run_waves(engine, waves, "zero", p.seed)
-        out, stats = run_waves(engine, waves, p.value, p.seed)
+        try:
+            ref, _ = run_waves(engine, waves, "zero", p.seed)
+        except WorkloadFailed as e:  # e.g. a device fault in vLLM's step: crashed there, with its reproducer
+            rec = engine_failed(case, e.__cause__, f"workload (zero-filled reference, {e})")
+            return rec
+        try:
+            out, stats = run_waves(engine, waves, p.value, p.seed)
+        except WorkloadFailed as e:  # the clean reference ran: the engine died on the poisoned blocks
+            rec = engine_failed(case, e.__cause__, f"workload (blocks poisoned with {p.value}, {e}; the "
+                                "zero-filled reference ran)")
+            return rec
         prompts = [q for w in waves for q in w.prompts]
         return _verdict(case, p, prompts, ref, out, dict(stats, num_blocks=engine.kv_blocks().num_blocks), engine)
     finally:
-        engine.shutdown()
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - after a device fault the shutdown may fail too: the crash is the record
+            if rec is None:
+                raise
 
 
 def run_waves(engine, waves: list[Wave], value: str, seed: int):
     """Run the waves, filling the free blocks with ``value`` before each. Returns the completions
-    (all waves, in order) and what happened to the cache."""
+    (all waves, in order) and what happened to the cache; the engine raising in a wave is ``WorkloadFailed``."""
     import torch
 
     outs, stats = [], {"poisoned_blocks": 0, "fresh_blocks": 0, "fresh_state_blocks": 0, "kv_slots_scanned": 0,
@@ -119,7 +140,10 @@ def run_waves(engine, waves: list[Wave], value: str, seed: int):
         free = view.free_blocks()
         kv_tensors.fill_blocks(view, free, value, seed + n)
         marks = kv_tensors.slot_fingerprint(view)
-        outs += engine.generate(wave.prompts, wave.max_tokens, greedy=True)
+        try:
+            outs += engine.generate(wave.prompts, wave.max_tokens, greedy=True)
+        except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record (run)
+            raise WorkloadFailed(f"wave {n + 1}") from e
         view = engine.kv_blocks()
         changed = kv_tensors.slot_fingerprint(view) != marks
         per_block = changed.view(view.num_blocks, view.block_size).any(1)

@@ -64,8 +64,8 @@ def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift
         problems.append("per-document results differ from the baseline")
     for msg in problems:
         rec.add("error", "drift", f"drift ({lim.family}): {msg}", **_drift_evidence(d))
-    for msg, evidence in drift.grows(d, lim):
-        rec.add("warning", "drift_grows", msg, **evidence)
+    for kind, msg, evidence in drift.warnings(d, lim):
+        rec.add("warning", kind, msg, **evidence)
     verdict = max([r["verdict"] for r in rows] + (["drift"] if problems else ["ok"]), key=ORDER.index)
     if problems:
         for r in rows:
@@ -75,7 +75,8 @@ def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift
     return rows
 
 
-ANALYSIS_KINDS = ("regression", "collapse", "drift", "drift_grows", "no_baseline", "wrong", "not_quantized")
+ANALYSIS_KINDS = ("regression", "collapse", "drift", "drift_grows", "drift_uncached", "no_baseline", "wrong",
+                  "not_quantized")
 
 
 def position_row(rec) -> dict | None:

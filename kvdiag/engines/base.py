@@ -70,6 +70,7 @@ class Scored:
     is_greedy: bool  # every continuation token was the argmax
     top_logprobs: list[dict[int, float]] | None = None  # per continuation token, when top_k > 0
     distributions: Any = None  # torch.Tensor [len(continuation), vocab] of logprobs, when top_k == -1
+    context_from_cache: int | None = None  # context tokens read back from the KV cache (None: not said)
 
 
 @dataclass

@@ -271,12 +271,21 @@ def completion(out, logprobs: int) -> Completion:
                       top_logprobs=tops, text=o.text or "", finish_reason=o.finish_reason or "length")
 
 
-def scored(prompt_logprobs, n_ctx: int, cont: list[int], k: int) -> Scored:
-    """Continuation token j is prompt position n_ctx + j; vLLM always includes the actual token."""
-    rows = [prompt_logprobs[n_ctx + j] for j in range(len(cont))]
+def scored(out, n_ctx: int, cont: list[int], k: int) -> Scored:
+    """Continuation token j is prompt position n_ctx + j; vLLM always includes the actual token.
+
+    With a prefix-cache hit of H tokens, vLLM's model runner V2 returns the prompt logprobs from position H on
+    (a list H shorter), the V1 runner a full-length list whose first H rows are unset: the shift is the length
+    missing, 0 or H."""
+    n, rows_all, hit = n_ctx + len(cont), out.prompt_logprobs, int(out.num_cached_tokens or 0)
+    shift = n - len(rows_all)
+    if shift not in (0, hit) or hit >= n_ctx:
+        raise RuntimeError(f"vLLM returned {len(rows_all)} prompt logprobs for {n} tokens with {hit} read from "
+                           "its prefix cache: kvdiag cannot place the continuation in them")
+    rows = [rows_all[n_ctx + j - shift] for j in range(len(cont))]
     chosen = [row[t] for row, t in zip(rows, cont)]
     return Scored(logprobs=[float(c.logprob) for c in chosen], is_greedy=all(c.rank == 1 for c in chosen),
-                  top_logprobs=[_top(row, k) for row in rows] if k else None)
+                  top_logprobs=[_top(row, k) for row in rows] if k else None, context_from_cache=hit)
 
 
 def _top(row, k: int) -> dict[int, float]:

@@ -1,0 +1,102 @@
+"""kvdiag's drift reads the KV cache, as vLLM's own decode does, on real vLLM on a CUDA GPU.
+
+Some backends attend a request's first prefill on K/V that the cache does not hold as stored (MLA's prefill
+works on the unquantized latent). A teacher-forced score of a whole prompt in one request then reads little or
+none of the cache. The oracle, plain vLLM in the same process layout (tests/vllm_score_probe.py): the same scores
+with the context written to the prefix cache first. kvdiag's ``dtypes --check`` must read the context back from
+the cache for every prompt that holds a whole block, and say so where it could not (prefix caching off: vLLM's
+default for hybrid models).
+
+    KVDIAG_GPU_OUT=/some/dir python3 -m pytest -m "cuda and vllm" tests/test_vllm_score.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_vllm_gpu import FAST, HERE, OUT, kvdiag, pytestmark  # noqa: F401 - the GPU marks apply here too
+
+from kvdiag import zoo
+
+PREFIX_CACHING = ("-a", "enable_prefix_caching=true")
+CASES = [("tiny-llama", "turboquant_k8v4"), ("zoo:deepseek-v2", "fp8")]
+
+
+def model_path(model: str) -> str:
+    from kvdiag.assets import TINY_MODEL
+
+    return str(TINY_MODEL if model == "tiny-llama" else zoo.resolve(model))
+
+
+def probe_args(path: str) -> list[str]:
+    """The engine arguments kvdiag adds for this checkpoint (the hybrid's layer names, compat.py)."""
+    from kvdiag.engines.vllm import compat
+    from kvdiag.engines.vllm.source import vllm_source
+
+    shim = compat.granite_layer_types(path, vllm_source)
+    return [f"hf_overrides={json.dumps(shim[0])}"] if shim else []
+
+
+def score_probe(path: str, kv_dtype: str) -> dict:
+    p = subprocess.run([sys.executable, str(HERE / "vllm_score_probe.py"), path, kv_dtype, *probe_args(path)],
+                       capture_output=True, text=True, timeout=600)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
+    assert line, p.stderr[-3000:]
+    return json.loads(line[6:])
+
+
+def max_delta(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def check(model: str, kv_dtype: str, *args: str) -> dict:
+    """kvdiag's ``dtypes --check`` of auto and ``kv_dtype``: the case of ``kv_dtype``."""
+    path = model_path(model)
+    name = f"score-{model.replace(':', '-')}-{kv_dtype}{'-pc' if args else ''}"
+    _, run, _ = kvdiag(name, "dtypes", "--check", "-e", "vllm", "-m", model if model != "tiny-llama" else path,
+                       "-d", "auto", "-d", kv_dtype, *FAST, *args)
+    return next(c for c in run["cases"] if c["kv_dtype"] == kv_dtype)
+
+
+def truth_of(model: str, kv_dtype: str) -> dict:
+    """The probe's two dtypes compared: max |Δ logprob| of the continuation tokens in one prefill and through the
+    cache, whether greedy decoding kept auto's tokens, and each prompt's prefix-cache hit."""
+    path = model_path(model)
+    base, test = score_probe(path, "auto"), score_probe(path, kv_dtype)
+    truth = {"single": max_delta(base["single"], test["single"]), "cached": max_delta(base["cached"], test["cached"]),
+             "decode_same_tokens": base["decode_tokens"] == test["decode_tokens"], "hits": test["hit"],
+             "context_tokens": test["context_tokens"]}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"score-probe-{model.replace(':', '-')}-{kv_dtype}.json").write_text(json.dumps(truth))
+    return truth
+
+
+@pytest.mark.parametrize("model,kv_dtype", CASES)
+def test_drift_reads_the_context_from_the_cache_and_sees_what_vllms_cached_scores_see(model, kv_dtype):
+    truth = truth_of(model, kv_dtype)
+    assert all(h > 0 for h in truth["hits"]), f"vLLM read no prefix cache: {truth}"
+    assert truth["cached"] > 0, f"the cached scores of {kv_dtype} equal auto's: nothing for drift to see ({truth})"
+
+    case = check(model, kv_dtype)
+    d = case["metrics"]["drift"]
+    assert d["context_from_cache"] >= 0.75, d  # deepseek-v2: one context of 8 is shorter than its 64-token block
+    assert not d["identical"] and d["max_abs_dlogprob"] > 0, (truth, d)
+    assert "drift_uncached" not in [f["kind"] for f in case["findings"]]
+
+
+def test_the_hybrid_s_drift_says_it_could_not_read_the_cache_where_one_prefill_hides_turboquant():
+    """zoo:granite-hybrid, turboquant_k8v4: in one prefill vLLM's scores are auto's to the bit, through the cache
+    they are not; the hybrid's KV blocks hold 512 tokens (a prompt of fewer has no hit) and vLLM turns prefix
+    caching off for hybrid models, so kvdiag's drift prompts (32-182 tokens) cannot read the cache: it says so,
+    with prefix caching off (vLLM's default) and on."""
+    truth = truth_of("zoo:granite-hybrid", "turboquant_k8v4")
+    assert truth["single"] == 0 < truth["cached"], truth
+    assert all(h == 0 for h, n in zip(truth["hits"], truth["context_tokens"]) if n <= 512), truth
+    for args in ((), PREFIX_CACHING):
+        case = check("zoo:granite-hybrid", "turboquant_k8v4", *args)
+        assert case["metrics"]["drift"]["context_from_cache"] == 0.0, args
+        (warn,) = [f for f in case["findings"] if f["kind"] == "drift_uncached"]
+        assert warn["severity"] == "warning" and "for 0% of the prompts" in warn["message"]
