@@ -290,7 +290,7 @@ class VllmEngine:
         the cache. So each context (less its last token) is written first, and the scoring request reads it
         from the prefix cache (``skip_reading_prefix_cache=False``; vLLM skips the cache for prompt logprobs
         otherwise). ``context_from_cache`` says how many context tokens were read back: whole blocks; 0 for a
-        context shorter than one block (vLLM's hybrid models: 512 tokens), or when prefix caching is off (poison
+        context shorter than one block (zoo:granite-hybrid's: 512 tokens), or when prefix caching is off (poison
         turns it off; vLLM's default for hybrid models) or the blocks were evicted.
 
         ``top_logprobs`` holds the top ``top_k`` (``-1``: as many as vLLM allows); ``is_greedy``
