@@ -63,13 +63,23 @@ def kvdiag(name: str, *args: str, timeout: float = 1500) -> tuple[int, dict, str
     return p.returncode, run, p.stderr
 
 
-def plain_probe(*args: str, timeout: float = 900) -> dict:
-    """``python3 tests/vllm_gpu_probe.py ARGS``: its ``PROBE`` line's JSON (the process's stderr when it has none)."""
-    p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), *args], capture_output=True, text=True,
-                       timeout=timeout)
+def plain_probe(*args: str, timeout: float = 900, script: str = "vllm_gpu_probe.py") -> dict:
+    """``python3 tests/SCRIPT ARGS`` (a plain-vLLM probe): its ``PROBE`` line's JSON (the process's stderr when it
+    has none)."""
+    p = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True, timeout=timeout)
     line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
     assert line, p.stderr[-3000:]
     return json.loads(line[6:])
+
+
+def shim_args(model: str) -> list[str]:
+    """The ``hf_overrides=...`` engine argument kvdiag adds for this checkpoint (the hybrid's layer names, compat.py),
+    for a plain probe; none where vLLM needs none."""
+    from kvdiag.engines.vllm import compat
+    from kvdiag.engines.vllm.source import vllm_source
+
+    shim = compat.granite_layer_types(model, vllm_source)
+    return [f"hf_overrides={json.dumps(shim[0])}"] if shim else []
 
 
 @functools.lru_cache(maxsize=None)
@@ -451,16 +461,12 @@ def test_the_compiled_hybrid_s_first_decode_is_vllms_own_crash_and_kvdiag_says_c
     address space", both seen on the H100). The plain script (tests/vllm_gpu_probe.py ``eager`` with kvdiag's
     engine arguments) dies the same way with ``enforce_eager=false`` and runs its three cycles eager; kvdiag's
     memleak says ``crashed`` in cycle 1's workload (not an error of kvdiag's), in vLLM's code, with a reproducer."""
-    from kvdiag.engines.vllm import compat
     from kvdiag.engines.vllm.sizing import kv_cache_bytes
-    from kvdiag.engines.vllm.source import vllm_source
     from kvdiag.zoo import resolve
 
     model = str(resolve("zoo:granite-hybrid"))
-    shim = compat.granite_layer_types(model, vllm_source)
-    extra = [f"hf_overrides={json.dumps(shim[0])}"] if shim else []
     args = [f"kv_cache_memory_bytes={kv_cache_bytes(model)}", "max_model_len=2048", "gpu_memory_utilization=0.05",
-            "max_num_seqs=64", *extra]
+            "max_num_seqs=64", *shim_args(model)]
     eager = plain_probe("eager", model, "enforce_eager=true", *args)
     assert len(eager["allocated_after_shutdown_mib"]) == 3, eager
     p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "eager", model, "enforce_eager=false", *args],

@@ -13,11 +13,9 @@ default for hybrid models).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from test_vllm_gpu import FAST, HERE, OUT, kvdiag, pytestmark  # noqa: F401 - the GPU marks apply here too
+from test_vllm_gpu import FAST, OUT, kvdiag, plain_probe, pytestmark, shim_args  # noqa: F401 - GPU marks apply too
 
 from kvdiag import zoo
 
@@ -31,21 +29,8 @@ def model_path(model: str) -> str:
     return str(TINY_MODEL if model == "tiny-llama" else zoo.resolve(model))
 
 
-def probe_args(path: str) -> list[str]:
-    """The engine arguments kvdiag adds for this checkpoint (the hybrid's layer names, compat.py)."""
-    from kvdiag.engines.vllm import compat
-    from kvdiag.engines.vllm.source import vllm_source
-
-    shim = compat.granite_layer_types(path, vllm_source)
-    return [f"hf_overrides={json.dumps(shim[0])}"] if shim else []
-
-
 def score_probe(path: str, kv_dtype: str) -> dict:
-    p = subprocess.run([sys.executable, str(HERE / "vllm_score_probe.py"), path, kv_dtype, *probe_args(path)],
-                       capture_output=True, text=True, timeout=600)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
-    assert line, p.stderr[-3000:]
-    return json.loads(line[6:])
+    return plain_probe(path, kv_dtype, *shim_args(path), timeout=600, script="vllm_score_probe.py")
 
 
 def max_delta(a: list[list[float]], b: list[list[float]]) -> float:

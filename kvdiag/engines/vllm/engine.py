@@ -308,17 +308,15 @@ class VllmEngine:
         k = 0 if top_k == 0 else limit if top_k < 0 else min(top_k, limit)
         todo = [i for i, c in enumerate(conts) if c]
         self._write_contexts([ctxs[i] for i in todo])
-        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False,
-                            skip_reading_prefix_cache=False)
-        outs = self.llm.generate([{"prompt_token_ids": ctxs[i] + conts[i]} for i in todo], sp,
-                                 use_tqdm=False) if todo else []
+        one = dict(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": ctxs[i] + conts[i]} for i in todo],
+                                 SamplingParams(**one, skip_reading_prefix_cache=False), use_tqdm=False) if todo else []
         # a hit past the context (this continuation scored before) leaves some of its logits uncomputed: again,
         # without reading the cache
         again = [j for j, (i, out) in enumerate(zip(todo, outs)) if (out.num_cached_tokens or 0) >= len(ctxs[i])]
         if again:
             redo = self.llm.generate([{"prompt_token_ids": ctxs[todo[j]] + conts[todo[j]]} for j in again],
-                                     SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k,
-                                                    detokenize=False), use_tqdm=False)
+                                     SamplingParams(**one), use_tqdm=False)
             for j, out in zip(again, redo):
                 outs[j] = out
         results = [Scored(logprobs=[], is_greedy=True, top_logprobs=[] if k else None) for _ in conts]
