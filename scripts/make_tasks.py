@@ -17,6 +17,9 @@ kv_recall_p176_early:
                  100 documents, 160-190 pairs, the key in the first 10% of the pairs (1.5k tokens back or more).
                  All four are longer than anything the tiny models were trained on (at most 100 pairs), so recall
                  degrades: zoo:qwen3 scores 0.92 and 0.81 with auto (docs/zoo.md).
+kv_recall_p450_early, kv_recall_p550_early:
+                 100 documents each, 400-500 and 500-600 pairs (4.0-5.0k and 5.0-5.9k tokens), the key in the first
+                 10%: past zoo:gemma3's training window, which kv_recall_p176_early is not (it scores 1.0 there).
 Each document offers 4 choices, all values of the same context (the right one
 and 3 others). Keys are drawn only from the held-out keys (recall.is_heldout),
 which training never uses, and with seeds of their own. Uses Python's `random`
@@ -55,6 +58,9 @@ SPECS = {
     "kv_recall_p152": (1, 100, (144, 160), 1.0),
     "kv_recall_p176": (1, 100, (160, 190), 1.0),
     "kv_recall_p176_early": (2, 100, (160, 190), 0.1),  # the asked key far back: where the Llama shapes fail
+    # past zoo:gemma3's 2k training window (its global layers see the whole context): 4.5-6k tokens
+    "kv_recall_p450_early": (3, 100, (400, 500), 0.1),
+    "kv_recall_p550_early": (3, 100, (500, 600), 0.1),
 }
 
 

@@ -132,3 +132,24 @@ def test_ci_keeps_a_score_table_per_engine_and_model(run_dir):
     md = render_markdown(run)
     assert "## Accuracy (builtin/tiny-llama) vs baseline 'auto'" in md and "## Accuracy (builtin/gpt2)" in md
     assert len(md_rows(md.split("(builtin/gpt2)")[1], "score 95% CI")) == 4  # auto x 2 tasks x 2 metrics
+
+
+def test_a_task_longer_than_the_engine_is_scored_with_a_warning_the_table_shows(tmp_path):
+    """kv_recall_p450_early's documents (4.0-5.0k tokens) on the shipped tiny-llama (2048 positions): lm_eval cuts
+    each context to the engine's length, as its own models do, and the asked key goes with it. The case says so in a
+    `truncated` warning, printed under the tables, with the counts (the oracle: the documents' own byte lengths)."""
+    import json
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "kvdiag", "accuracy", "-d", "auto", "-t", "kv_recall_p450_early",
+                        "--limit", "2", "-o", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (case,) = json.loads((out / "run.json").read_text())["cases"]
+    (warn,) = [f for f in case["findings"] if f["kind"] == "truncated"]
+    docs = [json.loads(x) for x in (Path(ROOT) / "kvdiag" / "tasks" / "data" / "kv_recall_p450_early.jsonl")
+            .read_text().splitlines()[:2]]
+    longest = max(len(d["context"].encode()) + 1 + max(len(c) for c in d["choices"]) for d in docs)  # BOS + bytes
+    assert warn["severity"] == "warning" and warn["evidence"] == {"truncated": 8, "requests": 8, "longest": longest,
+                                                                  "max_length": 2048}
+    assert "warning (auto): truncated: 8 of 8 lm_eval requests" in " ".join(r.stdout.split())

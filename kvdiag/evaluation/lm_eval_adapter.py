@@ -40,6 +40,7 @@ class EngineLM(TemplateLM):
         self.seed = seed
         self.engine_seconds = 0.0  # time spent inside the engine's score/generate
         self.engine_calls = 0
+        self.requests = self.truncated = self.longest = 0  # requests, those cut to max_length, the longest's tokens
         self._encode = functools.lru_cache(maxsize=8192)(lambda text: tuple(engine.encode(text)))
         bos = engine.encode("")
         self._bos = bos[0] if len(bos) == 1 else None
@@ -127,8 +128,20 @@ class EngineLM(TemplateLM):
         finally:
             self.engine_seconds += time.perf_counter() - t0
 
+    def _count(self, tokens: int, room: int) -> None:
+        self.requests += 1
+        self.truncated += tokens > room
+        self.longest = max(self.longest, tokens)
+
+    def truncation(self) -> dict:
+        """How many requests lost the start of their context to the engine's max length (``truncated``), of how
+        many, and the longest request's tokens."""
+        return {"truncated": self.truncated, "requests": self.requests, "longest": self.longest,
+                "max_length": self.max_length}
+
     def _fit(self, ctx: list[int], cont: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Left-truncate so context + continuation fit the engine's max length (as HFLM does)."""
+        self._count(len(ctx) + len(cont), self.max_length)
         cont = cont[-(self.max_length - 1):]
         room = self.max_length - len(cont)
         return tuple(ctx[-room:] if len(ctx) > room else ctx), tuple(cont)
@@ -182,7 +195,10 @@ class EngineLM(TemplateLM):
         for (until, max_toks, sample), idx in groupby(order, key=lambda i: jobs[i][1:]):
             idx = list(idx)
             keep = max(1, self.max_length - max_toks)
-            prompts = [self.tok_encode(jobs[i][0])[-keep:] for i in idx]
+            prompts = [self.tok_encode(jobs[i][0]) for i in idx]
+            for p in prompts:
+                self._count(len(p), keep)
+            prompts = [p[-keep:] for p in prompts]
             for start in range(0, len(idx), self.batch_size):
                 chunk = idx[start:start + self.batch_size]
                 with self._timed():

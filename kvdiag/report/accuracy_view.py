@@ -1,6 +1,7 @@
 """`kvdiag accuracy`'s terminal table (and `kvdiag report RUN --format table`'s): one row per kv dtype x task or task
-group (report/compact.py), then the drift of each dtype. Names are never cut: a terminal too narrow for one row per
-dtype x task gets the dtype as a heading row above its tasks, and the numbers wrap instead."""
+group (report/compact.py), then the drift of each dtype and the cases' warnings. Names are never cut: a terminal
+too narrow for one row per dtype x task gets the dtype as a heading row above its tasks, and the numbers wrap
+instead."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def accuracy(run, con) -> None:
     if len(rows) < len(a.get("rows", [])):
         con.print(f"{len(a['rows'])} rows (every task and metric) in report.md, report.html and "
                   "`kvdiag report RUN --format csv`")
+    for line in warning_lines(run.cases):
+        con.print(line, markup=False)
     peaks = [c.metrics.get("peak_mib") or {} for c in run.cases]
     gpu, rss = (max((x.get(k) or 0 for x in peaks), default=0) for k in ("gpu", "rss"))
     if gpu or rss:
@@ -36,6 +39,17 @@ def accuracy(run, con) -> None:
     times = a.get("timings")
     if times:
         con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
+
+
+def warning_lines(cases) -> list[str]:
+    """One line per warning (kind and words), with the dtypes that have it: what the tables cannot say (a context
+    cut to the engine's length, a drift that did not read the cache, a dtype that stores the model's precision)."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    for c in cases:
+        for f in c.findings:
+            if f.severity == "warning":
+                seen.setdefault((f.kind, f.message), []).append(c.kv_dtype)
+    return [f"warning ({', '.join(dtypes)}): {kind}: {msg}" for (kind, msg), dtypes in seen.items()]
 
 
 def _width(con, table) -> int:

