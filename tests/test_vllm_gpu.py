@@ -428,6 +428,47 @@ def test_each_zoo_family_starts_on_vllm_and_the_audit_names_its_layers(name):
         assert layers == audit_of(name, ssm_bytes=2), layers  # vLLM 0.24 on CUDA: the SSM state in the conv's bf16
 
 
+def sliding_probe(model: str, *args: str) -> dict:
+    """``python3 tests/vllm_sliding_probe.py MODEL ARGS`` (plain vLLM, NaN put into cache regions): its JSON line."""
+    p = subprocess.run([sys.executable, str(HERE / "vllm_sliding_probe.py"), model, *args], capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8"])
+def test_poison_on_the_mla_model_says_what_plain_vllm_reads(dtype):
+    """Issue 27: an MLA layer's cache (one latent + rope row per token) is viewed as one head (kv.mla_view), so
+    `kvdiag poison` runs on zoo:deepseek-v2, eager and with vLLM's defaults, instead of saying unsupported. The
+    oracle is plain vLLM with NaN in every free block before each wave (tests/vllm_sliding_probe.py, vLLM's own
+    block size, as kvdiag's poison has it): kvdiag fails exactly when those outputs change or go non-finite, and it
+    poisons the latent and rope rows of all four layers."""
+    from kvdiag.zoo import resolve
+
+    plain = sliding_probe(str(resolve("zoo:deepseek-v2")), "wave:nan", "--block=default", f"--kv-dtype={dtype}")
+    wave = plain["runs"]["wave:nan"]
+    with open(OUT / "commands.jsonl", "a") as f:
+        f.write(json.dumps({"name": f"mla-poison-probe-{dtype}", "probe": {k: v for k, v in plain.items()
+                                                                          if k != "groups"}}) + "\n")
+    assert [g["spec"] for g in plain["groups"]] == ["MLAAttentionSpec"] and wave["filled"] > 0, plain
+    broken = wave["diverged"] > 0 or wave["nonfinite_logprobs"] > 0
+    block = plain["block_size"]  # the backend's own (FLASHMLA: 64): kvdiag says its waves were sized for 16
+    sized = ("-a", f"block_size={block}") if block != 16 else ()
+    for mode, args in (("eager", FAST), ("compiled", FAST[2:]), ("eager-sized", FAST + sized)):
+        if mode == "eager-sized" and not sized:
+            continue
+        code, run, _ = kvdiag(f"mla-poison-{dtype}-{mode}", "poison", "-e", "vllm", "-m", "zoo:deepseek-v2", "-d",
+                              dtype, *args)
+        (case,) = run["cases"]
+        m = case["metrics"]
+        assert m["poisoned"]["kv_layers"] == 4 and m["poisoned"]["kv_tensors"] == 8, case
+        assert m["fresh_blocks"] > 0 and m["kv_slots_scanned"] > 0 and m["block_size"] == block, m
+        assert case["environment"]["attention_backend"] == plain["attention_backend"], case["environment"]
+        said = [f for f in case["findings"] if f["kind"] == "block_size"]
+        assert bool(said) == (m["workload_block_size"] != block), (mode, case["findings"])
+        assert (case["status"] == "fail") == broken and code == int(broken), (mode, plain, case["findings"])
+
+
 def test_the_hybrid_s_fp8_wake_is_vllms_own_crash_and_its_reproducer_shows_it_without_kvdiag():
     """Issue 27, docs/vllm-findings.md 11: `kvdiag wake-cycle` on zoo:granite-hybrid fails fp8 with an engine_error
     in cycle 1 raised in vLLM's own ``init_fp8_kv_scales`` (a Mamba layer's state is a list), and passes auto. The

@@ -57,3 +57,35 @@ def test_poison_writes_reach_inference_tensors():
     view = KVBlockView(BS, NB, [KVLayer(k, v, ks, vs)], lambda: [1, 3], lambda: [])
     fill_blocks(view, [1, 3], "nan")
     assert torch.isnan(ks[1]).all() and torch.isnan(vs[3]).all() and not torch.isnan(ks[0]).any()
+
+
+def mla_layer(raw, kv_cache_dtype="auto", rank=16, rope=4):
+    return SimpleNamespace(kv_cache=raw, head_size=rank + rope, kv_lora_rank=rank, kv_cache_dtype=kv_cache_dtype,
+                           impl=SimpleNamespace(), attn_backend=SimpleNamespace(get_name=lambda: "FLASHMLA"))
+
+
+@pytest.mark.parametrize("kv_dtype,raw_dtype", [("auto", torch.bfloat16), ("fp8", torch.uint8)])
+def test_an_mla_cache_is_one_head_latent_then_rope_and_poison_lands_in_both(kv_dtype, raw_dtype):
+    """vLLM's MLA backends: one row of kv_lora_rank + rope elements per token (fp8 kept as uint8). kvdiag views the
+    latent as k and the rope part as v, one head, and a poison fill of a block reaches every byte of its rows."""
+    from kvdiag.checks.kv_tensors import block_slots, fill_blocks, scan_slots
+    from kvdiag.engines.base import KVBlockView
+
+    raw = torch.zeros(NB, BS, 20, dtype=raw_dtype)
+    lay = layer_view(mla_layer(raw, kv_dtype), NB, torch.bfloat16)
+    assert lay.k.shape == (NB, BS, 1, 16) and lay.v.shape == (NB, BS, 1, 4)
+    assert lay.k.dtype == (torch.bfloat16 if kv_dtype == "auto" else torch.float8_e4m3fn)
+    view = KVBlockView(BS, NB, [lay], lambda: [2], lambda: [])
+    fill_blocks(view, [2], "nan")
+    bits = raw.view(torch.uint8).view(NB, BS, -1)
+    assert (bits[2] != 0).all() and (bits[[0, 1, 3, 4]] == 0).all()  # every byte of block 2's rows, no other
+    scan = scan_slots(view, block_slots([1, 2], BS))
+    assert scan.nonfinite == BS and scan.first["block"] == 2
+
+
+def test_fp8_ds_mla_packed_rows_are_refused_with_the_reason():
+    from kvdiag.engines.vllm.cpu_layout import KVAccessError
+
+    raw = torch.zeros(NB, BS, 656, dtype=torch.uint8)  # 512 fp8 + 4 float32 scales + 64 bf16: 656 bytes a token
+    with pytest.raises(KVAccessError, match="656 elements a token, not latent 512 \\+ rope 64"):
+        layer_view(mla_layer(raw, "fp8_ds_mla", 512, 64), NB, torch.bfloat16)

@@ -2,7 +2,12 @@
 change the outputs? The oracle of kvdiag's poison verdict on sliding-window models (zoo:gemma3) and, as a control,
 on a full-attention one (tiny-llama); tests/test_vllm_cpu_poison.py holds the two side by side.
 
-    python3 tests/vllm_sliding_probe.py MODEL [--prefix-caching] [REGION:VALUE ...]    -> one JSON line on stdout
+    python3 tests/vllm_sliding_probe.py MODEL [--prefix-caching] [--block=N|default] [--kv-dtype=D] [REGION:VALUE ...]
+                                                                                    -> one JSON line on stdout
+
+``--block=default`` leaves the block size to vLLM (on a GPU, as kvdiag's poison does: the backend's own, e.g. 64 for
+an MLA model on an H100); the waves then follow the block size the engine took. ``--kv-dtype`` (default ``auto``):
+an fp8 cache's bytes get VALUE's bf16 bits, pair by pair (NaN: 0x7FC0, whose high byte is e4m3's NaN code).
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); the scheduler's ``schedule`` is wrapped so
 that after every scheduling step, before the model runs it, the blocks of one REGION of every layer's cache tensor
@@ -45,17 +50,21 @@ PROMPTS = ["The river rises in the hills north of the old mill and runs", "kmbt=
            "In the morning the market opens before the sun is up, and", "1, 2, 3, 4, 5, 6, 7,",
            "A lighthouse keeper wrote in his log every night that the", "Once upon a time",
            "The recipe calls for two cups of flour, one egg and some", "red green blue red green"]
-WAVES = [(PROMPTS[0::2], 2 * BLOCK + 3), (PROMPTS[1::2], BLOCK // 2 + 1), (PROMPTS, BLOCK + 1)]
+
+
+def waves(block: int) -> list:
+    return [(PROMPTS[0::2], 2 * block + 3), (PROMPTS[1::2], block // 2 + 1), (PROMPTS, block + 1)]
 REGIONS = ("fresh", "free", "slid", "null", "wave")
 DEFAULT_RUNS = [f"{r}:{v}" for r in REGIONS for v in ("nan", "1e4", "max")]
 
 
-def start(model: str, prefix_caching: bool = False):
+def start(model: str, prefix_caching: bool = False, block: int | None = BLOCK, kv_dtype: str = "auto"):
     from vllm import LLM
 
-    return LLM(model=model, enforce_eager=True, dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-               enable_prefix_caching=prefix_caching, block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS, seed=0,
-               kv_cache_memory_bytes=64 << 20)
+    length = MAX_MODEL_LEN if block else 2 * MAX_MODEL_LEN  # vLLM's own blocks: up to 128 tokens (waves: 2 x + 3)
+    return LLM(model=model, enforce_eager=True, dtype="bfloat16", max_model_len=length, max_num_seqs=8,
+               enable_prefix_caching=prefix_caching, num_gpu_blocks_override=NUM_BLOCKS, seed=0,
+               kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv_dtype, **({"block_size": block} if block else {}))
 
 
 class Poisoner:
@@ -138,7 +147,7 @@ class Poisoner:
             self.fill_blocks([self.null], "null")
 
 
-def run_waves(llm, poisoner, region, fill):
+def run_waves(llm, poisoner, region, fill, block: int):
     import torch
     from vllm import SamplingParams
 
@@ -148,7 +157,7 @@ def run_waves(llm, poisoner, region, fill):
     llm.reset_prefix_cache()
     poisoner.reset(region, fill)
     outs = []
-    for prompts, max_tokens in WAVES:
+    for prompts, max_tokens in waves(block):
         if region == "wave":
             poisoner.fill_blocks(poisoner.free(), "wave")
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
@@ -182,20 +191,23 @@ def value(v: str) -> float:
     return float("nan") if v == "nan" else torch.finfo(torch.bfloat16).max if v == "max" else float(v)
 
 
-def main(model: str, runs: list[str], prefix_caching: bool = False) -> dict:
-    llm = start(model, prefix_caching)
+def main(model: str, runs: list[str], prefix_caching: bool = False, block: int | None = BLOCK,
+         kv_dtype: str = "auto") -> dict:
+    llm = start(model, prefix_caching, block, kv_dtype)
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
     caches = runner.kv_caches if isinstance(runner.kv_caches, list) else list(runner.kv_caches.values())
     cfg = core.scheduler.kv_cache_config
+    block = cfg.kv_cache_groups[0].kv_cache_spec.block_size  # the one asked for, or vLLM's own
     poisoner = Poisoner(core, caches)
-    res = {"model": model, "prefix_caching": prefix_caching, "num_blocks": poisoner.pool.num_gpu_blocks,
+    res = {"model": model, "kv_dtype": kv_dtype, "prefix_caching": prefix_caching,
+           "num_blocks": poisoner.pool.num_gpu_blocks, "block_size": block, "attention_backend": _backend(runner),
            "null_block": poisoner.null, "cache_shape": list(caches[0].shape), "cache_tensors": len(caches),
            "distinct_storages": len({t.untyped_storage().data_ptr() for t in caches}),
            "groups": [{"spec": type(g.kv_cache_spec).__name__, "layers": list(g.layer_names),
                        "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None)}
                       for g in cfg.kv_cache_groups], "runs": {}}
-    ref, counts = run_waves(llm, poisoner, None, None)
+    ref, counts = run_waves(llm, poisoner, None, None, block)
     res["reference"] = {"tokens": sum(len(t) for t, _ in ref), "slid_seen": counts.get("slid_seen", 0),
                         "steps": counts["steps"]}
     for spec in runs:
@@ -204,12 +216,21 @@ def main(model: str, runs: list[str], prefix_caching: bool = False) -> dict:
             raise SystemExit(f"unknown region {region!r} (one of {', '.join(REGIONS)})")
         if prefix_caching and region in ("fresh", "wave"):
             raise SystemExit(f"region {region} would fill prefix-cache hits too: run it without --prefix-caching")
-        out, counts = run_waves(llm, poisoner, region, value(v))
+        out, counts = run_waves(llm, poisoner, region, value(v), block)
         res["runs"][spec] = {**compare(ref, out), "filled": counts[region], "slid_seen": counts.get("slid_seen", 0)}
     return res
 
 
+def _backend(runner) -> str | None:
+    ctx = runner.vllm_config.compilation_config.static_forward_context
+    return next((m.attn_backend.get_name() for m in ctx.values() if hasattr(m, "attn_backend")), None)
+
+
 if __name__ == "__main__":
-    args = [a for a in sys.argv[2:] if a != "--prefix-caching"]
-    print(json.dumps(main(sys.argv[1], args or DEFAULT_RUNS, "--prefix-caching" in sys.argv[2:])), flush=True)
+    flags = [a for a in sys.argv[2:] if a.startswith("--")]
+    opts = dict(f[2:].split("=", 1) for f in flags if "=" in f)
+    block = BLOCK if "block" not in opts else None if opts["block"] == "default" else int(opts["block"])
+    args = [a for a in sys.argv[2:] if a not in flags]
+    print(json.dumps(main(sys.argv[1], args or DEFAULT_RUNS, "--prefix-caching" in flags, block,
+                          opts.get("kv-dtype", "auto"))), flush=True)
     os._exit(0)

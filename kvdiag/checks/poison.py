@@ -86,6 +86,8 @@ def run(case, ctx):
     p = PoisonParams.from_case(case)
     spec = engine_spec(case)
     prompts = greedy.prompt_texts(case.model, case.params.get("num_prompts"))
+    if spec.engine_args.get("block_size"):  # -a block_size=N: the engine's blocks, so the waves' too
+        spec.block_size = int(spec.engine_args["block_size"])
     waves = workload(prompts, spec.block_size)
     if case.params.get("num_blocks") is None and case.params.get("kv_cache_memory") is None:
         needed = blocks_needed(waves, spec.block_size)
@@ -118,7 +120,9 @@ def run(case, ctx):
                                 "zero-filled reference ran)")
             return rec
         prompts = [q for w in waves for q in w.prompts]
-        return _verdict(case, p, prompts, ref, out, dict(stats, num_blocks=engine.kv_blocks().num_blocks), engine)
+        view = engine.kv_blocks()
+        stats.update(num_blocks=view.num_blocks, block_size=view.block_size, workload_block_size=spec.block_size)
+        return _verdict(case, p, prompts, ref, out, stats, engine)
     finally:
         try:
             engine.shutdown()
@@ -187,6 +191,10 @@ def _verdict(case, p: PoisonParams, prompts, ref, out, stats: dict, engine):
             else ""
         rec.add("error", "nan_kv", f"poison {p.value}: {stats['kv_nonfinite']} written KV slots hold NaN/Inf, "
                                    f"{stats['kv_bad_scales']} bad scales{states}; first at {stats['kv_first_bad']}")
+    if stats["block_size"] != stats["workload_block_size"]:
+        rec.add("info", "block_size", f"the waves were sized for blocks of {stats['workload_block_size']} tokens; "
+                f"this engine's attention blocks hold {stats['block_size']} (its backend's own): its decodes crossed "
+                "fewer block boundaries and reused fewer blocks (-a block_size=N sizes the waves for N)")
     if stats["fresh_blocks"] == 0:
         rec.add("warning", "no_fresh_blocks", f"the workload was handed out none of the {stats['poisoned_blocks']} "
                 "poisoned blocks: nothing was tested")

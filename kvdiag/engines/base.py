@@ -78,7 +78,7 @@ class KVLayer:
     """One layer's cache tensors in the layout of docs/DESIGN.md, "Cache layout"."""
 
     k: Any  # [num_blocks, block_size, num_kv_heads, head_size]
-    v: Any
+    v: Any  # the same; an MLA layer (one head): k its latent, v the key's rope part
     k_scale: Any = None  # [num_blocks, block_size, num_kv_heads] float32, per-token-head dtypes
     v_scale: Any = None
 

@@ -41,15 +41,16 @@ def accuracy(run, con) -> None:
         con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
 
 
-def warning_lines(cases) -> list[str]:
+def warning_lines(cases, severities: tuple[str, ...] = ("warning",)) -> list[str]:
     """One line per warning (kind and words), with the dtypes that have it: what the tables cannot say (a context
-    cut to the engine's length, a drift that did not read the cache, a dtype that stores the model's precision)."""
-    seen: dict[tuple[str, str], list[str]] = {}
+    cut to the engine's length, a drift that did not read the cache, a dtype that stores the model's precision);
+    ``severities`` adds others (poison: the info that its waves were sized for other blocks)."""
+    seen: dict[tuple[str, str, str], list[str]] = {}
     for c in cases:
         for f in c.findings:
-            if f.severity == "warning":
-                seen.setdefault((f.kind, f.message), []).append(c.kv_dtype)
-    return [f"warning ({', '.join(dtypes)}): {kind}: {msg}" for (kind, msg), dtypes in seen.items()]
+            if f.severity in severities:
+                seen.setdefault((f.severity, f.kind, f.message), []).append(c.kv_dtype)
+    return [f"{sev} ({', '.join(dtypes)}): {kind}: {msg}" for (sev, kind, msg), dtypes in seen.items()]
 
 
 def _width(con, table) -> int:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvdiag.report.accuracy_view import accuracy  # noqa: F401 - the accuracy check's render
+from kvdiag.report.accuracy_view import accuracy, warning_lines  # noqa: F401 - the accuracy check's render
+
+VERDICTS = ("pass", "fail")  # a case with one: its infos are printed under the table, not in its row
 
 COLUMNS = (("cycle", "cycle"), ("stage", "stage"), ("tensors", "tensors"), ("tensor_mib", "tensor MiB"),
            ("rss_mib", "RSS MiB"), ("cuda_allocated_mib", "CUDA alloc"), ("cuda_reserved_mib", "CUDA reserved"),
@@ -107,6 +109,8 @@ def poison(run, con) -> None:
                   str(m.get("poisoned_blocks", "-")), identical, nan,
                   escape(_first(c)), status_text(c.status))
     con.print(t)
+    for line in warning_lines([c for c in run.cases if c.status in VERDICTS], ("warning", "info")):
+        con.print(escape(line))
 
 
 def _first(c) -> str:
@@ -115,7 +119,8 @@ def _first(c) -> str:
     if f:
         return (f"request {f['request']} position {f['position']}: {f['got']} not {f['expected']} "
                 f"({m['diverged_requests']}/{m['requests']} requests differ)")
-    first = next((x for x in c.findings if x.severity == "error"), c.findings[0] if c.findings else None)
+    said = [x for x in c.findings if x.severity != "info" or c.status not in VERDICTS]  # else under the table
+    first = next((x for x in said if x.severity == "error"), said[0] if said else None)
     return first.message[:90] if first else ""
 
 

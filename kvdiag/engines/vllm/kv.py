@@ -10,9 +10,9 @@ Each attention backend packs K and V its own way: vLLM's CUDA backends (FLASH_AT
 FLASHINFER, FLEX_ATTENTION; vLLM 0.24) in a tensor of logical shape ``[num_blocks, 2, block_size,
 num_kv_heads, content]`` (any physical stride order; ``content`` is head_size, plus the inline
 float32 scale's padding for the per-token-head dtypes), older layouts in ``[num_blocks,
-num_kv_heads, block_size, content]`` pages, vLLM's CPU kernels in an ISA-specific one; the
-views below give kvdiag's layout ``[num_blocks, block_size, num_kv_heads, head_size]`` without
-copying. A backend or
+num_kv_heads, block_size, content]`` pages, the MLA backends one latent per token (``mla_view``),
+vLLM's CPU kernels in an ISA-specific one; the views below give kvdiag's layout
+``[num_blocks, block_size, num_kv_heads, head_size]`` without copying. A backend or
 vLLM version this module does not know raises :class:`KVAccessError` with the reason.
 """
 
@@ -97,6 +97,8 @@ def layer_view(layer, num_blocks: int, model_dtype) -> KVLayer:
     """One attention layer's cache as K/V views (and per-token-head scales where the backend has them)."""
     backend = layer.attn_backend.get_name()
     raw = _cache_tensor(layer)
+    if getattr(layer, "kv_lora_rank", None) and raw.dim() == 3 and raw.shape[0] == num_blocks:
+        return mla_view(layer, raw, backend)
     if raw.dim() not in (4, 5) or raw.shape[0] != num_blocks:
         raise KVAccessError(f"{backend}: cache shape {tuple(raw.shape)} is neither [num_blocks={num_blocks}, 2, "
                             "block_size, heads, content] nor [num_blocks, heads, block_size, content] (kernel blocks "
@@ -130,6 +132,19 @@ def layer_view(layer, num_blocks: int, model_dtype) -> KVLayer:
     if content != hs:
         raise KVAccessError(f"{backend}: content {content} per head != head_size {hs} and no scale caches known")
     return KVLayer(k, v)
+
+
+def mla_view(layer, raw, backend: str) -> KVLayer:
+    """An MLA layer's cache (every vLLM MLA backend: ``[num_blocks, block_size, kv_lora_rank + rope]``, one latent
+    per token, no heads) as one head: ``k`` the latent, ``v`` the key's rope part. fp8_ds_mla packs an fp8 latent,
+    its float32 scales and a bf16 rope part into one byte row: refused."""
+    rank, width = layer.kv_lora_rank, layer.head_size
+    kv_dtype = getattr(layer, "kv_cache_dtype", "auto")
+    if raw.shape[-1] != width:
+        raise KVAccessError(f"{backend}: MLA cache ({kv_dtype}) holds {raw.shape[-1]} elements a token, not "
+                            f"latent {rank} + rope {width - rank}: a packed row kvdiag does not view")
+    raw = raw.view(_storage_dtype(kv_dtype, raw))
+    return KVLayer(raw[:, :, None, :rank], raw[:, :, None, rank:])
 
 
 def block_view(llm) -> KVBlockView:
