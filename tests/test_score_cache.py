@@ -30,13 +30,13 @@ def output(n_ctx: int, cont: list[int], hit: int, *, runner: str) -> SimpleNames
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("hit", [0, 16, 32])
 def test_the_continuation_is_found_after_any_hit_in_either_runner_s_layout(runner, hit):
-    s = adapt.scored(output(40, [3, 4, 5], hit, runner=runner), 40, [3, 4, 5], 0)
+    s = adapt.scored(output(40, [3, 4, 5], hit, runner=runner), 40, [3, 4, 5], 0, hit)
     assert s.logprobs == [-1.0, -2.0, -3.0] and s.context_from_cache == hit
 
 
 def test_a_hit_into_the_continuation_is_refused_not_misread():
     with pytest.raises(RuntimeError, match="cannot place the continuation"):
-        adapt.scored(output(40, [3, 4, 5], 40, runner="v2"), 40, [3, 4, 5], 0)
+        adapt.scored(output(40, [3, 4, 5], 40, runner="v2"), 40, [3, 4, 5], 0, 40)
 
 
 def drift_of(share):
@@ -57,3 +57,112 @@ def test_the_share_counts_prompts_whose_context_came_from_the_cache():
     assert drift.from_cache({"from_cache": [0, 16, 32, None]}) == pytest.approx(2 / 3)
     assert drift.from_cache({"from_cache": [None, None]}) is None
     assert drift.from_cache({}) is None
+
+
+class FakeScheduler:
+    """vLLM's scheduler as scoring.py sees it: each step gives every queued request its tokens left, at most its
+    config's ``long_prefill_token_threshold``; its request ids are the caller's with a suffix."""
+
+    def __init__(self):
+        self.scheduler_config = SimpleNamespace(long_prefill_token_threshold=0)
+        self.left: dict[str, int] = {}
+
+    def schedule(self):
+        cap = self.scheduler_config.long_prefill_token_threshold or 1 << 30
+        step = {r: min(cap, n) for r, n in self.left.items() if n}
+        for r, n in step.items():
+            self.left[r] -= n
+        return SimpleNamespace(num_scheduled_tokens=step)
+
+
+class FakeLLM:
+    """vLLM's ``LLM`` as scoring.py drives it: a prefix cache of 32-token blocks (when on), a scheduler that
+    computes each prompt's tokens, and a record of each ``generate`` call: (prompts, threshold, prompt logprobs);
+    prompt logprobs of -1, -2, ... after any hit."""
+
+    def __init__(self, prefix_caching: bool, in_process: bool = True):
+        self.sched = FakeScheduler()
+        core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=self.sched)) if in_process else None
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
+            cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching)), engine_core=core)
+        self.written, self.calls, self.ids = set(), [], 0
+
+    def generate(self, prompts, sp, use_tqdm=False):
+        config = self.sched.scheduler_config
+        self.calls.append((len(prompts), config.long_prefill_token_threshold, sp.get("prompt_logprobs") is not None))
+        outs = []
+        for p in prompts:
+            ids, self.ids = p["prompt_token_ids"], self.ids + 1
+            if sp.get("prompt_logprobs") is None:  # a context written to the prefix cache
+                self.written.add(tuple(ids))
+                outs.append(None)
+                continue
+            reads = sp.get("skip_reading_prefix_cache") is False
+            hit = max((len(h) // 32 * 32 for h in self.written if reads and tuple(ids[:len(h)]) == h), default=0)
+            self.sched.left[f"{self.ids}-0a1b2c3d"] = len(ids) - hit
+            outs.append(SimpleNamespace(prompt_logprobs=[None] + [row(t, -float(j + 1)) for j, t in enumerate(ids[1:])],
+                                        num_cached_tokens=hit, request_id=str(self.ids)))
+        while any(self.sched.left.values()):
+            self.sched.schedule()
+        return outs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=dict))
+
+
+def test_with_prefix_caching_off_the_requests_are_scored_in_chunks_that_read_the_ones_before(fake_vllm):
+    from kvdiag.engines.vllm import scoring
+
+    llm = FakeLLM(prefix_caching=False)
+    ctxs, conts = [list(range(40)), list(range(10)), list(range(5))], [[3, 4], [5], []]
+    got = scoring.score(llm, ctxs, conts, 0)
+    assert llm.calls == [(2, scoring.CHUNK, True)]  # no prefix pass; one batch, 16 tokens a step each
+    assert llm.sched.scheduler_config.long_prefill_token_threshold == 0  # the engine's own again
+    assert llm.sched.schedule.__func__ is FakeScheduler.schedule  # the recording stopped
+    assert [s.context_from_cache for s in got] == [32, 0, None]  # the 40th token's chunk starts at 32
+    assert got[0].logprobs == [-40.0, -41.0] and got[2].logprobs == []
+
+
+def test_with_prefix_caching_on_only_a_context_the_cache_did_not_serve_is_scored_in_chunks(fake_vllm):
+    from kvdiag.engines.vllm import scoring
+
+    llm = FakeLLM(prefix_caching=True)
+    got = scoring.score(llm, [list(range(40)), list(range(20))], [[3, 4], [5]], 0)
+    # contexts written, both scored reading the prefix cache (one batch), then the one without a hit (19 tokens
+    # written: no whole block) in chunks
+    assert llm.calls == [(2, 0, False), (2, 0, True), (1, scoring.CHUNK, True)]
+    assert [s.context_from_cache for s in got] == [32, 16]
+
+
+def test_a_threshold_of_the_users_own_is_kept_when_smaller_and_restored(fake_vllm):
+    from kvdiag.engines.vllm import scoring
+
+    llm = FakeLLM(prefix_caching=False)
+    llm.sched.scheduler_config.long_prefill_token_threshold = 8  # -a long_prefill_token_threshold=8
+    (s,) = scoring.score(llm, [list(range(44))], [[3]], 0)
+    assert llm.calls == [(1, 8, True)] and s.context_from_cache == 40
+    assert llm.sched.scheduler_config.long_prefill_token_threshold == 8
+
+
+@pytest.mark.parametrize("why", ["out of reach", "Mamba splits at whole blocks"])
+def test_a_scheduler_that_cannot_chunk_scores_in_one_prefill_and_says_it_read_nothing_back(fake_vllm, why):
+    from kvdiag.engines.vllm import scoring
+
+    llm = FakeLLM(prefix_caching=False, in_process=why != "out of reach")
+    llm.sched.need_mamba_block_aligned_split = why != "out of reach"  # vLLM would never schedule a 16-token chunk
+    (s,) = scoring.score(llm, [list(range(40))], [[3]], 0)
+    assert llm.calls == [(1, 0, True)]  # the threshold untouched
+    assert s.context_from_cache == 0 and s.logprobs == [-40.0]
+
+
+def test_what_was_read_back_is_what_the_scheduler_scheduled_not_what_was_asked():
+    from kvdiag.engines.vllm import scoring
+
+    steps = [{"7-0a1b2c3d": 16, "8-0a1b2c3d": 16}, {"7-0a1b2c3d": 16}, {"7-0a1b2c3d": 100}]  # left alone: all of it
+    assert scoring.read_back(steps, "7", 50) == 32 and scoring.read_back(steps, "7", 33) == 32
+    assert scoring.read_back(steps, "7", 32) == 16 and scoring.read_back(steps, "8", 10) == 0
+    assert scoring.read_back(None, "7", 50) == 0

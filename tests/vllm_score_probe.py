@@ -10,7 +10,10 @@ the continuation tokens' logprobs three ways:
 - ``cached``: the context less its last token written first (a request of its own), then the same scoring
   request with ``skip_reading_prefix_cache=False``: the continuation is computed against the context as the
   cache holds it; ``hit`` is vLLM's ``num_cached_tokens`` of each;
-- ``decode``: the logprobs of 16 greedy tokens after the context (decode reads the cache on every backend).
+- ``decode``: the logprobs of 16 greedy tokens after the context (decode reads the cache on every backend);
+- ``single_steps``: each ``single`` request's tokens in each scheduler step, in the order the requests came.
+  Started with ``long_prefill_token_threshold=16``, vLLM computes each prompt in 16-token chunks, each chunk
+  attending the chunks before it as the cache holds them (kvdiag's scores where its prefix cache cannot serve).
 
 tests/test_vllm_score.py compares two dtypes' lines: the oracle for what kvdiag's drift sees.
 """
@@ -41,6 +44,27 @@ def chosen(rows, ids: list[int], start: int, shift: int) -> list[float]:
     return [float(rows[start + j - shift][t].logprob) for j, t in enumerate(ids)]
 
 
+class StepRecord(list):
+    """(request id, tokens) of every request in every step the engine's scheduler schedules, until ``per_request``."""
+
+    def __init__(self, llm):
+        super().__init__()
+        self.sched = llm.llm_engine.engine_core.engine_core.scheduler
+        self.schedule = self.sched.schedule
+        self.sched.schedule = self._recorded
+
+    def _recorded(self, *args, **kwargs):
+        out = self.schedule(*args, **kwargs)
+        self.extend(out.num_scheduled_tokens.items())
+        return out
+
+    def per_request(self) -> list[list[int]]:
+        """Each request's tokens per step, the requests in the order they were first scheduled; recording stops."""
+        self.sched.schedule = self.schedule
+        ids = list(dict.fromkeys(r for r, _ in self))
+        return [[n for r, n in self if r == i] for i in ids]
+
+
 def main(model: str, kv_dtype: str, engine: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -52,11 +76,14 @@ def main(model: str, kv_dtype: str, engine: dict) -> dict:
     llm.generate([{"prompt_token_ids": c[:-1]} for c, _ in pairs], SamplingParams(max_tokens=1, detokenize=False),
                  use_tqdm=False)
     cached = llm.generate(full, SamplingParams(**score, skip_reading_prefix_cache=False), use_tqdm=False)
+    steps = StepRecord(llm)
     single = llm.generate(full, SamplingParams(**score), use_tqdm=False)  # after: its blocks would be hits above
+    out_steps = steps.per_request()
     decode = llm.generate([{"prompt_token_ids": c} for c, _ in pairs],
                           SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, detokenize=False),
                           use_tqdm=False)
-    out = {"kv_dtype": kv_dtype, "single": [], "cached": [], "hit": [], "decode": [], "decode_tokens": []}
+    out = {"kv_dtype": kv_dtype, "single": [], "cached": [], "hit": [], "decode": [], "decode_tokens": [],
+           "single_steps": out_steps}
     for (c, x), s, k, d in zip(pairs, single, cached, decode):
         n = len(c) + len(x)
         out["single"].append(chosen(s.prompt_logprobs, x, len(c), n - len(s.prompt_logprobs)))

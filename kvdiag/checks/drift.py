@@ -393,16 +393,16 @@ def grows(d: dict, lim: Limits) -> list[tuple[str, dict]]:
 
 def warnings(d: dict, lim: Limits) -> list[tuple[str, str, dict]]:
     """The drift's warnings (kind, line, evidence): ``drift_grows`` (``grows``) and ``drift_uncached``: a quantized
-    dtype whose teacher-forced scores mostly did not read their context back from the KV cache (contexts shorter
-    than a block, prefix caching off, blocks evicted), so that a backend attending a first prefill on unquantized
-    K/V would show little or no drift."""
+    dtype whose teacher-forced scores mostly did not read their context back from the KV cache (vLLM: contexts
+    shorter than one scoring chunk, or a scheduler kvdiag cannot reach; engines/vllm/scoring.py), so that a backend
+    attending a first prefill on unquantized K/V would show little or no drift."""
     out = [("drift_grows", msg, evidence) for msg, evidence in grows(d, lim)]
     share = d.get("context_from_cache")
     if share is not None and share < MIN_FROM_CACHE and lim.family not in UNQUANTIZED_FAMILIES:
         out.append(("drift_uncached", f"drift read the context back from the KV cache for {share:.0%} of the "
                     "prompts: the rest were scored in one prefill, which some backends attend on the unquantized "
-                    "K/V, so drift may not show this cache (contexts shorter than one KV block of the engine, "
-                    "or prefix caching off: vLLM turns it off for hybrid models, whose blocks hold hundreds of tokens)",
+                    "K/V, so drift may not show this cache (contexts too short to leave a part in the cache, or an "
+                    "engine that cannot score in chunks)",
                     {"context_from_cache": share}))
     return out
 

@@ -5,7 +5,7 @@ instead."""
 
 from __future__ import annotations
 
-from kvdiag.report.cells import fmt_value
+from kvdiag.report.cells import fmt_value, warning_lines
 
 VERDICT_STYLE = {"ok": "green", "baseline": "cyan", "unsupported": "yellow", "skipped": "yellow"}
 NUMBERS = ("score ± se", "Δ", "95% CI", "p")  # se: lm_eval's stderr; the CI is Δ's (paired)
@@ -39,18 +39,6 @@ def accuracy(run, con) -> None:
     times = a.get("timings")
     if times:
         con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
-
-
-def warning_lines(cases, severities: tuple[str, ...] = ("warning",)) -> list[str]:
-    """One line per warning (kind and words), with the dtypes that have it: what the tables cannot say (a context
-    cut to the engine's length, a drift that did not read the cache, a dtype that stores the model's precision);
-    ``severities`` adds others (poison: the info that its waves were sized for other blocks)."""
-    seen: dict[tuple[str, str, str], list[str]] = {}
-    for c in cases:
-        for f in c.findings:
-            if f.severity in severities:
-                seen.setdefault((f.severity, f.kind, f.message), []).append(c.kv_dtype)
-    return [f"{sev} ({', '.join(dtypes)}): {kind}: {msg}" for (sev, kind, msg), dtypes in seen.items()]
 
 
 def _width(con, table) -> int:

@@ -1,5 +1,5 @@
 """What every terminal table is made of: the console, how values and statuses read, and the cases table any
-run can show. The bottom of report/: it imports no other report module."""
+run can show, and the warning lines under a table. The bottom of report/: it imports no other report module."""
 
 from __future__ import annotations
 
@@ -65,3 +65,15 @@ def run_versions(run) -> dict[str, str]:
     for engine in dict.fromkeys(c.engine for c in run.cases):
         out.update(reported_versions(engine, env))
     return out
+
+
+def warning_lines(cases, severities: tuple[str, ...] = ("warning",)) -> list[str]:
+    """One line per warning (kind and words), with the dtypes that have it: what the tables cannot say (a context
+    cut to the engine's length, a drift that did not read the cache, a dtype that stores the model's precision);
+    ``severities`` adds others (poison: the info that its waves were sized for other blocks)."""
+    seen: dict[tuple[str, str, str], list[str]] = {}
+    for c in cases:
+        for f in c.findings:
+            if f.severity in severities:
+                seen.setdefault((f.severity, f.kind, f.message), []).append(c.kv_dtype)
+    return [f"{sev} ({', '.join(dtypes)}): {kind}: {msg}" for (sev, kind, msg), dtypes in seen.items()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvdiag.report.accuracy_view import accuracy, warning_lines  # noqa: F401 - the accuracy check's render
+from kvdiag.report.accuracy_view import accuracy  # noqa: F401 - the accuracy check's render
 
 VERDICTS = ("pass", "fail")  # a case with one: its infos are printed under the table, not in its row
 
@@ -93,7 +93,7 @@ def poison(run, con) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.cells import status_text
+    from kvdiag.report.cells import status_text, warning_lines
 
     t = Table(title="poison per kv dtype (reference: the same waves with free blocks zeroed)", title_justify="left")
     for col in ("kv dtype", "value", "fresh blocks", "poisoned blocks", "identical", "NaN", "first difference",

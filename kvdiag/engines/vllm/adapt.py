@@ -271,8 +271,9 @@ def completion(out, logprobs: int) -> Completion:
                       top_logprobs=tops, text=o.text or "", finish_reason=o.finish_reason or "length")
 
 
-def scored(out, n_ctx: int, cont: list[int], k: int) -> Scored:
-    """Continuation token j is prompt position n_ctx + j; vLLM always includes the actual token.
+def scored(out, n_ctx: int, cont: list[int], k: int, from_cache: int) -> Scored:
+    """Continuation token j is prompt position n_ctx + j; vLLM always includes the actual token. ``from_cache``:
+    the context tokens its logits read back from the KV cache (scoring.py).
 
     With a prefix-cache hit of H tokens, vLLM's model runner V2 returns the prompt logprobs from position H on
     (a list H shorter), the V1 runner a full-length list whose first H rows are unset: the shift is the length
@@ -285,7 +286,7 @@ def scored(out, n_ctx: int, cont: list[int], k: int) -> Scored:
     rows = [rows_all[n_ctx + j - shift] for j in range(len(cont))]
     chosen = [row[t] for row, t in zip(rows, cont)]
     return Scored(logprobs=[float(c.logprob) for c in chosen], is_greedy=all(c.rank == 1 for c in chosen),
-                  top_logprobs=[_top(row, k) for row in rows] if k else None, context_from_cache=hit)
+                  top_logprobs=[_top(row, k) for row in rows] if k else None, context_from_cache=from_cache)
 
 
 def _top(row, k: int) -> dict[int, float]:

@@ -283,19 +283,12 @@ class VllmEngine:
     def score(self, contexts: Sequence[str | Sequence[int]], continuations: Sequence[str | Sequence[int]], *,
               top_k: int = 0) -> list[Scored]:
         """Teacher-forced logprobs from vLLM's prompt logprobs over context + continuation, the continuation
-        computed against the context as the KV cache holds it (as the builtin engine scores).
-
-        vLLM computes a prompt in one prefill when it fits one step, and some backends attend a request's first
-        prefill chunk on the unquantized K/V (turboquant, MLA): a score of the whole prompt at once never reads
-        the cache. So each context (less its last token) is written first, and the scoring request reads it
-        from the prefix cache (``skip_reading_prefix_cache=False``; vLLM skips the cache for prompt logprobs
-        otherwise). ``context_from_cache`` says how many context tokens were read back: whole blocks; 0 for a
-        context shorter than one block (zoo:granite-hybrid's: 512 tokens), or when prefix caching is off (poison
-        turns it off; vLLM's default for hybrid models) or the blocks were evicted.
+        computed against the context as the KV cache holds it (as the builtin engine scores; ``scoring.py``
+        says how, and what ``context_from_cache`` counts).
 
         ``top_logprobs`` holds the top ``top_k`` (``-1``: as many as vLLM allows); ``is_greedy``
         is vLLM's rank 1 for every continuation token; ``distributions`` is always None."""
-        from vllm import SamplingParams
+        from kvdiag.engines.vllm import scoring
 
         self._check_ready()
         if len(contexts) != len(continuations):
@@ -306,32 +299,4 @@ class VllmEngine:
             raise ValueError("score needs a non-empty context (the first continuation token has no logits)")
         limit = self.capabilities.max_logprobs
         k = 0 if top_k == 0 else limit if top_k < 0 else min(top_k, limit)
-        todo = [i for i, c in enumerate(conts) if c]
-        self._write_contexts([ctxs[i] for i in todo])
-        one = dict(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": ctxs[i] + conts[i]} for i in todo],
-                                 SamplingParams(**one, skip_reading_prefix_cache=False), use_tqdm=False) if todo else []
-        # a hit past the context (this continuation scored before) leaves some of its logits uncomputed: again,
-        # without reading the cache
-        again = [j for j, (i, out) in enumerate(zip(todo, outs)) if (out.num_cached_tokens or 0) >= len(ctxs[i])]
-        if again:
-            redo = self.llm.generate([{"prompt_token_ids": ctxs[todo[j]] + conts[todo[j]]} for j in again],
-                                     SamplingParams(**one), use_tqdm=False)
-            for j, out in zip(again, redo):
-                outs[j] = out
-        results = [Scored(logprobs=[], is_greedy=True, top_logprobs=[] if k else None) for _ in conts]
-        for i, out in zip(todo, outs):
-            results[i] = adapt.scored(out, len(ctxs[i]), conts[i], k)
-        return results
-
-    def _write_contexts(self, ctxs: list[list[int]]) -> None:
-        """Prefill each distinct context less its last token into the prefix cache (so that a cache hit always
-        leaves the first continuation token's logits to compute); nothing when prefix caching is off."""
-        from vllm import SamplingParams
-
-        if not self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
-            return
-        heads = list(dict.fromkeys(tuple(c[:-1]) for c in ctxs if len(c) > 1))
-        if heads:
-            self.llm.generate([{"prompt_token_ids": list(h)} for h in heads],
-                              SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+        return scoring.score(self.llm, ctxs, conts, k)
