@@ -94,7 +94,7 @@ def chunks(llm, tokens: int):
 
 def read_back(steps: list[dict] | None, request_id: str, n_ctx: int) -> int:
     """The tokens before the chunk of ``request_id`` that computed its position ``n_ctx - 1`` (0 when unrecorded).
-    vLLM's scheduler knows a request by the caller's id with a suffix (``{id}-{8 hex}``, vLLM >= 0.11)."""
+    vLLM's scheduler knows a request by the caller's id with a suffix (``{id}-{8 hex}`` in vLLM 0.24 and 0.32)."""
     done = 0
     for step in steps or []:
         n = next((v for k, v in step.items() if k == request_id or k.rsplit("-", 1)[0] == request_id), 0)
