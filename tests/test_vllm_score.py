@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_vllm_gpu import FAST, OUT, kvdiag, plain_probe, pytestmark, shim_args  # noqa: F401 - GPU marks apply too
+from probes import plain_probe
+from test_vllm_gpu import FAST, OUT, kvdiag, pytestmark, shim_args  # noqa: F401 - GPU marks apply too
 
 from kvdiag import zoo
 
@@ -29,7 +30,7 @@ def model_path(model: str) -> str:
 
 
 def score_probe(path: str, kv_dtype: str) -> dict:
-    return plain_probe(path, kv_dtype, *shim_args(path), timeout=600, script="vllm_score_probe.py")
+    return plain_probe("vllm_score_probe.py", path, kv_dtype, *shim_args(path), timeout=600)
 
 
 def max_delta(a: list[list[float]], b: list[list[float]]) -> float:
@@ -77,14 +78,14 @@ def test_the_hybrid_s_drift_reads_its_context_in_chunks_and_sees_what_one_prefil
     drift context (32-182 tokens) can come from the prefix cache. Plain vLLM started with
     ``long_prefill_token_threshold=16`` computes each prompt in 16-token chunks that read the chunks before from the
     cache: turboquant's scores move. kvdiag's drift scores that way (its scheduler's threshold at 16 for its scoring
-    requests): every prompt reads its context back and the drift moves, with prefix caching off (vLLM's default)
-    and forced on."""
+    requests: the chunk of a context under 256 tokens, engines/vllm/scoring.py): every prompt reads its context
+    back and the drift moves, with prefix caching off (vLLM's default) and forced on."""
     path = model_path("zoo:granite-hybrid")
     truth = truth_of("zoo:granite-hybrid", "turboquant_k8v4")
     assert truth["single"] == 0 < truth["cached"], truth
     assert all(h == 0 for h, n in zip(truth["hits"], truth["context_tokens"]) if n <= 512), truth
-    chunked = [plain_probe(path, d, *shim_args(path), "long_prefill_token_threshold=16", timeout=600,
-                           script="vllm_score_probe.py")["single"] for d in ("auto", "turboquant_k8v4")]
+    chunked = [plain_probe("vllm_score_probe.py", path, d, *shim_args(path), "long_prefill_token_threshold=16",
+                           timeout=600)["single"] for d in ("auto", "turboquant_k8v4")]
     assert max_delta(*chunked) > 0, "turboquant's chunked scores equal auto's: nothing for drift to see"
 
     for args in ((), PREFIX_CACHING):  # prefix caching forced on: vLLM 0.24 still serves no context of 512 tokens

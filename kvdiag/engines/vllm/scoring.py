@@ -8,10 +8,12 @@ the continuation read its context from the cache:
   request reads it back (``skip_reading_prefix_cache=False``; vLLM skips the cache for prompt logprobs otherwise).
   The hit is whole blocks of the context.
 - chunks, for the requests the prefix cache did not serve (prefix caching off: poison's engines and, in vLLM 0.24,
-  every hybrid model by default; a context shorter than one block): they are scored together with the scheduler's
-  ``long_prefill_token_threshold`` at ``CHUNK`` tokens, so each request is computed ``CHUNK`` tokens a step and each
-  chunk attends the chunks before it as the cache holds them. vLLM does the same for an engine started with
-  ``long_prefill_token_threshold=CHUNK``; only the running scheduler's threshold changes, for these requests only.
+  every hybrid model by default; a context shorter than one block): they are scored together with the running
+  scheduler's ``long_prefill_token_threshold`` at ``chunk_tokens`` (a power of two of about an eighth of the
+  shortest context), so each request is computed a chunk a step and each chunk attends the chunks before it as the
+  cache holds them. vLLM does the same for an engine started with that ``long_prefill_token_threshold``. No more go
+  at once than the step budget computes whole chunks of, so no request's chunk is cut short by the others'. Only
+  the running scheduler's threshold changes, for these requests only.
 
 ``context_from_cache`` of a score is the context tokens the first continuation token's logits read back: the
 prefix-cache hit, or the tokens of the chunks before the one that computed the context's last token, as vLLM's
@@ -25,7 +27,8 @@ from contextlib import contextmanager
 from kvdiag.engines.base import Scored
 from kvdiag.engines.vllm import adapt
 
-CHUNK = 16  # tokens a step when scoring in chunks (vLLM's default block size)
+CHUNK = 16  # the fewest tokens a step of a request scored in chunks (vLLM's default block size)
+READ_BACK = 8  # a chunk is at most 1/READ_BACK of the shortest context: at least 7/8 of each is read back
 
 
 def score(llm, ctxs: list[list[int]], conts: list[list[int]], k: int) -> list[Scored]:
@@ -35,36 +38,51 @@ def score(llm, ctxs: list[list[int]], conts: list[list[int]], k: int) -> list[Sc
     one = dict(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
     todo = [i for i, c in enumerate(conts) if c]
     outs, hits = {}, {}
-    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and todo:
-        _write_contexts(llm, [ctxs[i] for i in todo])
-        got = llm.generate([{"prompt_token_ids": ctxs[i] + conts[i]} for i in todo],
+    config = llm.llm_engine.vllm_config.cache_config
+    block = getattr(config, "block_size", None) or 1
+    can_hit = [i for i in todo if len(ctxs[i]) > block] if config.enable_prefix_caching else []
+    if can_hit:  # (a context less its last token shorter than a block cannot hit)
+        _write_contexts(llm, [ctxs[i] for i in can_hit])
+        got = llm.generate([{"prompt_token_ids": ctxs[i] + conts[i]} for i in can_hit],
                            SamplingParams(**one, skip_reading_prefix_cache=False), use_tqdm=False)
-        for i, out in zip(todo, got):
+        for i, out in zip(can_hit, got):
             hit = int(out.num_cached_tokens or 0)
-            # no hit (a context shorter than a block), or one past the context (this continuation scored
-            # before: some of its logits uncomputed): scored in chunks below
+            # no hit, or one past the context (this continuation scored before: some of its logits uncomputed):
+            # scored in chunks below
             if 0 < hit < len(ctxs[i]):
                 outs[i], hits[i] = out, hit
     chunked = [i for i in todo if i not in outs]
     if chunked:
-        with chunks(llm, CHUNK) as steps:
-            got = llm.generate([{"prompt_token_ids": ctxs[i] + conts[i]} for i in chunked], SamplingParams(**one),
-                               use_tqdm=False)
-        for i, out in zip(chunked, got):
-            outs[i], hits[i] = out, read_back(steps, out.request_id, len(ctxs[i]))
+        with chunks(llm, chunk_tokens(min(len(ctxs[i]) for i in chunked))) as (steps, at_once):
+            parts = -(-len(chunked) // at_once)  # as even as can be: no request left to run alone
+            for part in (chunked[j::parts] for j in range(parts)):
+                got = llm.generate([{"prompt_token_ids": ctxs[i] + conts[i]} for i in part], SamplingParams(**one),
+                                   use_tqdm=False)
+                seen = steps.take([out.request_id for out in got])
+                for i, out in zip(part, got):
+                    outs[i], hits[i] = out, read_back(seen[out.request_id], len(ctxs[i]))
     results = [Scored(logprobs=[], is_greedy=True, top_logprobs=[] if k else None) for _ in conts]
     for i in todo:
         results[i] = adapt.scored(outs[i], len(ctxs[i]), conts[i], k, hits[i])
     return results
 
 
+def chunk_tokens(shortest: int) -> int:
+    """The chunk of requests whose shortest context is ``shortest`` tokens: the largest power of two at most
+    ``shortest / READ_BACK``, at least CHUNK. Each reads back at least 7/8 of a context longer than 8 chunks, and the
+    shortest takes 8 to 16 steps."""
+    return max(CHUNK, 1 << (max(shortest // READ_BACK, 1).bit_length() - 1))
+
+
 @contextmanager
 def chunks(llm, tokens: int):
     """The running scheduler prefills each request at most ``tokens`` a step (its config's
-    ``long_prefill_token_threshold``), then as before. Yields the steps it schedules meanwhile, ``[{scheduler request
-    id: tokens}, ...]``, or None where this vLLM's scheduler is not in this process, or splits a hybrid's prefill at
-    whole blocks (a Mamba state cached per block, prefix caching on: it would never schedule a smaller chunk of a
-    prompt longer than a block); the requests then run unchunked."""
+    ``long_prefill_token_threshold``, or the user's own where smaller), then as before. Yields ``(steps, at_once)``:
+    the steps it schedules meanwhile (``Steps``), and how many requests to send at once (the step budget's whole
+    chunks: no request's chunk is cut short by the others'). No steps are recorded where this vLLM's scheduler is not
+    in this process, or splits a hybrid's prefill at whole blocks (a Mamba state cached per block, prefix caching on:
+    it would never schedule a smaller chunk of a prompt longer than a block); the requests then run unchunked, all at
+    once."""
     from kvdiag.engines.vllm.kv import KVAccessError, engine_core
 
     try:
@@ -73,31 +91,45 @@ def chunks(llm, tokens: int):
         sched = None
     config = getattr(sched, "scheduler_config", None)
     before = getattr(config, "long_prefill_token_threshold", None)
+    steps = Steps()
     if not isinstance(before, int) or getattr(sched, "need_mamba_block_aligned_split", False):
-        yield None
+        yield steps, 1 << 30
         return
-    steps, schedule = [], sched.schedule
+    schedule = sched.schedule
 
     def recorded(*args, **kwargs):
         out = schedule(*args, **kwargs)
         steps.append(dict(out.num_scheduled_tokens))
         return out
 
-    config.long_prefill_token_threshold = min(before, tokens) if before > 0 else tokens
-    sched.schedule = recorded
+    tokens = min(before, tokens) if before > 0 else tokens
+    config.long_prefill_token_threshold, sched.schedule = tokens, recorded
     try:
-        yield steps
+        budget = getattr(config, "max_num_batched_tokens", 0) or 0
+        yield steps, max(1, budget // tokens) if budget else 1 << 30
     finally:
-        config.long_prefill_token_threshold = before
-        sched.schedule = schedule
+        config.long_prefill_token_threshold, sched.schedule = before, schedule
 
 
-def read_back(steps: list[dict] | None, request_id: str, n_ctx: int) -> int:
-    """The tokens before the chunk of ``request_id`` that computed its position ``n_ctx - 1`` (0 when unrecorded).
-    vLLM's scheduler knows a request by the caller's id with a suffix (``{id}-{8 hex}`` in vLLM 0.24 and 0.32)."""
+class Steps(list):
+    """The steps vLLM's scheduler scheduled, ``[{scheduler request id: tokens}, ...]``."""
+
+    def take(self, ids: list[str]) -> dict[str, list[int]]:
+        """The tokens of each of the caller's request ``ids`` in each step it was scheduled; the steps are forgotten.
+        vLLM's scheduler knows a request by the caller's id with a suffix (``{id}-{8 hex}`` in vLLM 0.24 and 0.32)."""
+        out: dict[str, list[int]] = {i: [] for i in ids}
+        for step in self:
+            for key, n in step.items():
+                out.get(key if key in out else key.rsplit("-", 1)[0], []).append(n)
+        self.clear()
+        return out
+
+
+def read_back(chunks: list[int], n_ctx: int) -> int:
+    """The tokens before the chunk that computed position ``n_ctx - 1`` of a request computed in ``chunks`` (0 when
+    unrecorded, or in one)."""
     done = 0
-    for step in steps or []:
-        n = next((v for k, v in step.items() if k == request_id or k.rsplit("-", 1)[0] == request_id), 0)
+    for n in chunks:
         if done + n >= n_ctx:
             return done
         done += n
