@@ -28,7 +28,7 @@ from kvdiag.engines.base import Scored
 from kvdiag.engines.vllm import adapt
 
 CHUNK = 16  # the fewest tokens a step of a request scored in chunks (vLLM's default block size)
-READ_BACK = 8  # a chunk is at most 1/READ_BACK of the shortest context: at least 7/8 of each is read back
+READ_BACK = 8  # a chunk is at most 1/READ_BACK of the shortest context (of 8 chunks or more): 7/8 read back
 
 
 def score(llm, ctxs: list[list[int]], conts: list[list[int]], k: int) -> list[Scored]:
