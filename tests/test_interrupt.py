@@ -20,8 +20,11 @@ def interrupted(tmp_path, sig: int, whole_group: bool) -> tuple[int, str]:
     while a worker is inside lm_eval (its log shows a progress bar)."""
     run_dir, err = tmp_path / "run", tmp_path / "stderr.txt"
     with err.open("w") as stderr:
+        # a terminal's Ctrl-C: SIGINT handled as by default, even where this test's own process inherited it ignored
+        # (a job started with `&` from a shell without job control: Python then raises no KeyboardInterrupt)
         proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "accuracy", "--limit", "2", "-o", str(run_dir)],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while not any("it/s" in p.read_text(errors="replace") for p in run_dir.glob("logs/*.log")):
