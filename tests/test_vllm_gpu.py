@@ -74,6 +74,14 @@ def shim_args(model: str) -> list[str]:
     return [f"hf_overrides={json.dumps(shim[0])}"] if shim else []
 
 
+def engine_of(model: str, eager: bool = True) -> list[str]:
+    """kvdiag's engine arguments for a memleak or wake-cycle case (its explicit KV cache), for a plain probe."""
+    from kvdiag.engines.vllm.sizing import kv_cache_bytes
+
+    return [f"enforce_eager={str(eager).lower()}", f"kv_cache_memory_bytes={kv_cache_bytes(model)}",
+            "gpu_memory_utilization=0.05", "max_model_len=2048", "max_num_seqs=64", *shim_args(model)]
+
+
 @functools.lru_cache(maxsize=None)
 def probe(mode: str) -> dict:
     from kvdiag.assets import TINY_MODEL
@@ -257,10 +265,8 @@ def test_the_default_sweep_says_unsupported_up_front_and_crashed_with_the_stage(
         assert c["findings"][0]["evidence"].get("stage") or c["findings"][0]["evidence"].get("signal"), c
     assert by["auto"]["status"] == "pass" and code == (1 if any(c["status"] == "crashed" for c in by.values()) else 0)
     assert run["environment"].get("vllm") and "error" not in {c["status"] for c in by.values()}
-    p = subprocess.run([sys.executable, str(HERE / "vllm_case_probe.py"), str(TINY_MODEL), "auto",
-                        "kv_cache_memory_bytes=268435456", "gpu_memory_utilization=0.05",
-                        "max_model_len=2048"], capture_output=True, text=True, timeout=600)
-    plain = json.loads(p.stdout.strip().splitlines()[-1])
+    plain = plain_probe("vllm_case_probe.py", str(TINY_MODEL), "auto", "kv_cache_memory_bytes=268435456",
+                        "gpu_memory_utilization=0.05", "max_model_len=2048", timeout=600)
     ours = by["auto"]["metrics"]["scores"]
     for task in ("kv_recall", "kv_recall_long"):
         assert abs(ours[task]["acc"]["score"] - plain["scores"][task]["acc,none"]) < 1e-9
@@ -290,8 +296,7 @@ def warm_caches(engine: list[str], levels=(1,)) -> None:
     from kvdiag.assets import TINY_MODEL
 
     for level in levels:
-        subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "wake", str(TINY_MODEL), str(level), "1",
-                        *engine], capture_output=True, text=True, timeout=600, check=True)
+        plain_probe("vllm_gpu_probe.py", "wake", str(TINY_MODEL), str(level), "1", *engine, timeout=600)
 
 
 def test_a_wake_cycle_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycles():
@@ -300,10 +305,8 @@ def test_a_wake_cycle_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycle
     same outputs after every wake, and each case's time in its worker at most 1.3x the script's start + cycles +
     shutdown (kvdiag also measures memory after each step and scans the KV cache)."""
     from kvdiag.assets import TINY_MODEL
-    from kvdiag.engines.vllm.sizing import kv_cache_bytes
 
-    engine = ["enforce_eager=true", f"kv_cache_memory_bytes={kv_cache_bytes(str(TINY_MODEL))}",
-              "gpu_memory_utilization=0.05", "max_model_len=2048", "max_num_seqs=64"]
+    engine = engine_of(str(TINY_MODEL))
     warm_caches(engine, levels=(1, 2))
     code, run, _ = kvdiag("wake-explicit", "wake-cycle", "-e", "vllm", "-d", "auto", "-l", "1", "-l", "2",
                           "-a", "enforce_eager=true")
@@ -324,10 +327,8 @@ def test_a_memleak_case_costs_at_most_1_3x_the_plain_script_of_the_same_cycles()
     one plain process. The case's time in its worker is at most 1.3x the script's cycles (kvdiag also takes a
     tensor census after each)."""
     from kvdiag.assets import TINY_MODEL
-    from kvdiag.engines.vllm.sizing import kv_cache_bytes
 
-    engine = ["enforce_eager=true", f"kv_cache_memory_bytes={kv_cache_bytes(str(TINY_MODEL))}",
-              "gpu_memory_utilization=0.05", "max_model_len=2048", "max_num_seqs=64"]
+    engine = engine_of(str(TINY_MODEL))
     warm_caches(engine)
     code, run, _ = kvdiag("memleak-timed", "memleak", "-e", "vllm", "-d", "auto", "-a", "enforce_eager=true")
     (c,) = run["cases"]
@@ -354,8 +355,7 @@ def test_compiled_qwen3_keeps_its_kv_cache_through_a_bytecode_hook_as_plain_vllm
     for name, model in (("qwen3", str(resolve("zoo:qwen3"))), ("llama", str(TINY_MODEL))):
         code, run, _ = kvdiag(f"compiled-memleak-{name}", "memleak", "-e", "vllm", "-m", model, "-d", "auto")
         (cases[name],) = run["cases"]
-        engine = ["enforce_eager=false", f"kv_cache_memory_bytes={kv_cache_bytes(model)}", "max_model_len=2048",
-                  "gpu_memory_utilization=0.05", "max_num_seqs=64"]
+        engine = engine_of(model, eager=False)
         plain[name] = plain_probe("vllm_gpu_probe.py", "eager", model, *engine)
         with open(OUT / "commands.jsonl", "a") as f:
             f.write(json.dumps({"name": f"compiled-memleak-probe-{name}", "engine": engine, "probe": plain[name]})
@@ -487,16 +487,13 @@ def test_the_compiled_hybrid_s_first_decode_is_vllms_own_crash_and_kvdiag_says_c
     address space", both seen on the H100). The plain script (tests/vllm_gpu_probe.py ``eager`` with kvdiag's
     engine arguments) dies the same way with ``enforce_eager=false`` and runs its three cycles eager; kvdiag's
     memleak says ``crashed`` in cycle 1's workload (not an error of kvdiag's), in vLLM's code, with a reproducer."""
-    from kvdiag.engines.vllm.sizing import kv_cache_bytes
     from kvdiag.zoo import resolve
 
     model = str(resolve("zoo:granite-hybrid"))
-    args = [f"kv_cache_memory_bytes={kv_cache_bytes(model)}", "max_model_len=2048", "gpu_memory_utilization=0.05",
-            "max_num_seqs=64", *shim_args(model)]
-    eager = plain_probe("vllm_gpu_probe.py", "eager", model, "enforce_eager=true", *args)
+    eager = plain_probe("vllm_gpu_probe.py", "eager", model, *engine_of(model))
     assert len(eager["allocated_after_shutdown_mib"]) == 3, eager
-    p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "eager", model, "enforce_eager=false", *args],
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, str(HERE / "vllm_gpu_probe.py"), "eager", model,
+                        *engine_of(model, eager=False)], capture_output=True, text=True, timeout=900)
     died = p.returncode != 0 and "PROBE " not in p.stdout and "CUDA error" in p.stderr
     code, run, _ = kvdiag("zoo-granite-memleak-compiled", "memleak", "-e", "vllm", "-m", "zoo:granite-hybrid",
                           "-d", "auto")
@@ -559,10 +556,7 @@ def test_each_trained_zoo_family_scores_on_its_band_task_what_lm_evals_own_vllm_
         engine = [f"kv_cache_memory_bytes={kv_cache_bytes(model, max_model_len=length)}",
                   "gpu_memory_utilization=0.05", f"max_model_len={length}", f"tasks={task}", *eager,
                   *shim_args(model), *(chunk_args(model, task) if name in CHUNKED else ())]
-        p = subprocess.run([sys.executable, str(HERE / "vllm_case_probe.py"), model, "auto", *engine],
-                           capture_output=True, text=True, timeout=900)
-        assert p.returncode == 0, p.stderr[-3000:]
-        plain = json.loads(p.stdout.strip().splitlines()[-1])
+        plain = plain_probe("vllm_case_probe.py", model, "auto", *engine, timeout=900)
         OUT.mkdir(parents=True, exist_ok=True)
         with open(OUT / "commands.jsonl", "a") as f:
             f.write(json.dumps({"name": f"band-probe-{name}-{mode}", "ours": ours, "probe": plain}) + "\n")

@@ -3,7 +3,7 @@
 most 1.3x a plain script's engine start + evaluation" and for the scores: lm_eval's own vLLM backend
 (``lm_eval.models.vllm_causallms.VLLM``) on kvdiag's shipped tasks.
 
-    python3 tests/vllm_case_probe.py MODEL KV_DTYPE [key=value ...]   -> one JSON line on stdout
+    python3 tests/vllm_case_probe.py MODEL KV_DTYPE [key=value ...]   -> ``PROBE {...}`` on stdout
 
 The key=value pairs go to ``vllm.LLM`` as lm_eval's --model_args would (e.g. enforce_eager=true
 kv_cache_memory_bytes=268435456 gpu_memory_utilization=0.05), except ``tasks=a,b``: kvdiag's shipped tasks to
@@ -58,5 +58,5 @@ def main(model: str, kv_dtype: str, pairs: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3:])), flush=True)
+    print("PROBE " + json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3:])), flush=True)
     os._exit(0)

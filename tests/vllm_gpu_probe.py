@@ -6,11 +6,12 @@ what this prints.  ``python3 tests/vllm_gpu_probe.py sleep|eager MODEL``  -> one
   ``reload_weights``, kv_cache): outputs again; then kvdiag's old level-2 wake (weights, reload, every tag);
   shutdown as vLLM's tests do:
   GPU memory still used beyond the start; then a second engine with sleep mode in the same process.
-- ``eager [key=value ...]``: three start / generate / shutdown cycles without sleep mode: CUDA allocated and the
-  driver's used memory after each shutdown, and the cycles' time (``case_work_s``: the oracle for "a memleak case
-  costs at most 1.3x the plain script"); engine arguments given replace the defaults' (kvdiag's explicit KV cache;
-  ``enforce_eager=false`` for vLLM's compiled mode); also how many of torch.compile's bytecode hooks stay
-  registered after each shutdown and whether the ``LLMEngine`` (whose finalizer removes its own) was collected.
+- ``eager [--cycles=N] [key=value ...]``: three (N) start / generate / shutdown cycles without sleep mode: CUDA
+  allocated and the driver's used memory after each shutdown, and the cycles' time (``case_work_s``: the oracle for
+  "a memleak case costs at most 1.3x the plain script"); engine arguments given replace the defaults' (kvdiag's
+  explicit KV cache; ``enforce_eager=false`` for vLLM's compiled mode); also how many of torch.compile's bytecode
+  hooks stay registered after each shutdown and whether the ``LLMEngine`` (whose finalizer removes its own) was
+  collected.
 - ``defaults``: the same with vLLM's defaults (torch.compile, CUDA graphs captured on a new stream each start),
   then torch's cuBLAS workspaces (one per cuBLAS handle and stream) cleared: what that gives back.
 - ``wake LEVEL CYCLES [key=value ...]``: what one ``kvdiag wake-cycle -e vllm -l LEVEL -n CYCLES`` case does, with
@@ -99,7 +100,7 @@ def sleep_probe(model: str) -> dict:
     return out
 
 
-def eager_probe(model: str, eager: bool = True, **engine) -> dict:
+def eager_probe(model: str, eager: bool = True, cycles: int = 3, **engine) -> dict:
     import time
 
     t0 = time.perf_counter()
@@ -115,7 +116,7 @@ def eager_probe(model: str, eager: bool = True, **engine) -> dict:
     del x
     base_alloc, base_used = torch.cuda.memory_allocated(), used()
     alloc, drv, hooks, engines_alive = [], [], [], []
-    for _ in range(3):
+    for _ in range(cycles):
         llm = LLM(model=model, **{**ARGS, "enforce_eager": eager, **engine})
         greedy(llm)
         engine_ref = weakref.ref(llm.llm_engine)
@@ -233,7 +234,9 @@ if __name__ == "__main__":
     probes = {"sleep": sleep_probe, "eager": eager_probe, "defaults": lambda m: eager_probe(m, eager=False),
               "mp": mp_probe, "wake": wake_probe}
     if mode == "eager" and sys.argv[3:]:  # engine arguments given: the cycles of one kvdiag memleak case
-        result = eager_probe(model, **engine_args(sys.argv[3:]))
+        n = [int(a.split("=", 1)[1]) for a in sys.argv[3:] if a.startswith("--cycles=")]
+        result = eager_probe(model, cycles=n[0] if n else 3,
+                             **engine_args([a for a in sys.argv[3:] if not a.startswith("--")]))
     else:
         result = probes[mode](model)
     print("PROBE " + json.dumps(result), flush=True)

@@ -2,12 +2,14 @@
 change the outputs? The oracle of kvdiag's poison verdict on sliding-window models (zoo:gemma3) and, as a control,
 on a full-attention one (tiny-llama); tests/test_vllm_cpu_poison.py holds the two side by side.
 
-    python3 tests/vllm_sliding_probe.py MODEL [--prefix-caching] [--block=N|default] [--kv-dtype=D] [REGION:VALUE ...]
-                                                                                    -> ``PROBE {...}`` on stdout
+    python3 tests/vllm_sliding_probe.py MODEL [--prefix-caching] [--block=N|default] [--kv-dtype=D] [--compiled]
+                                          [REGION:VALUE ...]                       -> ``PROBE {...}`` on stdout
 
 ``--block=default`` leaves the block size to vLLM (on a GPU, as kvdiag's poison does: the backend's own, e.g. 64 for
 an MLA model on an H100); the waves then follow the block size the engine took. ``--kv-dtype`` (default ``auto``):
 an fp8 cache's bytes get VALUE's bf16 bits, pair by pair (NaN: 0x7FC0, whose high byte is e4m3's NaN code).
+``--compiled``: vLLM's defaults (torch.compile, CUDA graphs) instead of eager mode; the blocks are filled between
+scheduling and the model's run all the same, and a graph replay reads the same cache tensors.
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); the scheduler's ``schedule`` is wrapped so
 that after every scheduling step, before the model runs it, the blocks of one REGION of every layer's cache tensor
@@ -58,11 +60,12 @@ REGIONS = ("fresh", "free", "slid", "null", "wave")
 DEFAULT_RUNS = [f"{r}:{v}" for r in REGIONS for v in ("nan", "1e4", "max")]
 
 
-def start(model: str, prefix_caching: bool = False, block: int | None = BLOCK, kv_dtype: str = "auto"):
+def start(model: str, prefix_caching: bool = False, block: int | None = BLOCK, kv_dtype: str = "auto",
+          eager: bool = True):
     from vllm import LLM
 
     length = MAX_MODEL_LEN if block else 2 * MAX_MODEL_LEN  # vLLM's own blocks: up to 128 tokens (waves: 2 x + 3)
-    return LLM(model=model, enforce_eager=True, dtype="bfloat16", max_model_len=length, max_num_seqs=8,
+    return LLM(model=model, enforce_eager=eager, dtype="bfloat16", max_model_len=length, max_num_seqs=8,
                enable_prefix_caching=prefix_caching, num_gpu_blocks_override=NUM_BLOCKS, seed=0,
                kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv_dtype, **({"block_size": block} if block else {}))
 
@@ -192,15 +195,15 @@ def value(v: str) -> float:
 
 
 def main(model: str, runs: list[str], prefix_caching: bool = False, block: int | None = BLOCK,
-         kv_dtype: str = "auto") -> dict:
-    llm = start(model, prefix_caching, block, kv_dtype)
+         kv_dtype: str = "auto", eager: bool = True) -> dict:
+    llm = start(model, prefix_caching, block, kv_dtype, eager)
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
     caches = runner.kv_caches if isinstance(runner.kv_caches, list) else list(runner.kv_caches.values())
     cfg = core.scheduler.kv_cache_config
     block = cfg.kv_cache_groups[0].kv_cache_spec.block_size  # the one asked for, or vLLM's own
     poisoner = Poisoner(core, caches)
-    res = {"model": model, "kv_dtype": kv_dtype, "prefix_caching": prefix_caching,
+    res = {"model": model, "kv_dtype": kv_dtype, "prefix_caching": prefix_caching, "eager": eager,
            "num_blocks": poisoner.pool.num_gpu_blocks, "block_size": block, "attention_backend": _backend(runner),
            "null_block": poisoner.null, "cache_shape": list(caches[0].shape), "cache_tensors": len(caches),
            "distinct_storages": len({t.untyped_storage().data_ptr() for t in caches}),
@@ -232,5 +235,5 @@ if __name__ == "__main__":
     block = BLOCK if "block" not in opts else None if opts["block"] == "default" else int(opts["block"])
     args = [a for a in sys.argv[2:] if a not in flags]
     print("PROBE " + json.dumps(main(sys.argv[1], args or DEFAULT_RUNS, "--prefix-caching" in flags, block,
-                          opts.get("kv-dtype", "auto"))), flush=True)
+                          opts.get("kv-dtype", "auto"), "--compiled" not in flags)), flush=True)
     os._exit(0)

@@ -54,7 +54,7 @@ def score(llm, ctxs: list[list[int]], conts: list[list[int]], k: int) -> list[Sc
     chunked = [i for i in todo if i not in outs]
     if chunked:
         with chunks(llm, chunk_tokens(min(len(ctxs[i]) for i in chunked))) as (steps, at_once):
-            parts = -(-len(chunked) // at_once)  # as even as can be: no request left to run alone
+            parts = -(-len(chunked) // at_once) if at_once else 1  # as even as can be: none left to run alone
             for part in (chunked[j::parts] for j in range(parts)):
                 got = llm.generate([{"prompt_token_ids": ctxs[i] + conts[i]} for i in part], SamplingParams(**one),
                                    use_tqdm=False)
@@ -79,10 +79,10 @@ def chunks(llm, tokens: int):
     """The running scheduler prefills each request at most ``tokens`` a step (its config's
     ``long_prefill_token_threshold``, or the user's own where smaller), then as before. Yields ``(steps, at_once)``:
     the steps it schedules meanwhile (``Steps``), and how many requests to send at once (the step budget's whole
-    chunks: no request's chunk is cut short by the others'). No steps are recorded where this vLLM's scheduler is not
-    in this process, or splits a hybrid's prefill at whole blocks (a Mamba state cached per block, prefix caching on:
-    it would never schedule a smaller chunk of a prompt longer than a block); the requests then run unchunked, all at
-    once."""
+    chunks: no request's chunk is cut short by the others'; ``None``: all). No steps are recorded where this vLLM's
+    scheduler is not in this process, or splits a hybrid's prefill at whole blocks (a Mamba state cached per block,
+    prefix caching on: it would never schedule a smaller chunk of a prompt longer than a block); the requests then
+    run unchunked, all at once."""
     from kvdiag.engines.vllm.kv import KVAccessError, engine_core
 
     try:
@@ -93,7 +93,7 @@ def chunks(llm, tokens: int):
     before = getattr(config, "long_prefill_token_threshold", None)
     steps = Steps()
     if not isinstance(before, int) or getattr(sched, "need_mamba_block_aligned_split", False):
-        yield steps, 1 << 30
+        yield steps, None
         return
     schedule = sched.schedule
 
@@ -106,7 +106,7 @@ def chunks(llm, tokens: int):
     config.long_prefill_token_threshold, sched.schedule = tokens, recorded
     try:
         budget = getattr(config, "max_num_batched_tokens", 0) or 0
-        yield steps, max(1, budget // tokens) if budget else 1 << 30
+        yield steps, max(1, budget // tokens) if budget else None
     finally:
         config.long_prefill_token_threshold, sched.schedule = before, schedule
 
