@@ -62,21 +62,38 @@ def test_the_share_counts_prompts_whose_context_came_from_the_cache():
 class FakeScheduler:
     """vLLM's scheduler as scoring.py sees it: each step gives each queued request in turn its tokens left, at most
     its config's ``long_prefill_token_threshold`` and what is left of the step's ``max_num_batched_tokens``; its
-    request ids are the caller's with a suffix."""
+    request ids are the caller's with a suffix. Its output says where each request's tokens start (new requests and
+    cached ones, as vLLM's). ``preempt``: request number -> the tokens after which that request is preempted once
+    (its computed tokens dropped, not scheduled that step, then computed from the start); ``alone``: a request left
+    alone takes the whole budget (vLLM 0.32)."""
 
-    def __init__(self, budget: int = 8192):
+    def __init__(self, budget: int = 8192, preempt: dict[int, int] | None = None, alone: bool = False):
         self.scheduler_config = SimpleNamespace(long_prefill_token_threshold=0, max_num_batched_tokens=budget)
         self.left: dict[str, int] = {}
+        self.done: dict[str, int] = {}
+        self.preempt, self.alone = {f"{k}-0a1b2c3d": v for k, v in (preempt or {}).items()}, alone
 
     def schedule(self):
+        out = {r for r, at in self.preempt.items() if self.done.get(r, 0) >= at}
+        for r in out:  # its tokens to compute again, from the next step on
+            del self.preempt[r]
+            self.left[r], self.done[r] = self.left[r] + self.done[r], 0
         cap = self.scheduler_config.long_prefill_token_threshold or 1 << 30
-        budget, step = self.scheduler_config.max_num_batched_tokens, {}
+        if self.alone and sum(1 for n in self.left.values() if n) == 1:
+            cap = 1 << 30
+        budget, step, new, cached = self.scheduler_config.max_num_batched_tokens, {}, [], {}
         for r, n in self.left.items():
-            if n and budget:
+            if n and budget and r not in out:
                 step[r] = min(cap, n, budget)
                 budget -= step[r]
+                if r in self.done:
+                    cached[r] = self.done[r]
+                else:
+                    new.append(SimpleNamespace(req_id=r, num_computed_tokens=0))
                 self.left[r] -= step[r]
-        return SimpleNamespace(num_scheduled_tokens=step)
+                self.done[r] = self.done.get(r, 0) + step[r]
+        return SimpleNamespace(num_scheduled_tokens=step, scheduled_new_reqs=new, scheduled_cached_reqs=SimpleNamespace(
+            req_ids=list(cached), num_computed_tokens=list(cached.values())))
 
 
 class FakeLLM:
@@ -84,8 +101,8 @@ class FakeLLM:
     computes each prompt's tokens, and a record of each ``generate`` call: (prompts, threshold, prompt logprobs);
     prompt logprobs of -1, -2, ... after any hit."""
 
-    def __init__(self, prefix_caching: bool, in_process: bool = True, budget: int = 8192):
-        self.sched = FakeScheduler(budget)
+    def __init__(self, prefix_caching: bool, in_process: bool = True, budget: int = 8192, **sched):
+        self.sched = FakeScheduler(budget, **sched)
         core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=self.sched)) if in_process else None
         self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
             cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, block_size=32)), engine_core=core)
@@ -166,13 +183,31 @@ def test_a_scheduler_that_cannot_chunk_scores_in_one_prefill_and_says_it_read_no
 def test_what_was_read_back_is_what_the_scheduler_scheduled_not_what_was_asked():
     from kvdiag.engines.vllm import scoring
 
-    steps = scoring.Steps([{"7-0a1b2c3d": 16, "8-0a1b2c3d": 16, "70-0a1b2c3d": 5}, {"7-0a1b2c3d": 16},
-                           {"7-0a1b2c3d": 100}])  # left alone: all of it
+    steps = scoring.Steps([{"7-0a1b2c3d": (0, 16), "8-0a1b2c3d": (0, 16), "70-0a1b2c3d": (0, 5)},
+                           {"7-0a1b2c3d": (16, 16)}, {"7-0a1b2c3d": (32, 100)}])  # left alone: all of it
     seen = steps.take(["7", "8", "9"])
-    assert seen == {"7": [16, 16, 100], "8": [16], "9": []} and steps == []
+    assert seen == {"7": [(0, 16), (16, 16), (32, 100)], "8": [(0, 16)], "9": []} and steps == []
     assert scoring.read_back(seen["7"], 50) == 32 and scoring.read_back(seen["7"], 33) == 32
     assert scoring.read_back(seen["7"], 32) == 16 and scoring.read_back(seen["8"], 10) == 0
     assert scoring.read_back([], 50) == 0
+    # a vLLM that does not say where a chunk starts: the chunks before it
+    assert scoring.read_back([(None, 16), (None, 16), (None, 100)], 50) == 32
+    # preempted after two chunks, then computed again in one: nothing read back
+    assert scoring.read_back([(0, 16), (16, 16), (0, 132)], 50) == 0
+
+
+def test_a_request_preempted_and_computed_again_counts_its_last_run(fake_vllm):
+    """vLLM preempts a request when its KV blocks run out, drops what it computed and computes it again; a request
+    left alone then (vLLM 0.32) takes the whole budget: its context is computed in one and read nothing back."""
+    from kvdiag.engines.vllm import scoring
+
+    llm = FakeLLM(prefix_caching=False, preempt={1: 32}, alone=True)  # the 300-token context, after 2 chunks
+    got = scoring.score(llm, [list(range(300)), list(range(40))], [[1], [2]], 0)
+    assert llm.calls == [(2, 16, True)]
+    assert [s.context_from_cache for s in got] == [0, 32]
+    unpreempted = FakeLLM(prefix_caching=False, alone=True)
+    assert [s.context_from_cache for s in scoring.score(unpreempted, [list(range(300)), list(range(40))],
+                                                        [[1], [2]], 0)] == [48, 32]  # 3 chunks, then alone
 
 
 def test_the_chunk_is_a_power_of_two_of_about_an_eighth_of_the_shortest_context():

@@ -16,8 +16,9 @@ the continuation read its context from the cache:
   the running scheduler's threshold changes, for these requests only.
 
 ``context_from_cache`` of a score is the context tokens the first continuation token's logits read back: the
-prefix-cache hit, or the tokens of the chunks before the one that computed the context's last token, as vLLM's
-scheduler scheduled them (recorded, not assumed: vLLM 0.32 lets a request that runs alone take the whole budget).
+prefix-cache hit, or where the chunk that computed the context's last token started, as vLLM's scheduler scheduled
+it (recorded, not assumed: vLLM 0.32 lets a request that runs alone take the whole budget; a request preempted and
+computed again counts its last run).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def chunks(llm, tokens: int):
 
     def recorded(*args, **kwargs):
         out = schedule(*args, **kwargs)
-        steps.append(dict(out.num_scheduled_tokens))
+        steps.append(scheduled(out))
         return out
 
     tokens = min(before, tokens) if before > 0 else tokens
@@ -111,29 +112,40 @@ def chunks(llm, tokens: int):
         config.long_prefill_token_threshold, sched.schedule = before, schedule
 
 
-class Steps(list):
-    """The steps vLLM's scheduler scheduled, ``[{scheduler request id: tokens}, ...]``."""
+def scheduled(out) -> dict[str, tuple[int | None, int]]:
+    """Each request of one step's ``SchedulerOutput``: (its tokens computed before this step, its tokens in this
+    step); the first ``None`` where this vLLM does not say."""
+    start = {r.req_id: r.num_computed_tokens for r in getattr(out, "scheduled_new_reqs", None) or ()}
+    cached = getattr(out, "scheduled_cached_reqs", None)
+    start.update(zip(getattr(cached, "req_ids", ()), getattr(cached, "num_computed_tokens", ())))
+    return {r: (start.get(r), n) for r, n in out.num_scheduled_tokens.items()}
 
-    def take(self, ids: list[str]) -> dict[str, list[int]]:
-        """The tokens of each of the caller's request ``ids`` in each step it was scheduled; the steps are forgotten.
+
+class Steps(list):
+    """The steps vLLM's scheduler scheduled, ``[{scheduler request id: (start, tokens)}, ...]`` (``scheduled``)."""
+
+    def take(self, ids: list[str]) -> dict[str, list[tuple[int | None, int]]]:
+        """The chunks (start, tokens) of each of the caller's request ``ids``, step by step; the steps are forgotten.
         vLLM's scheduler knows a request by the caller's id with a suffix (``{id}-{8 hex}`` in vLLM 0.24 and 0.32)."""
-        out: dict[str, list[int]] = {i: [] for i in ids}
+        out: dict[str, list[tuple[int | None, int]]] = {i: [] for i in ids}
         for step in self:
-            for key, n in step.items():
-                out.get(key if key in out else key.rsplit("-", 1)[0], []).append(n)
+            for key, chunk in step.items():
+                out.get(key if key in out else key.rsplit("-", 1)[0], []).append(chunk)
         self.clear()
         return out
 
 
-def read_back(chunks: list[int], n_ctx: int) -> int:
-    """The tokens before the chunk that computed position ``n_ctx - 1`` of a request computed in ``chunks`` (0 when
-    unrecorded, or in one)."""
-    done = 0
-    for n in chunks:
-        if done + n >= n_ctx:
-            return done
+def read_back(chunks: list[tuple[int | None, int]], n_ctx: int) -> int:
+    """Where the last chunk that computed position ``n_ctx - 1`` of a request started: the tokens it read back
+    (0 when unrecorded, or computed in one). A chunk's start is the scheduler's where it said it, else the tokens of
+    the chunks before it; a request preempted and computed again starts again."""
+    done = last = 0
+    for start, n in chunks:
+        done = done if start is None else start
+        if done < n_ctx <= done + n:
+            last = done
         done += n
-    return 0
+    return last
 
 
 def _write_contexts(llm, ctxs: list[list[int]]) -> None:
