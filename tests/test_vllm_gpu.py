@@ -424,34 +424,37 @@ def test_each_zoo_family_starts_on_vllm_and_the_audit_names_its_layers(name):
 def test_poison_on_the_mla_model_says_what_plain_vllm_reads(dtype):
     """Issue 27: an MLA layer's cache (one latent + rope row per token) is viewed as one head (kv.mla_view), so
     `kvdiag poison` runs on zoo:deepseek-v2, eager and with vLLM's defaults, instead of saying unsupported. The
-    oracle is plain vLLM with NaN in every free block before each wave (tests/vllm_sliding_probe.py, vLLM's own
-    block size, as kvdiag's poison has it): kvdiag fails exactly when those outputs change or go non-finite, and it
-    poisons the latent and rope rows of all four layers."""
+    oracle is plain vLLM in the same mode with NaN in every free block before each wave (tests/vllm_sliding_probe.py,
+    ``--compiled`` for vLLM's defaults; vLLM's own block size, as kvdiag's poison has it): kvdiag fails exactly when
+    those outputs change or go non-finite, and it poisons the latent and rope rows of all four layers."""
     from kvdiag.zoo import resolve
 
-    plain = plain_probe("vllm_sliding_probe.py", str(resolve("zoo:deepseek-v2")), "wave:nan", "--block=default",
-                        f"--kv-dtype={dtype}")
-    wave = plain["runs"]["wave:nan"]
+    model = str(resolve("zoo:deepseek-v2"))
+    plain = {mode: plain_probe("vllm_sliding_probe.py", model, "wave:nan", "--block=default", f"--kv-dtype={dtype}",
+                               *(["--compiled"] if mode == "compiled" else [])) for mode in ("eager", "compiled")}
     with open(OUT / "commands.jsonl", "a") as f:
-        f.write(json.dumps({"name": f"mla-poison-probe-{dtype}", "probe": {k: v for k, v in plain.items()
-                                                                          if k != "groups"}}) + "\n")
-    assert [g["spec"] for g in plain["groups"]] == ["MLAAttentionSpec"] and wave["filled"] > 0, plain
-    broken = wave["diverged"] > 0 or wave["nonfinite_logprobs"] > 0
-    block = plain["block_size"]  # the backend's own (FLASHMLA: 64): kvdiag says its waves were sized for 16
-    modes = [("eager", FAST), ("compiled", FAST[2:])]
+        for mode, p in plain.items():
+            probe = {k: v for k, v in p.items() if k != "groups"}
+            f.write(json.dumps({"name": f"mla-poison-probe-{dtype}-{mode}", "probe": probe}) + "\n")
+    block = plain["eager"]["block_size"]  # the backend's own (FLASHMLA: 64): kvdiag says its waves were sized for 16
+    modes = [("eager", FAST, "eager"), ("compiled", FAST[2:], "compiled")]
     if block != 16:  # and with waves sized for the backend's blocks: no info
-        modes.append(("eager-sized", (*FAST, "-a", f"block_size={block}")))
-    for mode, args in modes:
+        modes.append(("eager-sized", (*FAST, "-a", f"block_size={block}"), "eager"))
+    for mode, args, truth in modes:
+        p = plain[truth]
+        wave = p["runs"]["wave:nan"]
+        assert [g["spec"] for g in p["groups"]] == ["MLAAttentionSpec"] and wave["filled"] > 0, p
+        broken = wave["diverged"] > 0 or wave["nonfinite_logprobs"] > 0
         code, run, _ = kvdiag(f"mla-poison-{dtype}-{mode}", "poison", "-e", "vllm", "-m", "zoo:deepseek-v2", "-d",
                               dtype, *args)
         (case,) = run["cases"]
         m = case["metrics"]
         assert m["poisoned"]["kv_layers"] == 4 and m["poisoned"]["kv_tensors"] == 8, case
-        assert m["fresh_blocks"] > 0 and m["kv_slots_scanned"] > 0 and m["block_size"] == block, m
-        assert case["environment"]["attention_backend"] == plain["attention_backend"], case["environment"]
+        assert m["fresh_blocks"] > 0 and m["kv_slots_scanned"] > 0 and m["block_size"] == p["block_size"], m
+        assert case["environment"]["attention_backend"] == p["attention_backend"], case["environment"]
         said = [f for f in case["findings"] if f["kind"] == "block_size"]
         assert bool(said) == (m["workload_block_size"] != block), (mode, case["findings"])
-        assert (case["status"] == "fail") == broken and code == int(broken), (mode, plain, case["findings"])
+        assert (case["status"] == "fail") == broken and code == int(broken), (mode, p, case["findings"])
 
 
 def test_the_hybrid_s_fp8_wake_is_vllms_own_crash_and_its_reproducer_shows_it_without_kvdiag():
