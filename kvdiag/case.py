@@ -6,6 +6,8 @@ progress lines build on this module, which imports none of them.
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import re
 import sys
 import threading
@@ -19,6 +21,7 @@ LOG_TAIL_CHARS = 4000
 STAGE_MARK = "--- kvdiag stage: "  # a line in the case log: where the case is (a worker that dies names it)
 REPRODUCE_MARK = "--- kvdiag reproduce: "  # a line in the case log: a command that repeats the engine's start
 FIRED_MARK = "--- kvdiag fault fired: "  # a line in the case log: a re-introduced fault ran (said before a crash)
+KEPT_DIR = "kept"  # in the run directory: what each running case has measured so far (WorkerContext.keep)
 
 
 @dataclass
@@ -65,6 +68,57 @@ class WorkerContext:
     def artifact(self, case: Case, suffix: str) -> Path:
         self.artifacts_dir.mkdir(parents=True, exist_ok=True)
         return self.artifacts_dir / f"{safe_name(case.id)}{suffix}"
+
+    def keep(self, case: Case, stage: str, **metrics) -> None:
+        """Say that ``case`` finished ``stage`` and measured ``metrics`` (JSON values; nested dicts such as
+        ``artifacts`` and ``timings`` merge with what earlier stages kept). Written to a file of the run directory
+        at once, so that a worker that dies later (a segfault in native code) leaves it: the runner merges it into
+        the crashed or timed-out case's record (``take_kept``). A case that returns its record drops it."""
+        path = kept_path(self.run_dir, case.id)
+        got = _read_kept(path) or {"finished": [], "metrics": {}}
+        got["finished"].append(stage)
+        _merge(got["metrics"], metrics)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(got, default=str))
+        os.replace(tmp, path)  # whole or not at all: the worker may die at any moment
+
+
+def kept_path(run_dir: Path, case_id: str) -> Path:
+    return Path(run_dir) / KEPT_DIR / f"{safe_name(case_id)}.json"
+
+
+def take_kept(run_dir: Path, case_id: str) -> dict | None:
+    """What ``case_id`` kept (``WorkerContext.keep``): ``{"finished": [stage, ...], "metrics": {...}}``, or None;
+    the file is removed."""
+    path = kept_path(run_dir, case_id)
+    got = _read_kept(path)
+    path.unlink(missing_ok=True)
+    return got
+
+
+def add_kept(rec: CaseResult, kept: dict | None) -> str:
+    """Put what a case kept before it died into its record's metrics (its own metrics win), with the stages it
+    finished as ``finished_stages``; returns what to add to the finding's message ("" when nothing was kept)."""
+    if not kept or not kept.get("finished"):
+        return ""
+    rec.metrics = {**kept.get("metrics", {}), **rec.metrics, "finished_stages": kept["finished"]}
+    return f"; kept what it measured before: {', '.join(kept['finished'])}"
+
+
+def _read_kept(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _merge(into: dict, more: dict) -> None:
+    for k, v in more.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
 
 
 _NOTES = threading.local()  # what code below the checks has to say about the case running on this thread

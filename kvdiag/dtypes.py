@@ -121,7 +121,20 @@ def resolve(user: str, valid: list[str] | tuple[str, ...], engine: str = "builti
     alias = _alias_table(valid).get(key)
     if alias is not None:
         return alias
-    raise UserError(f"unknown kv-cache dtype '{user}' for engine '{engine}'; valid: {', '.join(valid)}")
+    hint = closest_name(key, {**{n: n for n in valid}, **_alias_table(valid)})
+    hint = f" (did you mean '{hint}'?)" if hint else ""
+    raise UserError(f"unknown kv-cache dtype '{user}' for engine '{engine}'{hint}; valid: {', '.join(valid)}")
+
+
+def closest_name(key: str, names: dict[str, str]) -> str | None:
+    """The name whose spelling (its own or an alias: ``names`` maps each to its name) is nearest ``key`` (difflib),
+    None when none is near: ``fp88`` -> ``fp8``, ``bf61`` -> ``bfloat16``. Only among spellings with the same digits:
+    a bit width is no typo (``int4`` is not ``int8``, ``e5m3`` not ``e5m2``)."""
+    import difflib
+
+    digits = set(filter(str.isdigit, key))
+    near = difflib.get_close_matches(key, [n for n in names if set(filter(str.isdigit, n)) == digits], n=1)
+    return names[near[0]] if near else None
 
 
 def sweep_names(valid) -> list[str]:

@@ -249,17 +249,30 @@ def _scalars(metrics: dict, prefix: str = "") -> dict:
     return out
 
 
+SCORE_KEEP = ("baseline", "delta", "ci_low", "ci_high", "p_value", "test", "mean_kl", "max_kl", "top1_agreement",
+              "verdict")
+
+
 def scores_frame(run):
-    """One row per case x task x metric: score, stderr, documents, and, for accuracy, the comparison with the
-    baseline dtype (delta, 95% interval, p-value, test, drift, verdict). A case without task scores (memleak,
+    """One row per case x task x metric of a run (a RunRecord or a run directory). Columns: the case's ``id``,
+    ``check``, ``engine``, ``model``, ``kv_dtype`` and ``status``; ``task``, ``metric``, ``value`` (the score),
+    ``stderr`` and ``n`` (documents); for accuracy, the comparison with the baseline dtype: ``baseline`` (its score),
+    ``delta``, ``ci_low`` / ``ci_high`` (delta's paired 95% CI), ``p_value``, ``test``, the case's drift
+    (``mean_kl``, ``max_kl``, ``top1_agreement``: the same on each of its rows) and ``verdict``; ``message``: why a
+    case has no value. A case that did not score (crashed, unsupported, timeout, error) is still there: one row per
+    task x metric that the other cases of its check scored (one row, task and metric empty, when none did), with
+    ``value`` NaN and its status, so that a pivot by kv dtype shows it. A case without task scores (memleak,
     wake-cycle, ...) gives one row per scalar metric, task empty."""
     import pandas as pd
 
     run = _run(run)
     judged = {(r["kv_dtype"], r["task"], r["metric"]): r for a in run.analysis.values() if isinstance(a, dict)
               for r in a.get("rows") or () if isinstance(r, dict) and "task" in r and "metric" in r}
-    keep = ("baseline", "delta", "ci_low", "ci_high", "p_value", "test", "mean_kl", "max_kl", "top1_agreement",
-            "verdict")
+    scored: dict[str, dict] = {}  # check -> its (task, metric) pairs in order: a case that did not score gets them
+    for c in run.cases:
+        for task, per in (c.metrics.get("scores") or {}).items():
+            scored.setdefault(c.check, {}).update(dict.fromkeys((task, m) for m in per))
+    tasked = set(scored) | {c.check for c in run.cases if (c.kv_dtype, "-", "-") in judged}
     rows = []
     for c in run.cases:
         head = {k: getattr(c, k) for k in CASE_COLUMNS}
@@ -267,13 +280,32 @@ def scores_frame(run):
             for metric, sc in per.items():
                 r = judged.get((c.kv_dtype, task, metric), {})
                 rows.append({**head, "task": task, "metric": metric, "value": sc.get("score"),
-                             "stderr": sc.get("stderr"), "n": sc.get("n"), **{k: r.get(k) for k in keep}})
-        if "scores" not in c.metrics:
-            for metric, value in _scalars(c.metrics).items():
-                if metric != "verdict" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    rows.append({**head, "task": "", "metric": metric, "value": value,
-                                 "verdict": c.metrics.get("verdict")})
-    return pd.DataFrame(rows, columns=[*CASE_COLUMNS, "task", "metric", "value", "stderr", "n", *keep])
+                             "stderr": sc.get("stderr"), "n": sc.get("n"), **{k: r.get(k) for k in SCORE_KEEP}})
+        if "scores" in c.metrics:
+            continue
+        if c.check in tasked:
+            r = judged.get((c.kv_dtype, "-", "-"), {})
+            why = {**{k: r.get(k, c.metrics.get(k)) for k in ("mean_kl", "max_kl", "top1_agreement")},  # a kept drift
+                   "verdict": r.get("verdict", c.metrics.get("verdict")), "message": r.get("message", _why(c))}
+            rows += [{**head, "task": task, "metric": metric, **why} for task, metric in scored.get(c.check) or
+                     [(None, None)]]
+            continue
+        mine = [{**head, "task": "", "metric": metric, "value": value, "verdict": c.metrics.get("verdict")}
+                for metric, value in _scalars(c.metrics).items()
+                if metric != "verdict" and isinstance(value, (int, float)) and not isinstance(value, bool)]
+        rows += mine or [{**head, "task": "", "metric": None, "verdict": c.metrics.get("verdict"),
+                          "message": _why(c)}]
+    df = pd.DataFrame(rows, columns=[*CASE_COLUMNS, "task", "metric", "value", "stderr", "n", *SCORE_KEEP,
+                                     "message"])
+    for col in ("value", "stderr"):  # NaN, not None, where no case scored: float columns whatever the run
+        df[col] = pd.to_numeric(df[col])
+    return df
+
+
+def _why(c: CaseResult) -> str | None:
+    """A case's first error, else its first finding (an unsupported case's reason is an info)."""
+    first = next((f for f in c.findings if f.severity == "error"), c.findings[0] if c.findings else None)
+    return first.message if first else None
 
 
 def samples_frame(run):

@@ -2,6 +2,7 @@
 
 import ctypes
 import os
+import signal
 import time
 
 
@@ -26,6 +27,16 @@ def cuda_abort(case, ctx):
     print("RuntimeError: CUDA error: an illegal memory access was encountered\nterminate called after throwing an "
           "instance of 'c10::Error'", flush=True)
     os.abort()
+
+
+def dies(case, ctx):
+    """As an engine's worker that dies: its stage mark, what the engine printed (``lines``), a module list as long as
+    faulthandler's, then the signal named in ``signal`` (faulthandler's own dump and module list follow)."""
+    ctx.stage(case, case.params["stage"])
+    print(*case.params.get("lines", ()), sep="\n", flush=True)
+    modules = ", ".join(f"fake_ext_{i}.core._impl" for i in range(300))
+    print(f"Extension modules: {modules} (total: 300)", flush=True)
+    os.kill(os.getpid(), getattr(signal, case.params["signal"]))
 
 
 def segfault(case, ctx):
@@ -109,3 +120,37 @@ def fires_then_aborts(case, ctx):
     fire("block_tables_not_rebuilt_on_wake")
     print("  File \"vllm/v1/worker/gpu/model_runner.py\", line 1, in execute_model\n" * 100, flush=True)
     os.abort()
+
+
+def probe(seed: int, noise: float = 0.0, n: int = 3, t: int = 5, v: int = 11) -> dict:
+    """A drift probe (``kvdiag.checks.drift.collect``'s shape, full distributions) from numpy alone: the same seed
+    gives the same distributions, ``noise`` moves the dtype's logits away from them."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    logits = [3 * rng.standard_normal((t, v)) for _ in range(n)]
+    moved = np.random.default_rng(seed + 1)
+    logits = [x + noise * moved.standard_normal(x.shape) for x in logits]
+    dists = [x - np.log(np.exp(x).sum(-1, keepdims=True)) for x in logits]
+    return {"over": "full", "dists": dists, "chosen": [[-0.5] * t for _ in range(n)], "greedy": [[1, 2, 3]] * n,
+            "greedy_logprobs": [[-0.1] * 3 for _ in range(n)]}
+
+
+def keeps_then_dies(case, ctx):
+    """As an accuracy case whose engine segfaults: its drift probe finishes and is kept (``WorkerContext.keep``),
+    then, with ``scores``, lm_eval finishes those tasks and they are kept too; the worker dies in the next stage
+    (``lm_eval``, or ``shutdown`` after the tasks); with ``raises``, the case raises there instead."""
+    from kvdiag.checks import accuracy, drift
+
+    ctx.stage(case, "drift probe")
+    path = ctx.artifact(case, accuracy.DRIFT)
+    drift.save(probe(case.params["seed"], case.params.get("noise", 0.0)), path)
+    ctx.keep(case, "drift probe", model_dtype="bfloat16", finite=True, drift_over="full",
+             timings={"drift": 1.0}, artifacts={"drift": path.name})
+    ctx.stage(case, "lm_eval")
+    if case.params.get("scores"):
+        ctx.keep(case, "lm_eval", scores=case.params["scores"], timings={"lm_eval": 2.0})
+        ctx.stage(case, "shutdown")
+    if case.params.get("raises"):
+        raise RuntimeError("planted error after the drift probe")
+    os.kill(os.getpid(), signal.SIGSEGV)

@@ -70,3 +70,11 @@ def gpus(monkeypatch):
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
     return fake
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory):
+    """kvdiag installed from its wheel into a fresh virtual environment (tests/installed.py), built once."""
+    from installed import build
+
+    return build(tmp_path_factory.mktemp("wheel"))

@@ -102,6 +102,29 @@ class CacheAndLeakEngine(ProcessCacheEngine):
         GROWING.append(torch.zeros(512 * 1024))
 
 
+class OnceEngine(LeakyEngine):
+    """An engine that cannot start a second time in a process (vLLM's graph-pool assert, faked), whose plain restart
+    (its ``reproducer`` for stage "restart", a fresh process) restarts or fails as ``OnceEngine.plain_ok`` says."""
+
+    name = "once"
+    started = False
+    plain_ok = True
+    ASSERT = "it->second->use_count > 0 INTERNAL ASSERT FAILED at CUDACachingAllocator.cpp"
+
+    def start(self, spec):
+        if OnceEngine.started:
+            raise RuntimeError(self.ASSERT)
+        OnceEngine.started = True
+
+    @staticmethod
+    def reproducer(stage, sleep_level=None):
+        import shlex
+        import sys
+
+        body = "print('started again')" if OnceEngine.plain_ok else f"raise RuntimeError({OnceEngine.ASSERT!r})"
+        return f"{shlex.quote(sys.executable)} -c {shlex.quote(body)}" if stage == "restart" else None
+
+
 class FakeDevice:
     """CUDA memory as a fake device counts it (bytes), for engines whose memory no Python object shows."""
 
@@ -179,6 +202,20 @@ class BufferKeeperEngine(BuiltinEngine):
         super().start(spec)
         if "buffer" not in KEPT:
             KEPT["buffer"] = torch.zeros(12 * 1024)
+
+
+class ScaleKeeperEngine(BuiltinEngine):
+    """The builtin engine whose shutdown() keeps a side buffer sized like float32 per-token-head scales of its cache
+    (1/32 of a bf16 cache: one float per 64-value head row), in a module dict; the next start replaces it, so the
+    same buffer survives every shutdown and nothing grows (the issue-50 shape: 6% of zoo:qwen3's int8 cache)."""
+
+    name = "scale-keeper"
+
+    def shutdown(self):
+        if self.kv is not None:  # start() shuts a running engine down first
+            values = sum(t.numel() for layer in self.kv.layers for t in (layer.k, layer.v))
+            KEPT["scales"] = torch.zeros(values // 64)
+        super().shutdown()
 
 
 class DiesInWorkloadEngine(LeakyEngine):

@@ -240,6 +240,10 @@ def test_clean_builtin_engine_passes_every_dtype(tmp_path):
     for dtype in ("fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"):
         assert 0 < rows[dtype][0]["mean_kl"], dtype  # quantized: some drift, within its family's limits
     assert all(r["verdict"] == "ok" for d, rs in rows.items() if d != "auto" for r in rs)
+    # each quantized dtype stores its own codes and drifts: none is taken for one that changes nothing
+    assert not [(c["kv_dtype"], f["kind"]) for c in run["cases"] for f in c["findings"]
+                if f["kind"] in ("not_quantized", "identical_to_baseline")]
+    assert run["cases"][5]["metrics"]["storage"]["layer_dtypes"][0] == "int8"  # the storage audit ran
     # one worker, the dtypes two at a time on its threads, the weights read from disk once for all
     workers = [c["metrics"]["worker"] for c in run["cases"]]
     assert len({w["pid"] for w in workers}) == 1 and len({w["thread"] for w in workers}) == 2
@@ -331,3 +335,120 @@ def test_process_age_counts_from_when_the_process_started():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     started = float(out.stdout)
     assert t0 - 0.05 <= started <= time.time(), (t0, started)
+
+
+# ------------------------------------------------------------------ what a case measured before its worker died
+
+
+def test_a_crashed_case_keeps_its_drift_and_finished_tasks(tmp_path):
+    """Workers that segfault after their drift probe (in lm_eval) and after their tasks (in the engine's shutdown):
+    their crashed records keep what was measured, and the analysis shows and judges their drift."""
+    from case_fns import probe as numpy_probe
+
+    from kvdiag.run.runner import Case, run_cases
+
+    scores = {"t": {"acc": {"score": 0.5, "stderr": 0.1, "higher_is_better": True, "n": 2}}}
+    cases = [Case("accuracy", "builtin", "m", d, "case_fns:keeps_then_dies", id=f"accuracy/builtin/m/{d}",
+                  params={"role": "test", "seed": 5, "noise": 2.0, **extra})
+             for d, extra in (("int8_per_token_head", {}), ("fp8", {"scores": scores}), ("fp8_e5m2", {"raises": True}))]
+    run_cases(cases, tmp_path, quiet=True, jobs=2, timeout=60)
+    died = read_jsonl(tmp_path / "results.jsonl")  # as the runner wrote them, before any analysis
+    in_lm_eval, in_shutdown = died["accuracy/builtin/m/int8_per_token_head"], died["accuracy/builtin/m/fp8"]
+    assert in_lm_eval.status == in_shutdown.status == "crashed"
+    (f,) = in_lm_eval.findings
+    assert f.evidence["stage"] == "lm_eval" and f.evidence["signal"] == "SIGSEGV"
+    assert f.message.endswith("; kept what it measured before: drift probe")
+    assert in_lm_eval.metrics["finished_stages"] == ["drift probe"] and "scores" not in in_lm_eval.metrics
+    assert in_lm_eval.metrics["artifacts"] == {"drift": "accuracy_builtin_m_int8_per_token_head.drift.npz"}
+    assert in_shutdown.findings[0].evidence["stage"] == "shutdown"
+    assert in_shutdown.metrics["finished_stages"] == ["drift probe", "lm_eval"]
+    assert in_shutdown.metrics["scores"] == scores and in_shutdown.metrics["timings"] == {"drift": 1.0, "lm_eval": 2.0}
+    raised = died["accuracy/builtin/m/fp8_e5m2"]  # an exception out of the case function: the worker's own record
+    assert raised.status == "error" and raised.metrics["finished_stages"] == ["drift probe"]
+    assert raised.findings[0].message == ("RuntimeError: planted error after the drift probe; kept what it measured "
+                                          "before: drift probe")
+    assert not (tmp_path / "kept").exists()  # each file went into its record
+
+    base = fake_case(tmp_path, "auto", [1.0, 0.0], [], role="baseline")
+    drift.save(numpy_probe(5), tmp_path / "artifacts" / "auto.drift.npz")
+    run, by = analyze(tmp_path, [base, in_lm_eval, in_shutdown, raised])
+    recorded = read_jsonl(tmp_path / "results.jsonl")
+    for dtype, status in (("int8_per_token_head", "crashed"), ("fp8", "crashed"), ("fp8_e5m2", "error")):
+        rec = recorded[f"accuracy/builtin/m/{dtype}"]
+        assert rec.status == status and rec.metrics["mean_kl"] > 0.1 and 0 <= rec.metrics["top1_agreement"] < 1
+        assert rec.metrics["drift"]["mean_kl"] == rec.metrics["mean_kl"]
+        kinds = [f.kind for f in rec.findings]  # beyond its family's limits, and still crashed (or error)
+        assert kinds[0] == ("crashed" if status == "crashed" else "exception") and set(kinds[1:]) == {"drift"}
+    assert recorded["accuracy/builtin/m/fp8"].metrics["scores"] == scores
+    rows = {r["kv_dtype"]: r for r in run.analysis["accuracy"]["rows"]}
+    assert rows["int8_per_token_head"]["verdict"] == "crashed"
+    assert rows["int8_per_token_head"]["mean_kl"] == by["int8_per_token_head"].metrics["mean_kl"]
+    assert rows["int8_per_token_head"]["message"].startswith("worker died with SIGSEGV")
+    # analysed again (--resume): the same findings, none twice
+    before = [f.message for f in by["fp8"].findings]
+    accuracy.analyze(run, baseline="auto", max_drop=0.02, alpha=0.05)
+    assert [f.message for f in by["fp8"].findings] == before and by["fp8"].status == "crashed"
+
+
+# ------------------------------------------------------------------ a quantized dtype that changes nothing
+
+
+def stores(rec, dtype: str, layers: int = 4):
+    """The record's storage audit as the worker writes it (``storage_audit.cache_storage`` of a builtin engine)."""
+    size = {"bfloat16": 2, "int8": 1, "float8_e4m3fn": 1}[dtype]
+    rec.metrics["storage"] = {"layers": layers, "layer_dtypes": [dtype] * layers, "element_bytes": {dtype: size},
+                              "k_bytes_per_token": 64 * size, "v_bytes_per_token": 64 * size,
+                              "scale_bytes_per_token": 0, "scales": False}
+    return rec
+
+
+def test_a_quantized_dtype_that_changes_nothing_is_warned(tmp_path):
+    acc, dists = [1.0, 0.0] * 20, random_dists(8)
+    noisy = [torch.log_softmax(d + 0.02 * torch.randn(d.shape, generator=torch.Generator().manual_seed(3)), -1)
+             for d in dists]
+    cases = [stores(fake_case(tmp_path, "auto", acc, dists, role="baseline"), "bfloat16"),
+             stores(fake_case(tmp_path, "bfloat16", acc, dists), "bfloat16"),  # the model's dtype: identical is right
+             stores(fake_case(tmp_path, "fp8", acc, dists), "bfloat16"),  # bit-identical and stored as bf16
+             fake_case(tmp_path, "fp8_e5m2", acc, dists),  # bit-identical, no storage audit (an engine without one)
+             stores(fake_case(tmp_path, "int8_per_token_head", acc, noisy), "bfloat16"),  # drifts, yet stored bf16
+             stores(fake_case(tmp_path, "fp8_per_token_head", acc, noisy), "float8_e4m3fn")]  # a real quantized one
+    for _ in range(2):  # analysed again (--resume): the same warnings, none twice
+        _, by = analyze(tmp_path, cases)
+        kinds = {d: [(f.severity, f.kind) for f in c.findings] for d, c in by.items()}
+        assert kinds == {"auto": [], "bfloat16": [], "fp8_per_token_head": [],
+                         "fp8": [("warning", "not_quantized"), ("warning", "identical_to_baseline")],
+                         "fp8_e5m2": [("warning", "identical_to_baseline")],
+                         "int8_per_token_head": [("warning", "not_quantized")]}
+    assert all(c.status == "pass" for c in by.values())  # warnings: the cases still pass
+    fp8 = {f.kind: f for f in by["fp8"].findings}
+    assert fp8["not_quantized"].message == ("'fp8' is named as quantized but stores 4 of 4 layers at the model's "
+                                            "precision (bfloat16)")  # the words of `kvdiag dtypes --check`
+    assert "bit-identical to the baseline 'auto'" in fp8["identical_to_baseline"].message
+    assert fp8["identical_to_baseline"].evidence == {"positions": 15, "baseline": "auto"}
+
+
+@pytest.mark.slow
+def test_a_crash_after_drift_and_a_dtype_that_changes_nothing_through_the_real_command(tmp_path):
+    """tests/accuracy_engines.py: 'fp8' is stored as the model's bf16, int8_per_token_head segfaults on lm_eval's
+    first request, fp8_e5m2 in the engine's shutdown after its tasks; fp8_per_token_head is the builtin's own."""
+    r = kvdiag("accuracy", "--engine", "tests.accuracy_engines:factory", "-d", "fp8", "-d", "int8", "-d", "e5m2",
+               "-d", "fp8pth", "-t", "kv_recall", "--limit", "4", "-j", "2", "-f", "json", "-o", str(tmp_path / "run"))
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    recorded = {c.kv_dtype: c for c in read_jsonl(tmp_path / "run" / "results.jsonl").values()}
+    assert {d: c.status for d, c in recorded.items()} == {
+        "auto": "pass", "fp8": "pass", "int8_per_token_head": "crashed", "fp8_e5m2": "crashed",
+        "fp8_per_token_head": "pass"}
+    died = recorded["int8_per_token_head"]
+    assert died.findings[0].evidence["stage"] == "lm_eval" and died.metrics["finished_stages"] == ["drift probe"]
+    assert 0 < died.metrics["mean_kl"] and 0 < died.metrics["top1_agreement"] <= 1 and "scores" not in died.metrics
+    late = recorded["fp8_e5m2"]
+    assert late.findings[0].evidence["stage"] == "shutdown" and late.metrics["finished_stages"] == [
+        "drift probe", "lm_eval"]
+    assert late.metrics["scores"]["kv_recall"]["acc"]["n"] == 4 and 0 < late.metrics["mean_kl"]
+    assert [f.kind for f in recorded["fp8"].findings] == ["not_quantized", "identical_to_baseline"]
+    assert recorded["fp8"].metrics["storage"]["layer_dtypes"] == recorded["auto"].metrics["storage"]["layer_dtypes"]
+    for d in ("auto", "fp8_per_token_head"):
+        assert not recorded[d].findings, d
+    rows = by_dtype(json.loads(r.stdout)["analysis"]["accuracy"]["rows"])
+    assert [(x["verdict"], x["mean_kl"]) for x in rows["int8_per_token_head"]] == [
+        ("crashed", died.metrics["mean_kl"])]  # the drift table shows it

@@ -63,6 +63,16 @@ def test_unknown_dtype_exits_2_naming_valid_choices():
     one_line_error(kvdiag("dtypes", "--kv-dtype", "int4"), "int4", "auto", "fp8_per_token_head")
 
 
+def test_a_dtype_typo_gets_the_dtype_it_resembles_before_any_worker(tmp_path):
+    r = kvdiag("memleak", "-d", "fp88", "-o", str(tmp_path / "r"))
+    one_line_error(r, "unknown kv-cache dtype 'fp88'", "(did you mean 'fp8'?)", "valid: auto")
+    assert not (tmp_path / "r").exists()
+    one_line_error(kvdiag("accuracy", "-d", "int8pht"), "(did you mean 'int8_per_token_head'?)")  # an alias's name
+    r = kvdiag("dtypes", "-d", "int4")
+    one_line_error(r, "'int4'")
+    assert "did you mean" not in r.stderr  # another bit width is no typo: int4 is not int8
+
+
 def test_unknown_engine_exits_2_naming_valid_choices():
     one_line_error(kvdiag("dtypes", "--engine", "sglang"), "sglang", "builtin", "vllm")
 

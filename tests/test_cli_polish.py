@@ -66,6 +66,36 @@ def test_wake_cycle_table_is_one_row_per_case_and_no_empty_column():
     assert "sleep level 2 is not supported here" in rows[-1][-1]
 
 
+def test_a_cpu_memleak_table_at_80_columns_cuts_no_number_and_has_no_cuda_column(tmp_path):
+    """At 80 columns every number was cut (`p…`, `1…`) and a CPU run's four CUDA columns held only `-`: now the
+    columns this run never measured are gone and the dtype heads its snapshots, so the numbers stay whole."""
+    from kvdiag.measure.memory import MiB, Snapshot
+
+    cases = []
+    for d in DTYPES:
+        snaps = [Snapshot("baseline", 0, int(612.37 * MiB), 0, 3, int(0.12 * MiB), {})]
+        for n in (1, 2, 3):  # as a CPU run records them: no CUDA, driver or NVML reading; frozen only after shutdown
+            snaps += [Snapshot("after-workload", n, int((1834.56 + n) * MiB), None, 41, int(64.5 * MiB), {}),
+                      Snapshot("after-shutdown", n, int((1220.11 + n) * MiB), 0, 3, int(0.12 * MiB), {})]
+        case = Case("memleak", "builtin", "/m/tiny-llama", d, "x:y").result(
+            "pass", metrics={"snapshots": [s.row() for s in snaps], "threshold_mib": 64.0})
+        cases.append(case)
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(c.to_json()) + "\n" for c in cases))
+    write_run_json(tmp_path, RunRecord("kvdiag memleak", "now", cases, {}, exit_code=0))
+    r = kvdiag("report", str(tmp_path), "--format", "table", env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "…" not in r.stdout and all(len(line) <= 80 for line in lines), r.stdout
+    assert not any(word in r.stdout for word in ("CUDA", "driver", "NVML")), r.stdout
+    rows = [line.split() for line in lines if line[:3] in (" 0 ", " 1 ", " 2 ", " 3 ")]
+    assert len(rows) == 7 * len(DTYPES), r.stdout
+    for row in rows:  # cycle, stage, tensors, tensor MiB, RSS MiB, frozen (`-` where it was not read)
+        assert len(row) == 6 and row[-1] == ("-" if row[1] == "after-workload" else "0"), row
+    assert [row[4] for row in rows[:3]] == ["612.4", "1836", "1221"] and rows[1][2:4] == ["41", "64.5"]
+    heads = [line.split() for line in lines if line.split()[:1] and line.split()[0] in DTYPES]
+    assert heads == [[d, "pass"] for d in DTYPES]
+
+
 def test_selftest_verdict_says_what_the_failed_case_means():
     from kvdiag.report.table import verdict_line
 

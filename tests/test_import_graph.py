@@ -1,4 +1,4 @@
-"""The import graph of kvdiag/ and kernels/ (kvdiag.kernels), read from the source: no module imports itself back
+"""The import graph of kvdiag/, read from the source: no module imports itself back
 through others (no cycle) and none imports from a higher layer than its own (docs/DESIGN.md, "Layers").
 
 Module-level and function-level imports count (a function-level import is still a dependency, only a later one);
@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {"kvdiag": ROOT / "kvdiag", "kvdiag.kernels": ROOT / "kernels"}  # package -> folder
+SOURCES = {"kvdiag": ROOT / "kvdiag"}  # package -> folder
 
 # Lowest first; a module may import from its own layer and those below. The same order is in docs/DESIGN.md.
 LAYERS = [
     ("foundation", ["kvdiag", "kvdiag.errors", "kvdiag.dtypes", "kvdiag.results", "kvdiag.models",
                     "kvdiag.modelgen", "kvdiag.zoo", "kvdiag.zoo_warm", "kvdiag.assets", "kvdiag.case", "kvdiag.gpus",
-                    "kvdiag.keyvalue"]),
+                    "kvdiag.keyvalue", "kvdiag.death"]),
     ("kernels", ["kvdiag.kernels"]),
     ("engines", ["kvdiag.engines"]),
     ("measuring and evaluation", ["kvdiag.measure", "kvdiag.bench", "kvdiag.evaluation", "kvdiag.tasks"]),
@@ -38,8 +38,6 @@ def find_modules(sources: dict[str, Path]) -> dict[str, tuple[Path, bool]]:
     for package, folder in sources.items():
         for path in sorted(folder.rglob("*.py")):
             parts = list(path.relative_to(folder).with_suffix("").parts)
-            if any((folder / Path(*parts[:i + 1])).is_symlink() for i in range(len(parts))):
-                continue  # kvdiag/kernels: a checkout's link to kernels/, read as kvdiag.kernels already
             is_pkg = parts[-1] == "__init__"
             out[".".join([package, *(parts[:-1] if is_pkg else parts)])] = (path, is_pkg)
     return out
@@ -146,7 +144,7 @@ def test_the_graph_counts_function_level_and_relative_imports_but_not_type_check
 
 def test_the_graph_sees_kvdiags_imports(graph):
     assert len(graph) > 80 and sum(map(len, graph.values())) > 200
-    assert "kvdiag.kernels.dispatch" in graph["kvdiag.engines.builtin.engine"]  # kernels/ read as kvdiag.kernels
+    assert "kvdiag.kernels.dispatch" in graph["kvdiag.engines.builtin.engine"]
     assert "kvdiag.checks.registry" in graph["kvdiag.cli.app"]  # a function-level import
 
 

@@ -152,6 +152,30 @@ def test_metadata_reaches_the_task_with_the_model(tasks_dir, tmp_path):
     assert got["examples"]["meta_docs"]["prompt"] == "tiny-llama k0="
 
 
+def test_lm_evals_metadata_hint_is_dropped_for_kvdiags_own_tasks_only(tasks_dir, caplog):
+    """lm_eval warns "Custom kwargs can be passed to `--metadata`" at each load of a task with a custom_dataset:
+    every kvdiag task, which takes none. A user's task keeps the hint: its function may want --metadata."""
+    import logging
+
+    from kvdiag.tasks import task_manager
+
+    with caplog.at_level(logging.WARNING):
+        task_manager([tasks_dir], include_defaults=False, metadata={"pretrained": "m"}).load(
+            ["kv_recall", "kv_recall_long", "meta_docs"])
+    hints = [r.getMessage().split(":")[0] for r in caplog.records if "Custom kwargs" in r.getMessage()]
+    assert hints == ["meta_docs"], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.slow
+def test_a_run_of_kvdiags_tasks_prints_no_metadata_hint(tmp_path):
+    for isolate in ("case", "run"):  # tasks loaded by the fork server, or by the one worker
+        r = kvdiag("accuracy", "-d", "auto", "-t", "kv_recall", "--limit", 2, "--isolate", isolate, "-o",
+                   tmp_path / isolate)
+        assert r.returncode == 0, r.stderr
+        logs = "".join(f.read_text() for f in (tmp_path / isolate / "logs").iterdir())
+        assert "accuracy/builtin" in r.stderr and logs and "--metadata" not in r.stderr + logs, r.stderr
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--batch-size", "0"], "--batch-size '0'"),
     (["--batch-size", "many"], "--batch-size 'many'"),

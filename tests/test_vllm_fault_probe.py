@@ -73,13 +73,13 @@ def control(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def selftest(tmp_path_factory) -> dict:
-    """``kvdiag selftest -e vllm`` of every fault, each fault's intended check only: fault -> its matrix row."""
+def selftest(tmp_path_factory, installed) -> dict:
+    """``kvdiag selftest -e vllm`` of every fault, each fault's intended check only: fault -> its matrix row; run
+    from kvdiag's wheel, installed as users install it (tests/installed.py)."""
     out = tmp_path_factory.mktemp("selftest")
     checks = ",".join(dict.fromkeys(f.intended for f in CATALOGUE.faults))
-    p = subprocess.run([sys.executable, "-m", "kvdiag", "selftest", "-e", "vllm", "--check", checks, "-f", "json",
-                        "--quiet", "-o", str(out / "run")], capture_output=True, text=True, env=ENV, cwd=ROOT,
-                       timeout=1800)
+    p = installed.run("selftest", "-e", "vllm", "--check", checks, "-f", "json", "--quiet", "-o", str(out / "run"),
+                      timeout=1800)
     assert p.returncode in (0, 1), p.stderr[-3000:]
     return {r["fault"]: r for r in json.loads(p.stdout)["analysis"]["selftest"]["faults"]}
 
@@ -107,15 +107,20 @@ def test_each_fault_has_a_real_effect_in_a_plain_vllm_script_and_selftest_agrees
 
 def test_the_probe_measures_each_effect_where_it_lies():
     """The observations behind the verdicts: the KV cache itself alive after shutdown (64 MiB, by address), 1 MiB
-    more held at every start, an fp8 (uint8) cache where bfloat16 was asked, NaN in a hybrid's cache reaching every
+    more held at every start, a buffer of 1/32 of the cache held after every shutdown, an fp8 (uint8) cache where
+    bfloat16 was asked, NaN in a hybrid's cache reaching every
     output; the clean memory scenario holds nothing after shutdown."""
     kept = probe("kv_cache_kept_after_shutdown")["observed"]["cycles"]
     assert [c["kv_cache_alive_bytes"] for c in kept] == [c["kv_cache_bytes"] for c in kept] and kept[0]["held_bytes"] \
         >= kept[0]["kv_cache_bytes"]
     grows = probe("tensor_kept_per_start")["observed"]
     assert grows["growth_bytes"] == 1 << 20 and not any(c["kv_cache_alive_bytes"] for c in grows["cycles"]), grows
+    sized = probe("kv_sized_buffer_kept_after_shutdown")["observed"]  # 1/32 of the cache, the same every start
+    assert all(c["kv_sized_alive_bytes"] >= c["kv_cache_bytes"] // 40 for c in sized["cycles"]), sized
+    assert sized["growth_bytes"] == 0 and not any(c["kv_cache_alive_bytes"] for c in sized["cycles"]), sized
     clean = probe("clean")["observed"]
     assert clean["growth_bytes"] == 0 and all(c["held_bytes"] < 1 << 16 for c in clean["cycles"]), clean
+    assert not any(c["kv_sized_alive_bytes"] for c in clean["cycles"]), clean
     dtype = probe("explicit_bf16_as_fp8")["observed"]
     assert dtype["kv_cache_dtypes"] in (["uint8"], ["float8_e4m3fn"]) or "start_error" in dtype, dtype
     assert probe("clean:explicit_bf16_as_fp8")["observed"]["kv_cache_dtypes"] == ["bfloat16"]

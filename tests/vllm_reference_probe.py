@@ -1,6 +1,7 @@
 """Plain vLLM against transformers, no kvdiag: does the installed vLLM compute the checkpoint's function? One recall
 prompt (the first ``kv_recall`` document), greedy, 8 tokens, bf16, eager, the engine core in this process; and the
-log-probabilities of the first generated position, vLLM's top 20 against transformers' at the same ids.
+log-probabilities of the first generated position, vLLM's top 20 against transformers' at the same ids. vLLM's
+memory sized as kvdiag sizes it (tests/probes.py ``sized``: an explicit 64 MiB KV cache).
 ``python3 tests/vllm_reference_probe.py MODEL`` -> ``PROBE {json}`` on stdout (docs/vllm-findings.md 13)."""
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ def main(model: str) -> dict:
     with torch.no_grad():
         hf_tokens = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
         hf_lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
+    from probes import sized
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, enforce_eager=True, max_model_len=2048, dtype="bfloat16", seed=0)
+    llm = LLM(**sized(dict(model=model, enforce_eager=True, max_model_len=2048, dtype="bfloat16", seed=0)))
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0.0, logprobs=20),
                        use_tqdm=False)[0].outputs[0]
     first = out.logprobs[0]

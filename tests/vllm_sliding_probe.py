@@ -62,12 +62,14 @@ DEFAULT_RUNS = [f"{r}:{v}" for r in REGIONS for v in ("nan", "1e4", "max")]
 
 def start(model: str, prefix_caching: bool = False, block: int | None = BLOCK, kv_dtype: str = "auto",
           eager: bool = True):
+    from probes import kv_cache_bytes
     from vllm import LLM
 
     length = MAX_MODEL_LEN if block else 2 * MAX_MODEL_LEN  # vLLM's own blocks: up to 128 tokens (waves: 2 x + 3)
     return LLM(model=model, enforce_eager=eager, dtype="bfloat16", max_model_len=length, max_num_seqs=8,
                enable_prefix_caching=prefix_caching, num_gpu_blocks_override=NUM_BLOCKS, seed=0,
-               kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv_dtype, **({"block_size": block} if block else {}))
+               kv_cache_memory_bytes=kv_cache_bytes(), kv_cache_dtype=kv_dtype,
+               **({"block_size": block} if block else {}))
 
 
 class Poisoner:

@@ -90,13 +90,18 @@ def run_case(case, ctx):
     if refused_rec is not None:
         return refused_rec
     times["engine_start"] = _lap(t)
-    stage = "drift probe"
+    stage, kept = "drift probe", {}
     try:
         ctx.stage(case, stage)
         t = time.perf_counter()
         probe = drift.collect(engine, case_prompts(case))
         drift.save(probe, ctx.artifact(case, DRIFT))
         times["drift"] = _lap(t)
+        # kept at once: lm_eval's requests may kill the worker (a segfault in the engine) and take the drift with it
+        kept = {"model_dtype": model_dtype(engine, case), "compiled": compiled(engine), "finite": drift.finite(probe),
+                "drift_over": probe["over"], "timings": dict(times),
+                "artifacts": {"drift": ctx.artifact(case, DRIFT).name}}
+        ctx.keep(case, stage, **kept)
         stage, t = "lm_eval", time.perf_counter()
         ctx.stage(case, stage)
         lm = EngineLM(engine, max_length=_max_len(engine, p), seed=p.get("seed", 0),
@@ -110,14 +115,18 @@ def run_case(case, ctx):
     except UserError:
         raise  # bad input (a task lm_eval cannot load, a prompt too long): kvdiag's error, not the engine's
     except Exception as e:  # noqa: BLE001 - it started, then failed: a crash of this dtype
-        return engine_failed(case, e, stage, started=True, timings=times)
+        rec = engine_failed(case, e, stage, started=True, timings=times)
+        rec.metrics = {**kept, **rec.metrics}  # the drift it measured before, as a dead worker's record has it
+        return rec
     ctx.artifact(case, SAMPLES).write_text(json.dumps(out["samples"]))
-    ctx.stage(case, "shutdown")
     times["lm_eval"], times["lm_eval_in_engine"] = _lap(t), round(lm.engine_seconds, 3)
+    # the audit after lm_eval: reading a hybrid model's cache on vLLM wraps its block pool (engines/vllm/hybrid.py)
+    kept["storage"] = cache_storage(engine)
+    ctx.keep(case, "lm_eval", scores=out["scores"], lm_eval=out["settings"], timings=dict(times),
+             storage=kept["storage"], artifacts={"samples": ctx.artifact(case, SAMPLES).name})  # shutdown may crash
+    ctx.stage(case, "shutdown")
     times["cpu"] = round(_cpu_time() - cpu, 3)
-    metrics = {"scores": out["scores"], "lm_eval": out["settings"], "model_dtype": model_dtype(engine, case),
-               "compiled": compiled(engine), "finite": drift.finite(probe), "drift_over": probe["over"],
-               "timings": times,
+    metrics = {"scores": out["scores"], "lm_eval": out["settings"], **kept, "timings": times,
                "worker": _worker_info(engine), **documents(out["scores"], times["lm_eval"]), "peak_mib": peak_mib(),
                "artifacts": {"samples": ctx.artifact(case, SAMPLES).name, "drift": ctx.artifact(case, DRIFT).name}}
     release_engine(case, engine)
@@ -132,6 +141,18 @@ def run_case(case, ctx):
 
 
 LM_EVAL_KEYS = ("apply_chat_template", "fewshot_as_multiturn", "system_instruction", "gen_kwargs", "metadata")
+
+
+def cache_storage(engine) -> dict | None:
+    """The storage audit of the engine's cache (``storage_audit.cache_storage``, as `kvdiag dtypes --check` has it);
+    None when the engine cannot show its cache. Never the case's failure: the audit only informs a warning."""
+    from kvdiag.checks.storage_audit import cache_storage as audit
+
+    try:
+        return audit(engine)
+    except Exception as e:  # noqa: BLE001 - an engine whose cache cannot be read (vLLM: KVAccessError)
+        print(f"kvdiag: no storage audit of this cache: {type(e).__name__}: {e}", flush=True)
+        return None
 
 
 def chat_tokenizer(model: str):
@@ -233,6 +254,11 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
             rows += verdicts.failed_rows(rec)
             changed.append(rec)
         elif rec.status != "pass":
+            d = _kept_drift(run, rec, base, base_probe, max_kl, min_top1)
+            if d is not None:  # a case whose worker died after its drift probe: its drift is shown and judged
+                verdicts.add_unchanged(rec, base, d)
+                by_position += [r for r in [verdicts.position_row(rec)] if r]
+                changed.append(rec)
             rows += verdicts.failed_rows(rec)
         elif not base_ok:
             rec.status = "error"
@@ -245,12 +271,29 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
             lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"),
                                    compiled=drift.compiled_pair(rec, base), max_kl=max_kl, min_top1=min_top1)
             rows += verdicts.judge_case(rec, base, base_samples, samples, d, lim, max_drop=max_drop, alpha=alpha)
+            verdicts.add_unchanged(rec, base, d)
             by_position += [r for r in [verdicts.position_row(rec)] if r]
             changed.append(rec)
     for rec in changed:
         append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
     run.analysis["accuracy"] = {"baseline": baseline, "max_drop": max_drop, "alpha": alpha, "rows": rows,
                                 "drift_by_position": by_position, "timings": total_timings(run.cases)}
+
+
+def _kept_drift(run, rec, base, base_probe, max_kl, min_top1) -> dict | None:
+    """The drift of a case that did not pass but kept its drift probe (``WorkerContext.keep``: its worker died in
+    lm_eval), against the baseline's, judged by its family's limits (``verdicts.judge_kept``); None without one."""
+    from kvdiag.checks import verdicts
+
+    name = (rec.metrics.get("artifacts") or {}).get("drift")
+    path = Path(run.run_dir) / "artifacts" / name if name else None
+    if base_probe is None or path is None or not path.exists():
+        return None
+    d = drift.compare(base_probe, drift.load(path))
+    lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"), compiled=drift.compiled_pair(rec, base),
+                           max_kl=max_kl, min_top1=min_top1)
+    verdicts.judge_kept(rec, d, lim)
+    return d
 
 
 def total_timings(cases) -> dict:

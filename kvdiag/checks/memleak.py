@@ -20,6 +20,8 @@ uses (``kvdiag/measure/processes.py``). :func:`judge` gives the verdict, one pol
   the peak) in every step.
 - *Survivors* (tensors the census sees that the baseline did not have): the same small set every cycle is a
   warning with its holder; a set whose count or bytes grow every cycle fails.
+- *Sized by the KV cache*: any surviving storage of at least 1% of the engine's KV cache fails, whatever its size
+  (``kv_scaled.py``): it grows with the user's cache.
 - *The KV cache by identity*: any storage of the engine's KV cache or scale tensors (its ``kv_blocks()`` view
   during the workload) still alive after shutdown fails, whatever its size, with its holder (``kv_identity.py``).
 - *Restart impossible*: an engine that started once and cannot start again in this process (vLLM sleep mode on
@@ -33,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvdiag.checks import greedy, kv_identity, leftover, surviving
+from kvdiag.checks import greedy, kv_identity, kv_scaled, leftover, restart, surviving
 from kvdiag.checks.common import (
     WorkloadFailed,
     detector_disabled,
@@ -102,6 +104,7 @@ class Cycle:
     processes: dict = field(default_factory=dict)  # started during the run, alive after shutdown (leftover.py)
     kv: kv_identity.KVRecord | None = None  # the KV cache's storages during the workload, those left after shutdown
     kv_unknown: str | None = None  # why the engine gave no KV view
+    kv_scaled: list = field(default_factory=list)  # Holders of survivors sized by the KV cache (kv_scaled.py)
     seconds: dict = field(default_factory=dict)  # start, workload, snapshot, shutdown, after_shutdown
 
 
@@ -134,7 +137,7 @@ def run(case, ctx):
     snaps = [snapshot("baseline", 0, cuda, base)]
     baseline_s = _lap(t)
     cycles: list[Cycle] = []
-    restart = None
+    failed_restart = None
     for n in range(1, p.cycles + 1):
         try:
             cycles.append(_cycle(case, n, p, prompts, cuda, base, snaps, cycles[-1].survivors.keys if cycles else
@@ -143,8 +146,8 @@ def run(case, ctx):
             return start_failed(case, e.__cause__, alone=True)
         except WorkloadFailed as e:  # e.g. a device fault in vLLM's step: crashed there, with its reproducer
             return engine_failed(case, e.__cause__, f"workload (cycle {n})")
-        except RestartImpossible as e:
-            restart = {"cycle": n, "message": str(e)}
+        except RestartImpossible as e:  # the engine's or kvdiag's doing? a plain restart in a fresh process says
+            failed_restart = {"cycle": n, "message": str(e), "plain": restart.plain(case.engine)}
             break
     _lap(t)  # the cycles' own seconds are in their records
     freed = release_cublas_workspaces() if cuda else None  # after the last snapshot: who holds what grew
@@ -158,7 +161,7 @@ def run(case, ctx):
         cycles[-1].holders = holders(last.keys | set(list(last.small_keys)[:MAX_SMALL_ATTRIBUTED]))
     rec = case.result("pass", metrics={"cuda": cuda, "cycles": p.cycles, "max_tokens": p.max_tokens,
                                        "prompts": len(prompts)})
-    judge(rec, snaps, cycles, p.threshold_mib, restart, cublas)
+    judge(rec, snaps, cycles, p.threshold_mib, failed_restart, cublas)
     rec.metrics["seconds"] = {"baseline": baseline_s, "cycles": [c.seconds for c in cycles], "final": _lap(t)}
     return rec
 
@@ -257,11 +260,13 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
     named = {id(engine): f"the engine object ({type(engine).__name__}) after shutdown()"}
     if kv is not None:
         kv_identity.check(kv, now, named)
+    scaled = kv_scaled.keys(s, now, kv)
     del now
     held = holders(s.keys, named) if s.keys and not detector_disabled("memleak.holders") else []
+    scaled_held = holders(scaled, named) if scaled else []
     pools = getattr(engine, "held_after_shutdown", None)
     c = Cycle(s, held, list(pools()) if callable(pools) else [], private_pool_bytes() if cuda else None,
-              leftover.new_processes(snaps[0], snaps[-1]), kv, kv_unknown)
+              leftover.new_processes(snaps[0], snaps[-1]), kv, kv_unknown, scaled_held)
     c.seconds = {**sec, "after_shutdown": _lap(t)}
     return c
 
@@ -324,6 +329,7 @@ def judge(rec, snaps: list[Snapshot], cycles: list[Cycle], threshold_mib: float 
     leftover.findings(rec, [c.processes for c in cycles])
     surviving.findings(rec, cycles, lim.retain)  # the holders first: they name what a growth finding measures
     kv_identity.findings(rec, cycles)
+    kv_scaled.findings(rec, cycles)
     grew = _growth_findings(rec, growth, lim, cublas, leftover.gpu_bytes([c.processes for c in cycles]))
     small = {m: to_mib(v[0]) for m, v in held.items() if v and v[0] > lim.growth_tol(m) and m not in grew | kept}
     if small:
@@ -398,12 +404,29 @@ def _attribute(c: Cycle, retained: int, cublas: int | None = None, driver: bool 
 
 
 def _restart_finding(rec, restart: dict, held: dict[str, list[int]]) -> None:
+    """``restart_impossible`` with the plain restart's answer (restart.py); ``kvdiag_interference`` when the same
+    engine restarted in a plain script: then the failure is kvdiag's, not the engine's."""
     first = {m: v[0] for m, v in held.items() if m in RETAINED and v}
     kept = ", ".join(f"{m} {x / MiB:.0f} MiB" for m, x in first.items() if x > EXACT_TOL) or "nothing measurable"
-    rec.add("error", "restart_impossible", f"cycle {restart['cycle']}: the engine cannot be started again in this "
-            f"process: {restart['message']}; after the first shutdown it still held {kept}",
-            cycle=restart["cycle"], engine_message=restart["message"],
-            held_after_first_mib={m: to_mib(x) for m, x in first.items()})
+    plain, n = restart.get("plain"), restart["cycle"]
+    evidence = dict(cycle=n, engine_message=restart["message"], plain_restart=plain,
+                    held_after_first_mib={m: to_mib(x) for m, x in first.items()})
+    if plain and plain["restarted"]:
+        rec.add("error", "kvdiag_interference", f"cycle {n}: the engine could not start again in kvdiag's worker "
+                f"({restart['message']}), but a plain script restarted the same engine in a fresh process "
+                f"({plain['seconds']} s): kvdiag's own interference, not the engine's (please report it to kvdiag); "
+                f"the cycles before are judged; plain script: {plain['command']}", **evidence)
+        return
+    why = ""
+    if plain:
+        why = (f"; a plain script in a fresh process fails the same way: {plain['cause']}; reproduce: "
+               f"{plain['command']}")
+    if "use_count > 0" in restart["message"]:
+        why += ("; the CUDA caching allocator refuses to capture into a graph pool whose graphs are all gone but "
+                "which still holds memory (vLLM 0.24 shares one graph pool among every engine of the process: "
+                "docs/vllm-findings.md 16)")
+    rec.add("error", "restart_impossible", f"cycle {n}: the engine cannot be started again in this process: "
+            f"{restart['message']}; after the first shutdown it still held {kept}{why}", **evidence)
 
 
 def _growth_findings(rec, growth: dict[str, list[int]], lim: Limits, cublas: int | None = None,
@@ -444,6 +467,8 @@ HELP = (
     "surviving tensors whose count or bytes grow every cycle;\n"
     "the KV cache by identity - any storage of the engine's KV cache or scales (its kv_blocks() view) still\n"
     "alive after shutdown, whatever its size, with its holder;\n"
+    "sized by the KV cache - any surviving storage of at least 1% of the engine's KV cache (a per-token scale,\n"
+    "a copy): it grows with the cache, so it fails under the retention limit too;\n"
     "restart impossible - the engine started once and cannot start again in this process (vLLM sleep mode\n"
     "on CUDA), with the engine's message;\n"
     "objects left frozen by gc.freeze();\n"

@@ -49,6 +49,10 @@ FAULTS: tuple[Fault, ...] = (
           _na({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison"),
           "one more 1 MiB tensor in a module-level list at every engine start",
           leaves_process_state=True, kinds={"memleak": ("tensor_survived", "growth")}),
+    Fault("kv_sized_buffer_kept_after_shutdown", "S0", "memleak", {"memleak": items("auto")},
+          _na({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison"),
+          "a buffer of 1/32 of the KV cache (per-token-head scales' size) kept at every start, the same size each "
+          "time, under the retention limit", leaves_process_state=True, kinds={"memleak": ("kv_scaled_survived",)}),
     Fault("explicit_bf16_as_fp8", "S1", "dtypes", {"dtypes": items("bfloat16"), "accuracy": items("bfloat16")},
           _na({"*": SELF_COMPARE, "memleak": MEMORY_ONLY}, "memleak", "wake-cycle", "poison"),
           "an explicit 'bfloat16' cache resolves to fp8: not bit-identical to 'auto' (vLLM #38922)",

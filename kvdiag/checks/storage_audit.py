@@ -1,4 +1,6 @@
-"""The storage audit of `kvdiag dtypes --check`: what each kind of layer of an engine's cache stores.
+"""The storage audit of `kvdiag dtypes --check` (and of each `kvdiag accuracy` case): what each kind of layer of an
+engine's cache stores, and the ``not_quantized`` warning of a dtype named as quantized that stores layers at the
+model's precision.
 
 An engine describes each cache layer as a dict (its ``kv_layer_specs()``; vLLM: from its own KV cache spec of
 each layer): ``kind`` (``full``, ``sliding``, ``mla``, ``sliding mla``, ``chunked local``, ``full+sinks``,
@@ -58,3 +60,65 @@ def describe(row: dict) -> str:
 def summary(rows: list[dict] | None) -> str | None:
     """The audit as one line: its rows' texts joined by ``; ``; None without an audit."""
     return "; ".join(describe(r) for r in rows) if rows else None
+
+
+def cache_storage(engine) -> dict | None:
+    """What the engine's cache stores: ``kv_tensors.storage_summary`` of its tensors and, as ``kinds``, the storage
+    audit of its layer kinds (``audit``: the engine's ``kv_layer_specs()``, else its tensors as full
+    attention); None when neither is known."""
+    from kvdiag.checks.kv_tensors import storage_summary
+    from kvdiag.errors import EngineUnsupported
+
+    try:
+        view = engine.kv_blocks()
+    except (EngineUnsupported, NotImplementedError):
+        view = None
+    specs = getattr(engine, "kv_layer_specs", None)
+    layers = specs() if callable(specs) else None
+    if layers is None and view is not None:
+        layers = view_layers(view)
+    if view is None and not layers:
+        return None
+    st = storage_summary(view) if view is not None else {}
+    return {**st, "kinds": audit(layers or [])}
+
+
+def storage_row(rec) -> dict:
+    """The row's storage columns: ``stores`` (e.g. ``int8 +scales``, ``bf16 (2/2 layers)``), ``layers`` (the storage
+    audit: each layer kind, its count, element dtype and bytes per token or per sequence), ``kv_bytes_per_token``
+    (K+V over all layers), ``scale_bytes_per_token``, ``storage`` (the case's summary) and ``not_quantized``
+    (the warning when a dtype named as quantized stores layers at the model's precision, else None)."""
+    from collections import Counter
+
+    st = rec.metrics.get("storage")
+    if not st:
+        return {"stores": None, "layers": None, "kv_bytes_per_token": None, "scale_bytes_per_token": None,
+                "storage": None, "not_quantized": None}
+    layer_dtypes = st.get("layer_dtypes") or [k["dtype"] for k in st.get("kinds", []) for _ in range(k["count"])]
+    n_layers = st.get("layers", len(layer_dtypes))
+    full = _full_precision(rec.kv_dtype, layer_dtypes, st.get("element_bytes", {}), rec.metrics.get("model_dtype"))
+    counts = Counter(layer_dtypes)
+    names = {d: "/".join(SHORT.get(x, x) for x in d.split("/")) for d in counts}
+    stores = ", ".join(names[d] if len(counts) == 1 and not full else f"{names[d]} ({c}/{n_layers} layers)"
+                       for d, c in counts.items()) + (" +scales" if st.get("scales") else "")
+    warn = None
+    if full:
+        warn = (f"'{rec.kv_dtype}' is named as quantized but stores {len(full)} of {n_layers} layers at the "
+                f"model's precision ({', '.join(sorted(set(full)))})")
+    kv = st["k_bytes_per_token"] + st["v_bytes_per_token"] if "k_bytes_per_token" in st else None
+    return {"stores": stores, "layers": summary(st.get("kinds")), "kv_bytes_per_token": kv,
+            "scale_bytes_per_token": st.get("scale_bytes_per_token"), "storage": st, "not_quantized": warn}
+
+
+def _full_precision(kv_dtype: str, layer_dtypes: list[str], sizes: dict, model: str | None) -> list[str]:
+    """The layers' dtypes that are the model's precision (its dtype, or as many bytes or more), when ``kv_dtype``
+    is named as quantized; else []."""
+    from kvdiag import dtypes
+
+    if not dtypes.named_quantized(kv_dtype):
+        return []
+    model_bytes = dtypes.element_bytes(model) or 2
+
+    def size(x: str) -> int:
+        return sizes.get(x) or dtypes.element_bytes(x.removesuffix("+scales")) or 0
+    return [d for d in layer_dtypes if any(x == model or size(x) >= model_bytes for x in d.split("/"))]

@@ -75,8 +75,47 @@ def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift
     return rows
 
 
+def judge_kept(rec, d: dict, lim: drift.Limits) -> None:
+    """A case that did not pass but kept its drift probe (its worker died in lm_eval): its drift's findings and
+    numbers as ``judge_case`` gives a passing case's; its status and verdict stay what its failure made them."""
+    for msg in drift.judge(d, lim):
+        rec.add("error", "drift", f"drift ({lim.family}): {msg}", **_drift_evidence(d))
+    for kind, msg, evidence in drift.warnings(d, lim):
+        rec.add("warning", kind, msg, **evidence)
+    rec.metrics.update(_drift_evidence(d), drift=d, drift_limits=lim.to_json())
+
+
+def unchanged(rec, base, d: dict | None) -> list[tuple[str, str, dict]]:
+    """Warnings (kind, line, evidence) of a dtype named as quantized that changes nothing: ``not_quantized`` when the
+    storage audit of its cache finds layers at the model's precision (`kvdiag dtypes --check`'s warning, from
+    ``storage_audit.storage_row``), ``identical_to_baseline`` when its drift against a baseline not named as
+    quantized is bit-identical (``drift.compare``'s ``identical``). Never of the baseline, nor of ``auto`` or an
+    unquantized dtype."""
+    from kvdiag import dtypes
+    from kvdiag.checks.storage_audit import storage_row
+
+    if rec is base or not dtypes.named_quantized(rec.kv_dtype):
+        return []
+    out = []
+    row = storage_row(rec)
+    if row["not_quantized"]:
+        out.append(("not_quantized", row["not_quantized"], {"stores": row["stores"], "layers": row["layers"]}))
+    if d is not None and d.get("identical") and base is not None and not dtypes.named_quantized(base.kv_dtype):
+        out.append(("identical_to_baseline", f"'{rec.kv_dtype}' is named as quantized but its drift is bit-identical "
+                    f"to the baseline '{base.kv_dtype}' (KL 0, top-1 1.0, the same logprobs and greedy tokens over "
+                    f"{d.get('positions')} positions): it changes nothing the model computes, as a cache stored at "
+                    "the model's precision would", {"positions": d.get("positions"), "baseline": base.kv_dtype}))
+    return out
+
+
+def add_unchanged(rec, base, d: dict | None) -> None:
+    """``unchanged``'s warnings as the case's findings."""
+    for kind, msg, evidence in unchanged(rec, base, d):
+        rec.add("warning", kind, msg, **evidence)
+
+
 ANALYSIS_KINDS = ("regression", "collapse", "drift", "drift_grows", "drift_uncached", "no_baseline", "wrong",
-                  "not_quantized")
+                  "not_quantized", "identical_to_baseline")
 
 
 def position_row(rec) -> dict | None:
@@ -130,8 +169,11 @@ def failed_rows(rec) -> list[dict]:
     if any(f.kind == "not_run" for f in rec.findings):
         verdict = "not run"
     first = next((f.message for f in rec.findings), "")
-    return [{"kv_dtype": rec.kv_dtype, "task": "-", "metric": "-", "verdict": verdict, "status": rec.status,
-             "message": first}]
+    row = {"kv_dtype": rec.kv_dtype, "task": "-", "metric": "-", "verdict": verdict, "status": rec.status,
+           "message": first}
+    if rec.metrics.get("drift"):  # measured before its worker died (judge_kept): the drift table shows it
+        row.update({k: rec.metrics.get(k) for k in ("mean_kl", "max_kl", "top1_agreement")})
+    return [row]
 
 
 def _finite(x) -> bool:

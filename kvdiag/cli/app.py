@@ -163,6 +163,38 @@ def repeated_single_values(args: list[str]) -> None:
             raise UserError(f"{'/'.join(opts)} given {n} times; '{command}' takes one value{hint}")
 
 
+def _values(args: list[str], opts: list[str]) -> list[str]:
+    """The values given to an option named ``opts`` in ``args``: ``-a V``, ``--engine-arg=V``, ``-aV``."""
+    out = []
+    for i, a in enumerate(args):
+        if a in opts and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif "=" in a and a.split("=", 1)[0] in opts:
+            out.append(a.split("=", 1)[1])
+        elif len(a) > 2 and not a.startswith("--") and a[:2] in opts:
+            out.append(a[2:])
+    return out
+
+
+def engine_arg_help(args: list[str]) -> list[str] | None:
+    """``-a help``, what an unknown engine argument's error points to: the ``-a`` names of the command's engine
+    (``-e``, else its default); None when not asked."""
+    from kvdiag.engines.base import engine_arg_names
+
+    command = next((a for a in args if not a.startswith("-")), None)
+    found = _click_command(command)
+    params = {p.name: p for p in getattr(found, "params", ())}
+    if "engine_arg" not in params or "engine" not in params:
+        return None
+    head = args[:args.index("--")] if "--" in args else args
+    if "help" not in _values(head, _names(params["engine_arg"])):
+        return None
+    engine = (_values(head, _names(params["engine"])) or [params["engine"].default])[-1]
+    names = engine_arg_names(engine)
+    return names if names is not None else [f"engine '{engine}' does not list its arguments: -a passes them "
+                                            "unchecked"]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one line on stderr for bad input (exit 2) or an internal failure (exit 3)."""
     try:  # typer >= 0.20 vendors click
@@ -179,6 +211,10 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         args = translate(sys.argv[1:] if argv is None else list(argv), options_of)
+        listed = engine_arg_help(args)
+        if listed is not None:
+            print("\n".join(listed))
+            sys.exit(0)
         repeated_single_values(args)
         rv = app(args=optional_values(args), standalone_mode=False, prog_name="kvdiag")
     except UserError as e:

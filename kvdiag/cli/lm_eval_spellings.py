@@ -1,7 +1,8 @@
 """lm_eval's spellings of kvdiag's options, so that `lm_eval run` habits carry over: ``--model_args``,
 ``--num_fewshot``, ``--batch_size``, ``--output_path``, ... are rewritten to kvdiag's own spelling before the command
-line is parsed, for a command that has that option (hidden: ``--help`` shows kvdiag's). lm_eval's options whose
-meaning differs in kvdiag, or that kvdiag has no use for, are one line naming what to give instead (exit 2).
+line is parsed, for a command that has that option (hidden: ``--help`` shows kvdiag's); so are their hyphenated
+spellings (``--model-args``) where kvdiag has no option of that name. lm_eval's options whose meaning differs in
+kvdiag, or that kvdiag has no use for, are one line naming what to give instead (exit 2).
 lm_eval's ``--model hf|vllm`` (its backend) is answered where models are resolved (lm_eval_options.backend_names)."""
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def translate(args: list[str], options_of) -> list[str]:
             return out + args[i:]
         flag, eq, value = a.partition("=")
         i += 1
+        if flag not in known and flag.startswith("--"):  # --model-args: lm_eval's name in kvdiag's hyphens
+            flag = "--" + flag[2:].replace("-", "_")
         if flag in NO_EQUIVALENT and command and flag not in known:
             raise UserError(f"lm_eval's {flag} has no kvdiag equivalent: {NO_EQUIVALENT[flag]}")
         if flag in IGNORED and flag not in known and "--tasks" in known:  # a command that runs lm_eval

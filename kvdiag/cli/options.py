@@ -44,7 +44,7 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress outpu
 EngineArgOpt = Annotated[Optional[list[str]], typer.Option(
     "--engine-arg", "-a", help="key=value passed to the engine, several comma-separated as lm_eval's --model_args; "
     "values JSON-ish (2, 0.5, true, none, [1,2], \"a,b\"); repeatable; a name the engine does not take exits 2 with "
-    f"its list. Example (vLLM): {VLLM_ARGS_EXAMPLE}")]
+    f"the closest names; '-a help' lists the engine's. Example (vLLM): {VLLM_ARGS_EXAMPLE}")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N (builtin engine).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed for sampling and for lm_eval.")]
 JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Cases run at once (each in its own worker); "

@@ -297,17 +297,31 @@ def engine_arg_names(name: str) -> list[str] | None:
     return list(listed()) if callable(listed) else None
 
 
+SHOWN_ARG_NAMES = 12  # an engine with more -a names (vLLM: a few hundred) gets the closest few and `-a help`
+
+
 def check_engine_args(name: str, args: dict) -> dict:
-    """``args`` when the engine takes every key (UserError naming the closest valid name and the engine's list
-    otherwise), before any worker starts."""
+    """``args`` when the engine takes every key, before any worker starts; else UserError naming the closest valid
+    names and the engine's list (a long list: how to print it, ``-a help``)."""
     valid = engine_arg_names(name) if args else None
     unknown = [k for k in args if valid is not None and k not in valid]
     if unknown:
-        import difflib
-
         key = unknown[0]
-        close = difflib.get_close_matches(key, valid, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise UserError(f"--engine-arg '{key}' is not an argument of engine '{name}'{hint}; valid: "
-                        f"{', '.join(valid)}")
+        near = close_names(key, valid)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        if len(valid) <= SHOWN_ARG_NAMES:
+            tail = f"valid: {', '.join(valid)}"
+        else:
+            tail = (f"closest: {', '.join(near)}; " if len(near) > 1 else "") + \
+                f"'-e {name} -a help' lists all {len(valid)}"
+        raise UserError(f"--engine-arg '{key}' is not an argument of engine '{name}'{hint}; {tail}")
     return args
+
+
+def close_names(key: str, valid: list[str], n: int = 5) -> list[str]:
+    """Up to ``n`` of ``valid`` nearest ``key``: difflib's close spellings, then the names that hold ``key``
+    (``gpu_mem`` -> ``gpu_memory_utilization``, which difflib finds too far)."""
+    import difflib
+
+    near = difflib.get_close_matches(key, valid, n=n)
+    return list(dict.fromkeys(near + [v for v in valid if len(key) >= 3 and key in v]))[:n]

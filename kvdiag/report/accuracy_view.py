@@ -5,7 +5,7 @@ instead."""
 
 from __future__ import annotations
 
-from kvdiag.report.cells import fmt_value, warning_lines
+from kvdiag.report.cells import fmt_value, natural_width, warning_lines
 
 VERDICT_STYLE = {"ok": "green", "baseline": "cyan", "unsupported": "yellow", "skipped": "yellow"}
 NUMBERS = ("score ± se", "Δ", "95% CI", "p")  # se: lm_eval's stderr; the CI is Δ's (paired)
@@ -20,7 +20,7 @@ def accuracy(run, con) -> None:
     title = (f"accuracy vs baseline '{a.get('baseline', '?')}' (max drop {a.get('max_drop')}, "
              f"alpha {a.get('alpha')})")
     table = scores_table(rows, title, grouped=False)
-    if _width(con, table) > con.width:
+    if natural_width(con, table) > con.width:
         table = scores_table(rows, title, grouped=True)
     con.print(table)
     drift = drift_table(rows, a.get("drift_by_position"))
@@ -39,12 +39,6 @@ def accuracy(run, con) -> None:
     times = a.get("timings")
     if times:
         con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
-
-
-def _width(con, table) -> int:
-    from rich.measure import Measurement
-
-    return Measurement.get(con, con.options.update(max_width=10_000), table).maximum  # unclamped
 
 
 def scores_table(rows: list[dict], title: str, grouped: bool):

@@ -19,6 +19,13 @@ def console(stderr: bool = False):
     return Console(highlight=False, soft_wrap=False, width=width, stderr=stderr)
 
 
+def natural_width(con, table) -> int:
+    """The columns a table takes when none is wrapped (unclamped by the console's width): whether it fits."""
+    from rich.measure import Measurement
+
+    return Measurement.get(con, con.options.update(max_width=10_000), table).maximum
+
+
 def fmt_value(v) -> str:
     if isinstance(v, float):
         if v != v:

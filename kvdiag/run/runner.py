@@ -20,16 +20,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable
 
+from kvdiag import death
 from kvdiag.case import (
     FIRED_MARK,
+    KEPT_DIR,
     LOG_TAIL_CHARS,
     REPRODUCE_MARK,
-    STAGE_MARK,
     Case,
     WorkerContext,
+    add_kept,
     call_target,
     safe_name,
     share_cores,
+    take_kept,
 )
 from kvdiag.gpus import VISIBLE as GPU_ENV
 from kvdiag.results import CaseResult, append_jsonl, read_jsonl
@@ -62,30 +65,16 @@ def _describe_exit(code: int | None) -> tuple[str, dict]:
     return f"worker exited with code {code} before reporting", {"exit_code": code}
 
 
-# What a dying engine prints last, most telling first: CUDA's own error, then torch's and the C++ assertion lines.
-ERROR_LINES = (r"CUDA error: [^\n]+", r"cuda(?:Error\w+|_ERROR\w*)[^\n]*", r"CUBLAS_STATUS_\w+[^\n]*",
-               r"an illegal memory access[^\n]*", r"(?:RuntimeError|AssertionError|Assertion)[^\n]*",
-               r"terminate called[^\n]*")
-
-
-def died_of(tail: str) -> dict:
-    """From the tail of a dead worker's log: the stage its case was in (the last ``WorkerContext.stage`` mark) and
-    the line that says what failed (a CUDA error first); only what the log shows."""
-    import re
-
-    out = {}
-    stages = [line[len(STAGE_MARK):].rsplit(" (", 1)[0] for line in tail.splitlines() if line.startswith(STAGE_MARK)]
-    if stages:
-        out["stage"] = stages[-1]
-    commands = [line[len(REPRODUCE_MARK):] for line in tail.splitlines() if line.startswith(REPRODUCE_MARK)]
+def died_of(log: str) -> tuple[str, dict]:
+    """From a dead worker's log (its case's part): what to add to the finding's message and its evidence: the stage
+    its case was in, the line that says what failed and faulthandler's frame (``kvdiag.death``), and the last
+    command that repeats its engine's start."""
+    why = death.cause(log)
+    out = why.evidence()
+    commands = [line[len(REPRODUCE_MARK):] for line in log.splitlines() if line.startswith(REPRODUCE_MARK)]
     if commands:
         out["reproduce"] = commands[-1]
-    for pattern in ERROR_LINES:
-        hits = re.findall(pattern, tail)
-        if hits:
-            out["error_line"] = hits[-1].strip()[:300]
-            break
-    return out
+    return why.describe() + (f"; reproduce: {commands[-1]}" if commands else ""), out
 
 
 def fired_marks(log: str) -> dict[str, int]:
@@ -131,6 +120,7 @@ class _Worker:
                  preload: tuple[str, ...] = (), threads: int = 1):
         self.pending = list(cases)
         self.default_timeout = default_timeout
+        self.run_dir = run_dir
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{safe_name(cases[0].id if len(cases) == 1 else cases[0].group or cases[0].id)}.log"
@@ -217,20 +207,22 @@ class _Worker:
         culprits = culprits or running or self.pending[:1]
         start = min(self.log_from.get(c.id, 0) for c in culprits)
         tail = _tail(self.log_path, start)
-        if status == "crashed":
-            cause = died_of(tail)
-            message += "".join(f"; {k.replace('_', ' ')}: {v}" for k, v in cause.items())
-            evidence = {**evidence, **cause, "fired": fired_marks(_tail(self.log_path, start, None))}
+        if status == "crashed":  # the cause is searched beyond the tail: faulthandler's module list fills that
+            why, found = died_of(_tail(self.log_path, start, death.SCAN_BYTES))
+            message += why
+            evidence = {**evidence, **found, "fired": fired_marks(_tail(self.log_path, start, None))}
         recs = []
         for c in self.pending:
             if c in culprits:
                 since = self.running.get(c.id, self.idle_since)
                 r = c.result(status, log_tail=tail, duration_s=round(now - since, 3))
-                r.add("error", status, message + _also(culprits, c), **evidence)
+                kept = add_kept(r, take_kept(self.run_dir, c.id))  # what it measured before the worker died
+                r.add("error", status, message + _also(culprits, c) + kept, **evidence)
             else:
                 r = c.result("error")
                 what = "was cut short" if c in running else "not run"
-                r.add("error", "not_run", f"{what}: the shared worker {status} during {culprits[0].id}")
+                kept = add_kept(r, take_kept(self.run_dir, c.id))
+                r.add("error", "not_run", f"{what}: the shared worker {status} during {culprits[0].id}{kept}")
             recs.append(r)
         self.pending, self.running = [], {}
         return recs
@@ -314,5 +306,7 @@ def run_cases(
         for w in active:  # reaped and its pipe closed, not left to multiprocessing's exit handler
             w.proc.join()
             w.conn.close()
+        with contextlib.suppress(OSError):  # only when empty: an interrupted case's file waits for --resume
+            (run_dir / KEPT_DIR).rmdir()
         progress.close()
     return [done[c.id] for c in cases if c.id in done]

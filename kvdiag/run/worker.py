@@ -10,7 +10,17 @@ import time
 import traceback
 from pathlib import Path
 
-from kvdiag.case import LOG_TAIL_CHARS, SHARE_CORES, Case, WorkerContext, call_target, share_cores, take_engine_notes
+from kvdiag.case import (
+    LOG_TAIL_CHARS,
+    SHARE_CORES,
+    Case,
+    WorkerContext,
+    add_kept,
+    call_target,
+    share_cores,
+    take_engine_notes,
+    take_kept,
+)
 from kvdiag.errors import resource_failure
 from kvdiag.results import CaseResult
 
@@ -102,6 +112,7 @@ def _run_one(case: Case, ctx: WorkerContext) -> str:
     print(f"=== case {case.id} ===", flush=True)
     t0 = time.perf_counter()
     take_engine_notes()  # a note left by an earlier case of this thread is not this case's
+    take_kept(ctx.run_dir, case.id)  # kept by a run of this case that was interrupted (resumed now)
     try:
         rec = call_target(case.target)(case, ctx)
         if not isinstance(rec, CaseResult):
@@ -111,10 +122,12 @@ def _run_one(case: Case, ctx: WorkerContext) -> str:
         print(tb, flush=True)
         rec = case.result("error", log_tail=tb[-LOG_TAIL_CHARS:])
         resource = resource_failure(e)  # out of memory: the run's error, never an engine's refusal
+        kept = add_kept(rec, take_kept(ctx.run_dir, case.id))
         rec.add("error", "resource" if resource else "exception",
-                resource or f"{type(e).__name__}: {e}".splitlines()[0][:500])
+                (resource or f"{type(e).__name__}: {e}".splitlines()[0][:500]) + kept)
     for kind, message, evidence in take_engine_notes():
         rec.add("info", kind, message, **evidence)
+    take_kept(ctx.run_dir, case.id)  # its record says it all: only a dead worker's case needs what it kept
     rec.duration_s = rec.duration_s or round(time.perf_counter() - t0, 3)
     return rec.to_json()
 

@@ -9,6 +9,7 @@ Data: ``data/*.jsonl``, written by ``scripts/make_tasks.py``; format: ``recall.p
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def task_manager(include_paths=(), include_defaults: bool = True, metadata: dict
     """
     from lm_eval.tasks import TaskManager
 
+    quiet_metadata_hint()
     paths = [str(TASKS_DIR)] + [str(p) for p in include_paths]
     if not include_defaults:
         return TaskManager(include_path=paths, include_defaults=False, metadata=metadata)
@@ -37,6 +39,29 @@ def task_manager(include_paths=(), include_defaults: bool = True, metadata: dict
     except Exception:  # noqa: BLE001 - another lm_eval's internals: index the slow way
         return TaskManager(include_path=paths, include_defaults=True, metadata=metadata)
     return tm
+
+
+METADATA_HINT = "Custom kwargs can be passed to `--metadata`"
+
+
+class _OwnTaskMetadataHint(logging.Filter):
+    """Drops lm_eval's warning, at each load of a task whose data comes from a ``custom_dataset`` function, that
+    the function takes ``--metadata`` kwargs: kvdiag's own tasks take none, so on every run it only said nothing
+    to act on. A user's task keeps it (its function may well want some: kvdiag has --metadata too)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return METADATA_HINT not in msg or msg.split(":", 1)[0] not in SHIPPED_TASKS
+
+
+_METADATA_FILTER = _OwnTaskMetadataHint()
+
+
+def quiet_metadata_hint() -> None:
+    """Install the filter on the logger lm_eval warns with (lm_eval/api/task.py), once per process."""
+    logger = logging.getLogger("lm_eval.api.task")
+    if _METADATA_FILTER not in logger.filters:
+        logger.addFilter(_METADATA_FILTER)
 
 
 def index_cache() -> Path:

@@ -34,15 +34,24 @@ WAKE = {1: "llm.wake_up()",  # vLLM's documented wake after each level (kvdiag/e
         2: "llm.wake_up(tags=['weights']); llm.collective_rpc('reload_weights'); llm.wake_up(tags=['kv_cache'])"}
 
 
-def command(kwargs: dict, generate: bool, sleep_level: int | None = None) -> str:
+# A restart as kvdiag's VllmEngine shuts down (and as vLLM's own tests do), then the same start again.
+RESTART = ("llm.llm_engine.engine_core.shutdown(); del llm; import gc, torch; gc.collect(); "
+           "torch.cuda.is_available() and torch.cuda.empty_cache(); print('plain restart: shut down'); ")
+
+
+def command(kwargs: dict, generate: bool, sleep_level: int | None = None, restart: bool = False) -> str:
     """``python3 -c '...'``: ``vllm.LLM(**kwargs)`` in a plain process, then (``generate``) one greedy request;
-    with ``sleep_level``, then a sleep at that level, vLLM's wake and the request again."""
+    with ``sleep_level``, then a sleep at that level, vLLM's wake and the request again; with ``restart``, then a
+    shutdown and the same start and request again in the same process."""
     args = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
+    start = f"llm = LLM({args})"
     body = ("import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'; "
-            f"from vllm import LLM, SamplingParams; llm = LLM({args})")
+            f"from vllm import LLM, SamplingParams; {start}")
     request = f"print(llm.generate([{PROMPT!r}], SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0])"
-    if generate:
+    if generate or restart:
         body += "; " + request
+    if restart:
+        body += f"; {RESTART}{start}; {request}; print('plain restart: started again')"
     if sleep_level in WAKE:
         body += f"; llm.sleep(level={sleep_level}); {WAKE[sleep_level]}; {request}"
     return "python3 -c " + shlex.quote(body)
@@ -50,7 +59,8 @@ def command(kwargs: dict, generate: bool, sleep_level: int | None = None) -> str
 
 def last(stage: str, sleep_level: int | None = None) -> str | None:
     """The reproducer of this process's last engine start for a failure in ``stage`` (None: no start noted); a
-    failure in a sleep/wake cycle (``sleep_level``) repeats the request, the sleep and the wake."""
+    failure in a sleep/wake cycle (``sleep_level``) repeats the request, the sleep and the wake; ``stage`` "restart":
+    a start, a request, a shutdown and the same start again (memleak's plain restart, ``RESTART_STAGE``)."""
     if not _NOTED:
         return None
-    return command(_NOTED[0], generate=stage != "engine start", sleep_level=sleep_level)
+    return command(_NOTED[0], generate=stage != "engine start", sleep_level=sleep_level, restart=stage == "restart")

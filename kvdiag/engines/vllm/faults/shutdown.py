@@ -20,11 +20,14 @@ PER_TOKEN_HEAD = ("int8_per_token_head", "fp8_per_token_head")
 KV_KEPT = "kv_cache_kept_after_shutdown"
 SCALES_KEPT = "scale_caches_kept_after_shutdown"
 GROWS = "tensor_kept_per_start"
+KV_SIZED = "kv_sized_buffer_kept_after_shutdown"
 
 _KEPT_KV: list = []  # kv_cache_kept_after_shutdown: the runner's KV cache tensors at every shutdown
 _KEPT_SCALES: list = []  # scale_caches_kept_after_shutdown: the per-token-head scale views at every shutdown
 _PER_START: list = []  # tensor_kept_per_start: one more small tensor at every engine start
 PER_START_BYTES = 1 << 20
+_KV_SIZED: dict = {}  # kv_sized_buffer_kept_after_shutdown: a buffer sized by the KV cache, replaced every start
+KV_SIZED_PART = 32  # the buffer is 1/32 of the KV cache: float32 per-token-head scales of a bf16 cache, 64-wide heads
 
 
 def kv_cache_kept_after_shutdown(kv_cache_dtype: str | None = None) -> list[str]:
@@ -107,16 +110,51 @@ def tensor_kept_per_start(kv_cache_dtype: str | None = None) -> list[str]:
 
     Outside kvdiag: ``apply(["tensor_kept_per_start"])`` before the first ``vllm.LLM``.
     """
+    def keep(_config) -> bool:
+        import torch
+        from vllm.platforms import current_platform
+
+        _PER_START.append(torch.ones(PER_START_BYTES, dtype=torch.uint8, device=current_platform.device_type))
+        return True
+    return _after_kv_init(GROWS, keep)
+
+
+def _after_kv_init(fault: str, act) -> list[str]:
+    """Wrap ``EngineCore._initialize_kv_caches`` (once per engine start): after it, ``act(its KVCacheConfig)``; the
+    fault fires when ``act`` says it did something."""
     def make(original):
         def _initialize_kv_caches(self, *args, **kwargs):
             out = original(self, *args, **kwargs)
-            import torch
-            from vllm.platforms import current_platform
-
-            _PER_START.append(torch.ones(PER_START_BYTES, dtype=torch.uint8, device=current_platform.device_type))
-            fire(GROWS)
+            if act(out):
+                fire(fault)
             return out
         return _initialize_kv_caches
     (cp,) = ENGINE_KV_INIT
-    wrap(cp, GROWS, make)
+    wrap(cp, fault, make)
     return [str(cp)]
+
+
+def kv_sized_buffer_kept_after_shutdown(kv_cache_dtype: str | None = None) -> list[str]:
+    """S0's shape on any dtype (issue 50; no vLLM PR of its own: #39224 is this class on the per-token-head scale
+    views): a side allocation sized by the KV cache that outlives shutdown, the same size at every start. kvdiag's
+    small explicit KV cache keeps it far under memleak's retention limit; a user's 60 GiB cache makes it 1.9 GiB.
+
+    Code point: ``EngineCore._initialize_kv_caches`` (``vllm/v1/engine/core.py``), once per engine start; it returns
+    the scheduler's KVCacheConfig, whose ``kv_cache_tensors`` give the cache's bytes. Versions: vLLM 0.24 and 0.32.
+    The fault: after it, a buffer of 1/32 of those bytes on vLLM's device goes into ``_KV_SIZED``, a module-level
+    dict, replacing the previous start's (fires every start). Intended check: ``memleak``, finding
+    ``kv_scaled_survived`` (a surviving storage of at least 1% of the KV cache) naming ``_KV_SIZED``.
+
+    Outside kvdiag: ``apply(["kv_sized_buffer_kept_after_shutdown"])`` before the first ``vllm.LLM``.
+    """
+    def keep(config) -> bool:
+        kv = sum(int(t.size) for t in getattr(config, "kv_cache_tensors", None) or ())
+        if not kv:
+            return False
+        import torch
+        from vllm.platforms import current_platform
+
+        _KV_SIZED["buffer"] = None  # the previous start's goes first: the same size survives, never two
+        _KV_SIZED["buffer"] = torch.zeros(kv // KV_SIZED_PART, dtype=torch.uint8, device=current_platform.device_type)
+        return True
+    return _after_kv_init(KV_SIZED, keep)
