@@ -60,6 +60,12 @@ def cause(log_text: str) -> Cause:
     return Cause(stage(text), line and line[:LINE_CHARS], frame)
 
 
+def readable_tail(log_text: str, chars: int) -> str:
+    """The last ``chars`` of a log without faulthandler's module list and blank lines: what a crashed record's
+    ``log_tail`` shows a person (the list fills a plain tail after a fatal error)."""
+    return "\n".join(_without_noise(log_text.splitlines()))[-chars:]
+
+
 def stage(text: str) -> str | None:
     """The last ``STAGE_MARK`` line's stage: ``--- kvdiag stage: lm_eval (case id) ---`` -> ``lm_eval``."""
     found = None

@@ -206,7 +206,7 @@ def make_random_model(
 
 
 # Llama-3.1-8B's shapes (hidden 4096, 32 layers, 32 heads, 8 kv heads, 14336 MLP, 128,256 ids, llama3 rope), bf16:
-# ~16 GB of random weights, for real-size runs of the builtin engine (README, "Timings").
+# ~16 GB of random weights, for real-size runs of the builtin engine (BENCHMARKS.md, "Whole commands").
 LLAMA31_8B: dict[str, Any] = dict(
     arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
     intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,

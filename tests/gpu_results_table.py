@@ -1,4 +1,4 @@
-"""The markdown table of docs/vllm-gpu-results.md from the commands.jsonl that tests/test_vllm_gpu.py writes:
+"""The markdown table of docs/vllm-gpu-log.md from the commands.jsonl that tests/test_vllm_gpu.py writes:
 ``python3 tests/gpu_results_table.py OUT/commands.jsonl``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The docs name only files that exist: every path in docs/DESIGN.md and the README, written as `path`, is a file
-or folder of the repository (a bare name, `engine.py`, must be some file's name; `checks/memleak.py` some file's
-path ending)."""
+"""The docs name only files that exist: every path in the README and the docs it leads to, written as `path`, is a
+file or folder of the repository (a bare name, `engine.py`, must be some file's name; `checks/memleak.py` some file's
+path ending), and every relative link, [text](path), is a file beside the doc."""
 
 from __future__ import annotations
 
@@ -27,12 +27,18 @@ def repository_paths() -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("doc", ["docs/DESIGN.md", "README.md"])
+LINK = re.compile(r"\]\(([\w./-]+)\)")
+DOCS = ["README.md", "docs/DESIGN.md", "docs/commands.md", "docs/ci.md", "docs/development.md"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
 def test_every_path_the_doc_names_exists(doc):
     paths = repository_paths()
     text = (ROOT / doc).read_text(encoding="utf-8")
+    links = LINK.findall(text)
+    assert not [x for x in links if not (ROOT / doc).parent.joinpath(x).exists()], links
     named = set(PATHLIKE.findall(text)) - MADE_BY_A_RUN
-    assert len(named) >= 5, named  # the pattern still finds the doc's paths
+    assert len(named) + len(links) >= 5, named  # the patterns still find the doc's paths
     missing = [p for p in sorted(named) if not any(x == p.lstrip("./") or x.endswith("/" + p.lstrip("./"))
                                                    for x in paths)]
     assert not missing, f"{doc} names files that do not exist: {missing}"

@@ -4,7 +4,7 @@ same process layout: tests/vllm_gpu_probe.py). Run on a GPU machine with vLLM in
     KVDIAG_GPU_OUT=/some/dir python3 -m pytest -m "cuda and vllm" tests/test_vllm_gpu.py
 
 Every kvdiag run lands in $KVDIAG_GPU_OUT/<name>/ and one line per command in $KVDIAG_GPU_OUT/commands.jsonl
-(command, exit code, seconds, each case's status, duration and finding kinds): docs/vllm-gpu-results.md is made
+(command, exit code, seconds, each case's status, duration and finding kinds): docs/vllm-gpu-log.md is made
 from it. Engine arguments as in the issue: eager mode and 20% of the GPU per engine (25-40 s a case).
 """
 
@@ -617,7 +617,8 @@ def test_vllm_defaults_memleak_restarts_or_fails_as_a_plain_restart_does(model):
     that fails in kvdiag's worker is held to the same engine's plain restart in a fresh process, inside the check:
     on clean vLLM it is never kvdiag's interference; when vLLM cannot restart (docs/vllm-findings.md 16) the finding
     gives the plain script's own failure. When the restarts work, each start adds what the plain script's starts
-    add (torch's cuBLAS workspace per capture stream, 32 MiB)."""
+    add (tiny-llama: torch's cuBLAS workspace per capture stream, 32 MiB; zoo:qwen3: its whole engine too, kept by a
+    bytecode hook, finding 12)."""
     from kvdiag.assets import TINY_MODEL
     from kvdiag.zoo import resolve
 
@@ -636,13 +637,14 @@ def test_vllm_defaults_memleak_restarts_or_fails_as_a_plain_restart_does(model):
         plain = f["evidence"]["plain_restart"]
         assert plain and plain["restarted"] is False, f
         assert "use_count > 0" in f["message"] and "use_count > 0" in (plain["cause"] or ""), f
-    else:
+    else:  # each start adds at least torch's cuBLAS workspace; as much as each plain start adds, where it restarted
         alloc = c["metrics"]["held_mib"]["cuda_allocated"]
-        assert all(30 <= b - a <= 36 for a, b in zip(alloc, alloc[1:])), alloc
-    if truth["restarted"]:  # the plain script restarted: its first engine's graphs were still alive
-        rows = truth["cycles"]
-        assert all(30 <= b["allocated_mib"] - a["allocated_mib"] <= 36 for a, b in zip(rows, rows[1:])), truth
-    else:
+        steps = [b - a for a, b in zip(alloc, alloc[1:])]
+        assert all(x >= 30 for x in steps), alloc
+        if truth["restarted"]:
+            plain = [r["allocated_mib"] for r in truth["cycles"]]
+            assert steps == pytest.approx([b - a for a, b in zip(plain, plain[1:])], abs=4), (alloc, truth)
+    if not truth["restarted"]:
         (failed,) = [r for r in truth["cycles"] if not r["started"]]
         assert "use_count > 0" in failed["error"], truth
         assert truth["cycles"][failed["cycle"] - 2]["graphs_alive_after_shutdown"] == 0, truth

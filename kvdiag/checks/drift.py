@@ -299,7 +299,7 @@ FAMILY_LIMITS = {
     # the identical family when the engine compiles its model (vLLM's defaults): each kv dtype is compiled and
     # autotuned apart (vLLM hashes cache_dtype into the compile cache; Inductor max-autotune picks kernels by
     # timing), so two equal caches can differ in the last bits. Measured with vLLM 0.24, zoo:qwen3, `bfloat16`
-    # against `auto`, compiled (docs/vllm-gpu-results.md): identical in some runs, in others mean KL 3.2e-6 to
+    # against `auto`, compiled (docs/vllm-gpu-log.md): identical in some runs, in others mean KL 3.2e-6 to
     # 6.1e-6, max KL 2.5e-4, max |Δ logprob| 0.057-0.077, the same greedy tokens. The S1 fault (bfloat16 run as
     # fp8, tiny-llama) gives mean KL 7.6e-4, max KL 0.010: both limits sit ~8x above that noise, 5x below S1.
     "recompiled": Limits("recompiled", 1e-4, 2e-3, 0.99, 0.5),

@@ -10,7 +10,7 @@ import typer
 from kvdiag.cli.options import Format, FormatOpt, OutputDirOpt, QuietOpt, ResumeOpt
 
 ConfigOpt = Annotated[Optional[Path], typer.Option(
-    "--config", "-c", help="TOML config (see the README). Default: ./kvdiag.toml, else [tool.kvdiag] in "
+    "--config", "-c", help="TOML config (see docs/ci.md). Default: ./kvdiag.toml, else [tool.kvdiag] in "
     "./pyproject.toml.")]
 BaselineOpt = Annotated[Optional[Path], typer.Option(
     "--baseline", help="Compare with this baseline file (or run directory) and exit 1 on a regression. "

@@ -208,6 +208,7 @@ class _Worker:
         start = min(self.log_from.get(c.id, 0) for c in culprits)
         tail = _tail(self.log_path, start)
         if status == "crashed":  # the cause is searched beyond the tail: faulthandler's module list fills that
+            tail = death.readable_tail(_tail(self.log_path, start, death.SCAN_BYTES), LOG_TAIL_CHARS)
             why, found = died_of(_tail(self.log_path, start, death.SCAN_BYTES))
             message += why
             evidence = {**evidence, **found, "fired": fired_marks(_tail(self.log_path, start, None))}
