@@ -220,6 +220,25 @@ def test_a_failed_restart_is_held_to_a_plain_restart_in_a_fresh_process(plain_ok
     assert rec.status == "fail" and not kinds, kinds
 
 
+def test_the_plain_restart_runs_under_the_workers_own_interpreter(monkeypatch, tmp_path):
+    """The reproducer says ``python3 -c ...`` for a person; the plain restart runs it with this process's Python (a
+    venv's kvdiag run without activating the venv must not meet a python3 without the engine): here the python3
+    on PATH is one that only fails."""
+    import os
+    import sys
+
+    from kvdiag.checks import restart
+    from kvdiag.engines import base
+
+    (tmp_path / "python3").write_text("#!/bin/sh\nexit 3\n")
+    (tmp_path / "python3").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    check = f"import sys; assert sys.executable == {sys.executable!r}, sys.executable"
+    monkeypatch.setattr(base, "reproducer", lambda engine, stage: f"python3 -c {check!r}")
+    got = restart.plain("any")
+    assert got["restarted"] is True and got["command"].startswith("python3 -c"), got
+
+
 @pytest.mark.slow
 def test_clean_builtin_engine_passes_five_repeated_runs(random_model):
     """No false alarms: 5 runs of 3 cycles, in this (busy) process; the per-token-head dtype has scale caches."""

@@ -8,7 +8,9 @@ when it fails too, the engine cannot restart, and the finding gives the plain co
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
+import sys
 import time
 
 STAGE = "restart"
@@ -25,8 +27,11 @@ def plain(engine: str, timeout: float = TIMEOUT_S) -> dict | None:
     if not cmd:
         return None
     t = time.perf_counter()
+    # the command says python3 for a person to run; here it runs under this worker's interpreter (a venv's
+    # kvdiag started without activating it would otherwise get a python3 without the engine)
+    run = shlex.quote(sys.executable) + cmd[len("python3"):] if cmd.startswith("python3 ") else cmd
     try:
-        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=timeout, env=dict(os.environ),
+        p = subprocess.run(["bash", "-c", run], capture_output=True, text=True, timeout=timeout, env=dict(os.environ),
                            stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return {"command": cmd, "restarted": None, "cause": f"no answer in {timeout:.0f} s",
