@@ -220,6 +220,16 @@ def test_a_failed_restart_is_held_to_a_plain_restart_in_a_fresh_process(plain_ok
     assert rec.status == "fail" and not kinds, kinds
 
 
+def test_a_plain_restart_that_gives_no_answer_is_not_said_to_fail_the_same_way(monkeypatch):
+    memleak_fakes.OnceEngine.started = False
+    monkeypatch.setattr(memleak.restart, "plain", lambda engine: {"command": "python3 -c ...", "restarted": None,
+                                                                  "cause": "no answer in 900 s", "seconds": 900.0})
+    rec = memleak.run(Case("memleak", "memleak_fakes:OnceEngine", "m", "auto", "kvdiag.checks.memleak:run",
+                           params={"device": "cpu", "cycles": 2, "num_prompts": 1}), None)
+    (f,) = [f for f in rec.findings if f.kind == "restart_impossible"]
+    assert "gave no answer either: no answer in 900 s" in f.message and "the same way" not in f.message
+
+
 def test_the_plain_restart_runs_under_the_workers_own_interpreter(monkeypatch, tmp_path):
     """The reproducer says ``python3 -c ...`` for a person; the plain restart runs it with this process's Python (a
     venv's kvdiag run without activating the venv must not meet a python3 without the engine): here the python3

@@ -419,8 +419,8 @@ def _restart_finding(rec, restart: dict, held: dict[str, list[int]]) -> None:
         return
     why = ""
     if plain:
-        why = (f"; a plain script in a fresh process fails the same way: {plain['cause']}; reproduce: "
-               f"{plain['command']}")
+        how = "fails the same way" if plain["restarted"] is False else "gave no answer either"
+        why = f"; a plain script in a fresh process {how}: {plain['cause']}; reproduce: {plain['command']}"
     if "use_count > 0" in restart["message"]:
         why += ("; the CUDA caching allocator refuses to capture into a graph pool whose graphs are all gone but "
                 "which still holds memory (vLLM 0.24 shares one graph pool among every engine of the process: "

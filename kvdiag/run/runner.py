@@ -208,8 +208,9 @@ class _Worker:
         start = min(self.log_from.get(c.id, 0) for c in culprits)
         tail = _tail(self.log_path, start)
         if status == "crashed":  # the cause is searched beyond the tail: faulthandler's module list fills that
-            tail = death.readable_tail(_tail(self.log_path, start, death.SCAN_BYTES), LOG_TAIL_CHARS)
-            why, found = died_of(_tail(self.log_path, start, death.SCAN_BYTES))
+            log = _tail(self.log_path, start, death.SCAN_BYTES)
+            tail = death.readable_tail(log, LOG_TAIL_CHARS)
+            why, found = died_of(log)
             message += why
             evidence = {**evidence, **found, "fired": fired_marks(_tail(self.log_path, start, None))}
         recs = []
