@@ -15,17 +15,17 @@ tasks (recall.is_heldout) never appear.
 
     python scripts/train_tiny_model.py --out kvdiag/assets/tiny-llama            # CUDA if present
     python scripts/train_tiny_model.py --out /tmp/tiny --device cpu                # same recipe on CPU
-    python scripts/train_tiny_model.py --arch qwen3 --out kvdiag/assets/zoo/qwen3  # a zoo model (kvdiag.zoo)
+    python scripts/train_tiny_model.py --arch qwen3 --out kvdiag/assets/zoo/qwen3  # a zoo model (kvdiag.models.zoo)
 
 ``--arch`` picks the model zoo's preset (``llama``, the shipped model, by default; ``qwen3``, ``gemma3``,
-``deepseek-v2``, ``granite-hybrid``, ``gpt-oss``, ``llama-outlier``; docs/zoo.md): its config from kvdiag.zoo,
+``deepseek-v2``, ``granite-hybrid``, ``gpt-oss``, ``llama-outlier``; docs/zoo.md): its config from kvdiag.models.zoo,
 built with transformers' AutoModelForCausalLM, trained the same way. ``--layers``/``--hidden``/... override the preset's
 sizes; ``--tiny`` takes the preset's CPU-test size (a smoke test). ``llama-outlier`` is trained as ``llama`` and
-its K channels are made large at the end (kvdiag.zoo.add_k_outliers; the model's outputs do not change).
+its K channels are made large at the end (kvdiag.models.zoo.add_k_outliers; the model's outputs do not change).
 
 The defaults are the shipped recipe: ~1 min on an H100, ~50 min on 2 CPU cores
 (2.36 s/step measured at the longest contexts). The result is saved in bfloat16
-with the byte tokenizer (kvdiag.modelgen); training_log.json records the run. A run with a shipped model's recipe
+with the byte tokenizer (kvdiag.models.gen); training_log.json records the run. A run with a shipped model's recipe
 (``--arch qwen3``, ``gemma3``, ``deepseek-v2``, ``granite-hybrid``) ends with a line comparing its recall with the
 shipped run's, and exits 1 when it learned less than half of it: GPU training is not bit-reproducible.
 """
@@ -44,7 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvdiag import modelgen, zoo  # noqa: E402
+from kvdiag.models import gen as modelgen  # noqa: E402
+from kvdiag.models import zoo  # noqa: E402
 from kvdiag.tasks import recall  # noqa: E402
 
 SPACE, EQ, SEMI = ord(" "), ord("="), ord(";")
@@ -179,8 +180,8 @@ def check_format(rng, key_pool):
 
 # ---------------------------------------------------------------- model
 def build_model(args):
-    """The --arch preset's model (kvdiag.zoo) with the size options applied, transformers' random init; a preset
-    that starts from tiny-llama (kvdiag.zoo_warm) does so at its own size."""
+    """The --arch preset's model (kvdiag.models.zoo) with the size options applied, transformers' random init; a preset
+    that starts from tiny-llama (kvdiag.models.zoo_warm) does so at its own size."""
     sizes = dict(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                  num_key_value_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate,
                  max_position_embeddings=args.max_positions)
@@ -188,7 +189,7 @@ def build_model(args):
         cfg = zoo.hf_config(args.arch, tiny=args.tiny, **sizes)
         sizes["head_dim"] = cfg.hidden_size // cfg.num_attention_heads
     if zoo.preset(args.arch).warm_from_llama and not args.tiny and not any(v is not None for v in sizes.values()):
-        from kvdiag import zoo_warm
+        from kvdiag.models import zoo_warm
 
         return zoo_warm.from_llama(args.arch, seed=args.seed)
     return zoo.random_model(args.arch, seed=args.seed, tiny=args.tiny, **sizes)

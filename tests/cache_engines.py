@@ -2,8 +2,8 @@
 out of device memory for some dtypes, and with an 'fp8' cache that is really bf16 in its last layer.
 
 - ``float16``: start raises vLLM's ValueError "No available memory for the cache blocks" (what two vLLM engines
-  starting together on one GPU got on an H100), which the matrix took for "unsupported".
-- ``fp8_e5m2``: start raises vLLM's memory-profiling AssertionError (a generic error before).
+  starting together on one GPU can get), which the matrix must not take for "unsupported".
+- ``fp8_e5m2``: start raises vLLM's memory-profiling AssertionError.
 - ``fp8``: runs as fp8, but its cache tensors as ``kv_blocks()`` shows them are bf16 in the last layer, as an
   engine that quietly falls back to the model's precision for some layers would have them.
 """

@@ -140,10 +140,10 @@ def keeps_then_dies(case, ctx):
     """As an accuracy case whose engine segfaults: its drift probe finishes and is kept (``WorkerContext.keep``),
     then, with ``scores``, lm_eval finishes those tasks and they are kept too; the worker dies in the next stage
     (``lm_eval``, or ``shutdown`` after the tasks); with ``raises``, the case raises there instead."""
-    from kvdiag.checks import accuracy, drift
+    from kvdiag.checks import drift
 
     ctx.stage(case, "drift probe")
-    path = ctx.artifact(case, accuracy.DRIFT)
+    path = ctx.artifact(case, drift.DRIFT)
     drift.save(probe(case.params["seed"], case.params.get("noise", 0.0)), path)
     ctx.keep(case, "drift probe", model_dtype="bfloat16", finite=True, drift_over="full",
              timings={"drift": 1.0}, artifacts={"drift": path.name})

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 try:
     import torch
 
-    # one thread: on a shared 2-core machine two OpenMP threads often run 10-30x slower
+    # one thread: two OpenMP threads on cores that other jobs share often run 10-30x slower
     torch.set_num_threads(int(os.environ.get("KVDIAG_TEST_THREADS", "1")))
 except ImportError:  # pragma: no cover
     pass
@@ -28,8 +28,8 @@ TEST_DEVICE = os.environ.get("KVDIAG_TEST_DEVICE", "cpu")
 
 @pytest.fixture(scope="session")
 def random_model(tmp_path_factory):
-    """``random_model(arch, **kw)`` -> path of a random checkpoint (kvdiag.modelgen), built once per kwargs."""
-    from kvdiag.modelgen import make_random_model
+    """``random_model(arch, **kw)`` -> path of a random checkpoint (kvdiag.models.gen), built once per kwargs."""
+    from kvdiag.models.gen import make_random_model
 
     made = {}
 

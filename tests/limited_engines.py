@@ -56,7 +56,7 @@ START_CRASH = "an assertion inside the engine's start (test engine)"
 
 def picky():
     """Refuses fp8 at start in vLLM's words (no attention backend takes it) and crashes starting fp8_e5m2 with a bare
-    AssertionError, as vLLM 0.24 does on an H100; every other dtype is the builtin engine's."""
+    AssertionError, as vLLM 0.24 does on CUDA; every other dtype is the builtin engine's."""
     from kvdiag.engines.builtin.engine import BuiltinEngine
     from kvdiag.errors import EngineUnsupported
 
@@ -75,8 +75,8 @@ DEVICE_FAULT = "CUDA error: an illegal memory access was encountered (test engin
 
 
 def faults_after_wake():
-    """Generates as the builtin engine until its first wake, then raises the device error vLLM 0.24 raised on an H100
-    once its block tables were left stale by a wake (the self-test's block_tables_not_rebuilt_on_wake)."""
+    """Generates as the builtin engine until its first wake, then raises the device error vLLM 0.24 raises on CUDA
+    once its block tables are left stale by a wake (the self-test's block_tables_not_rebuilt_on_wake)."""
     from kvdiag.engines.builtin.engine import BuiltinEngine
 
     class Engine(BuiltinEngine):

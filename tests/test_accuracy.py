@@ -12,7 +12,8 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from kvdiag.checks import accuracy, drift, verdicts
+from kvdiag.checks import drift, verdicts
+from kvdiag.checks.accuracy import verdict as accuracy
 from kvdiag.results import CaseResult, RunRecord, read_jsonl
 
 # ------------------------------------------------------------------ drift math

@@ -1,7 +1,7 @@
-"""A new check is one module and one registry line: a toy check installed as a plug-in (the ``kvdiag.checks``
+"""A new check is one folder and one registry line: tests/toy_kvcheck/ installed as a plug-in (the ``kvdiag.checks``
 entry point, as a third-party package would) shows in --help, gets a command with its own options, runs, is a
-table of `kvdiag ci` with its keys validated, and shows in `kvdiag report` and `kvdiag compare` by its own rules;
-no file of kvdiag is edited."""
+table of `kvdiag ci` with its keys validated, and shows in `kvdiag report` (its own table and plot in report.html)
+and `kvdiag compare` by its own rules; no file of kvdiag is edited."""
 
 from __future__ import annotations
 
@@ -10,45 +10,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-TOY = '''
-from dataclasses import dataclass
-
-from kvdiag.checks.registry import Check, option
-
-
-@dataclass
-class ToyParams:
-    rounds: int = option(2, "--rounds", help="How many rounds the toy counts.", min=1)
-    mood: str = option("calm", "--mood", choices=("calm", "loud"), help="How it counts.")
-
-
-def run(case, ctx):
-    p = case.params
-    rec = case.result("pass", metrics={"rounds": p["rounds"], "mood": p["mood"]})
-    if p["rounds"] > 3:
-        rec.status = "fail"
-        rec.add("error", "too_many", f"{p['rounds']} rounds: the toy counts to 3")
-    return rec
-
-
-def render(run, con):
-    for c in run.cases:
-        con.print(f"TOY TABLE {c.kv_dtype}: {c.metrics.get('rounds')} rounds, {c.metrics.get('mood')}")
-
-
-def compare(o, n, settings):
-    from kvdiag.report.compare import row
-
-    a, b = o.metrics.get("rounds"), n.metrics.get("rounds")
-    return [row(n, "toy rounds", a, b, "regression" if b > a else "ok")]
-
-
-CHECK = Check("toy", "toy_kvcheck:run", ToyParams, help="Count rounds, the toy way.\\n\\nA check from a plug-in.",
-              render="toy_kvcheck:render", compare="toy_kvcheck:compare", isolate=False)
-'''
+TOY = Path(__file__).parent / "toy_kvcheck"  # the check's folder
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +52,10 @@ def test_the_toy_check_runs_reports_and_compares(plugin, tmp_path):
     assert "TOY TABLE auto: 3 rounds, loud" in again.stdout, again.stdout
     md = kvdiag(plugin, "report", str(tmp_path / "a"), "--format", "md")
     assert "toy/builtin/tiny-llama/auto" in md.stdout, md.stdout
+    assert "toy: rounds per kv dtype" in md.stdout, md.stdout  # its tables(), laid out by report/
+    html = kvdiag(plugin, "report", str(tmp_path / "a"), "--format", "html").stdout
+    assert "<h2>toy: rounds per kv dtype</h2>" in html and "<td>loud</td>" in html, html  # its table
+    assert "toy rounds per kv dtype" in html and "<svg" in html, html  # its plot
 
     bad = kvdiag(plugin, "toy", "-d", "auto", "--rounds", "5", "-o", str(tmp_path / "b"), "--format", "json")
     assert bad.returncode == 1, bad.stderr

@@ -116,10 +116,10 @@ def test_several_models_get_their_own_groups_and_analyses(tmp_path):
 def test_the_zoo_gpu_suites_load_and_cover_every_family_in_both_modes(tmp_path, monkeypatch):
     """scripts/zoo-gpu/*.toml, the GPU matrix of docs/zoo.md: each loads; together every check on every zoo family,
     eager and with vLLM's defaults; the shared ones hold only checks that may share a GPU."""
-    from kvdiag import zoo
     from kvdiag.checks.registry import get
     from kvdiag.ci.config import load_config
     from kvdiag.ci.suite import build_suite
+    from kvdiag.models import zoo
 
     monkeypatch.setenv("KVDIAG_ZOO_DIR", str(tmp_path))
     real_build = zoo.build
@@ -139,8 +139,8 @@ def test_the_zoo_gpu_suites_load_and_cover_every_family_in_both_modes(tmp_path, 
 
 
 def test_a_config_without_jobs_takes_every_commands_default_on_its_cases(tmp_path, monkeypatch, capsys, gpus):
-    """On an H100 a zoo suite of accuracy and dtypes cases ran one case at a time under `kvdiag ci`, where `kvdiag
-    accuracy` runs many at once: a config that names no `jobs` now takes the same default as the commands
+    """A `kvdiag ci` suite of accuracy and dtypes cases must not run one case at a time where `kvdiag accuracy`
+    runs many at once: a config that names no `jobs` takes the same default as the commands
     (scheduling.gpu_jobs: as many as share the GPU), and one that names it keeps it."""
     import kvdiag.run.orchestrate as orchestrate
     from kvdiag.ci.config import load_config

@@ -9,7 +9,7 @@ import sys
 
 from rich.console import Console
 
-from kvdiag.report.views import wake_cycle
+from kvdiag.checks.wake_cycle.view import render as wake_cycle
 from kvdiag.results import CaseResult, RunRecord, write_run_json
 from kvdiag.run.progress import Progress
 from kvdiag.run.runner import Case
@@ -67,8 +67,8 @@ def test_wake_cycle_table_is_one_row_per_case_and_no_empty_column():
 
 
 def test_a_cpu_memleak_table_at_80_columns_cuts_no_number_and_has_no_cuda_column(tmp_path):
-    """At 80 columns every number was cut (`p…`, `1…`) and a CPU run's four CUDA columns held only `-`: now the
-    columns this run never measured are gone and the dtype heads its snapshots, so the numbers stay whole."""
+    """At 80 columns no number may be cut (`p…`, `1…`): the columns this run never measured (a CPU run's four
+    CUDA ones) are left out and the dtype heads its snapshots, so the numbers stay whole."""
     from kvdiag.measure.memory import MiB, Snapshot
 
     cases = []
@@ -160,8 +160,8 @@ def test_comparing_unrelated_runs_is_bad_input(tmp_path):
 
 
 def test_an_option_of_one_value_given_twice_is_bad_input_not_the_last_one_silently(tmp_path):
-    """`kvdiag accuracy -m A -m B` ran only B (click keeps the last value); the H100 session that met it lost four
-    of five models' bands. Now one line, exit 2, before anything runs; a repeatable option still repeats."""
+    """`kvdiag accuracy -m A -m B` would run only B (click keeps the last value), silently losing A's results:
+    one line instead, exit 2, before anything runs; a repeatable option still repeats."""
     r = kvdiag("accuracy", "-m", "zoo:qwen3", "--model=zoo:gemma3", "-d", "auto", "-o", str(tmp_path / "r"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "--model/-m given 2 times" in r.stderr and "kvdiag ci" in r.stderr, r.stderr

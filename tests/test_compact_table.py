@@ -6,9 +6,9 @@ import io
 import numpy as np
 from rich.console import Console
 
+from kvdiag.checks.accuracy.view import render as accuracy
 from kvdiag.evaluation.lm_eval_results import task_groups
-from kvdiag.report.compact import compact_rows
-from kvdiag.report.views import accuracy
+from kvdiag.render.compact import compact_rows
 from kvdiag.results import CaseResult, RunRecord
 
 DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"]

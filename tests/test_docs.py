@@ -46,7 +46,7 @@ def test_every_path_the_doc_names_exists(doc):
 
 def test_the_shipped_configs_memleak_threshold_comment_states_the_retention_limit():
     """kvdiag.toml's comment on ``threshold_mib`` says what the option is: the retention limit and its default."""
-    from kvdiag.checks.memleak import RETAIN_FRACTION, RETAIN_MIN, MiB
+    from kvdiag.checks.memleak.verdict import RETAIN_FRACTION, RETAIN_MIN, MiB
 
     line = next(x for x in (ROOT / "kvdiag.toml").read_text().splitlines() if x.startswith("# threshold_mib"))
     assert "retention limit" in line and "growth" not in line, line

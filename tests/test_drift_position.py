@@ -116,7 +116,7 @@ def test_growth_rule_edges():
 
 def accuracy_run(tmp_path, sigma):
     """An analysed accuracy run of auto and fp8 whose fp8 drift probe has the long section's error ``sigma``."""
-    from kvdiag.checks import accuracy
+    from kvdiag.checks.accuracy import verdict as accuracy
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
     from tests.accuracy_runs import case
 
@@ -135,7 +135,7 @@ def accuracy_run(tmp_path, sigma):
 
 
 def test_accuracy_warns_drift_grows_passes_and_reports_the_buckets(tmp_path):
-    from kvdiag.checks import accuracy
+    from kvdiag.checks.accuracy import verdict as accuracy
     from kvdiag.report.markdown import render_markdown
 
     run = accuracy_run(tmp_path, GROWING)
@@ -159,7 +159,7 @@ def test_accuracy_warns_drift_grows_passes_and_reports_the_buckets(tmp_path):
 def test_terminal_and_html_show_the_growth(tmp_path):
     from rich.console import Console
 
-    from kvdiag.report.accuracy_view import accuracy
+    from kvdiag.checks.accuracy.view import render as accuracy
     from kvdiag.report.html import render_html
 
     run = accuracy_run(tmp_path, GROWING)
@@ -185,7 +185,7 @@ def test_a_constant_error_passes_without_a_warning(tmp_path):
 
 
 def test_dtypes_check_names_the_growth_in_the_row(tmp_path):
-    from kvdiag.checks import dtypes_matrix
+    from kvdiag.checks.dtypes import verdict as dtypes_matrix
     from kvdiag.results import CaseResult, RunRecord
 
     (tmp_path / "artifacts").mkdir()

@@ -18,7 +18,7 @@ def kvdiag(*args, env=None):
 
 @pytest.fixture(scope="module")
 def bf16_model(tmp_path_factory):
-    from kvdiag.modelgen import make_random_model
+    from kvdiag.models.gen import make_random_model
 
     return str(make_random_model(tmp_path_factory.mktemp("m") / "bf16", "llama", hidden_size=64, num_layers=2,
                                  dtype="bfloat16", init_std=0.2))
@@ -73,7 +73,8 @@ def test_refusing_the_models_own_dtype_is_wrong_not_unsupported(tmp_path):
     """Bug S1: an explicit dtype equal to the model's (what auto stores) must start; other refusals are fine."""
     import torch
 
-    from kvdiag.checks import drift, dtypes_matrix
+    from kvdiag.checks import drift
+    from kvdiag.checks.dtypes import verdict as dtypes_matrix
     from kvdiag.results import CaseResult, RunRecord
 
     (tmp_path / "artifacts").mkdir()
@@ -156,7 +157,7 @@ def test_the_matrix_shows_what_the_cache_stores(tmp_path):
     assert rows["int8_per_token_head"]["layers"] == f"{layers} full int8+scales {int8_layer} B/token"
     from rich.console import Console
 
-    from kvdiag.report.views import dtypes as _render
+    from kvdiag.checks.dtypes.view import render as _render
     from kvdiag.results import load_run
 
     con = Console(record=True, width=250)

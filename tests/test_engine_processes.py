@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvdiag.checks import leftover
+from kvdiag.checks.memleak import leftover
 from kvdiag.measure import processes as ep
 from kvdiag.run.runner import Case, run_cases
 
@@ -133,7 +133,7 @@ def test_the_message_names_the_processes_and_their_memory():
 def test_a_worker_process_the_engine_never_stops_fails_memleak(random_model, tmp_path):
     from kvdiag.engines.builtin.faults import ORPHAN_MIB
 
-    case = Case("memleak", "builtin", random_model("llama"), "auto", "kvdiag.checks.memleak:run",
+    case = Case("memleak", "builtin", random_model("llama"), "auto", "kvdiag.checks.memleak.run:run",
                 id="orphan", params={"device": "cpu", "num_blocks": 16, "num_prompts": 2, "max_tokens": 4,
                                      "cycles": 2, "faults": ["orphan_worker_process"]})
     clean = Case(**{**case.__dict__, "id": "clean", "params": {**case.params, "faults": []}})
@@ -160,9 +160,9 @@ def test_a_worker_process_the_engine_never_stops_fails_memleak(random_model, tmp
 
 
 def test_memory_the_leftover_processes_hold_is_named_as_theirs():
-    """The builtin orphan_worker_process fault on an H100 was first blamed on torch's cuBLAS workspaces: the driver's
-    views grew by what the processes held."""
-    from kvdiag.checks.memleak import Cycle, judge
+    """Under the builtin orphan_worker_process fault the driver's views grow by what the processes left running
+    hold: the findings name those processes as the holder, not torch's cuBLAS workspaces."""
+    from kvdiag.checks.memleak.verdict import Cycle, judge
     from kvdiag.measure.memory import Snapshot, Survivors
 
     def snap(stage, cycle, used):

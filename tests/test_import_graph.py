@@ -2,13 +2,15 @@
 through others (no cycle) and none imports from a higher layer than its own (docs/DESIGN.md, "Layers").
 
 Module-level and function-level imports count (a function-level import is still a dependency, only a later one);
-imports under ``if TYPE_CHECKING:`` do not (they never run). Imports through strings (the check registry's
-``module:function`` fields, importlib) are not edges.
+imports under ``if TYPE_CHECKING:`` do not (they never run). A string that names a module of the package
+(``"kvdiag.checks.poison.run:run"`` in a check's registry entry, an engine's factory, a fork server's preload list)
+is an edge too: it is imported later, by importlib, but it is a dependency all the same.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -18,15 +20,16 @@ SOURCES = {"kvdiag": ROOT / "kvdiag"}  # package -> folder
 
 # Lowest first; a module may import from its own layer and those below. The same order is in docs/DESIGN.md.
 LAYERS = [
-    ("foundation", ["kvdiag", "kvdiag.errors", "kvdiag.dtypes", "kvdiag.results", "kvdiag.models",
-                    "kvdiag.modelgen", "kvdiag.zoo", "kvdiag.zoo_warm", "kvdiag.assets", "kvdiag.case", "kvdiag.gpus",
-                    "kvdiag.keyvalue", "kvdiag.death"]),
+    ("foundation", ["kvdiag.version", "kvdiag.errors", "kvdiag.dtypes", "kvdiag.results", "kvdiag.models",
+                    "kvdiag.assets", "kvdiag.case", "kvdiag.gpus", "kvdiag.keyvalue", "kvdiag.death"]),
     ("kernels", ["kvdiag.kernels"]),
     ("engines", ["kvdiag.engines"]),
     ("measuring and evaluation", ["kvdiag.measure", "kvdiag.bench", "kvdiag.evaluation", "kvdiag.tasks"]),
+    ("tables and charts", ["kvdiag.render"]),
     ("checks", ["kvdiag.checks"]),
     ("report", ["kvdiag.report"]),
     ("running cases", ["kvdiag.run", "kvdiag.ci"]),
+    ("library", ["kvdiag", "kvdiag.api"]),  # kvdiag.run_check: what the commands wrap
     ("cli", ["kvdiag.cli", "kvdiag.__main__"]),
 ]
 ORDER = " < ".join(name for name, _ in LAYERS)
@@ -62,13 +65,32 @@ def _imports(node):
         yield from _imports(child)
 
 
+REFERENCE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?")  # "pkg.mod" or "pkg.mod:attr"
+
+
+def _references(tree, packages) -> list[tuple[str, int]]:
+    """(module, line) of every string constant that names a module path of ``packages``, as importlib takes it."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and REFERENCE.fullmatch(node.value):
+            module = node.value.partition(":")[0]
+            if module.split(".")[0] in packages:
+                out.append((module, node.lineno))
+    return out
+
+
 def import_graph(sources: dict[str, Path]) -> tuple[dict[str, dict[str, str]], dict[str, tuple[Path, bool]]]:
     """importer -> {imported module: "file:line" of the first such import}, between the modules of ``sources``
     (``from a.b import c`` is an edge to ``a.b.c`` when that is a module, else to ``a.b``)."""
     modules = find_modules(sources)
     graph: dict[str, dict[str, str]] = {m: {} for m in modules}
     for name, (path, is_pkg) in modules.items():
-        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        for target, line in _references(tree, sources):  # a module named whole ("kvdiag.toml" is a file)
+            if target in modules and target != name:
+                graph[name].setdefault(target, f"{where}:{line} (a string)")
+        for node in _imports(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -125,17 +147,17 @@ def _cycle_text(graph, cycle) -> str:
     return " -> ".join(f"{a} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
 
 
-def test_the_graph_counts_function_level_and_relative_imports_but_not_type_checking_ones(tmp_path):
+def test_the_graph_counts_function_level_relative_and_string_imports_but_not_type_checking_ones(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text('TARGET = "pkg.a:f"  # a registry entry\nNOTE = "see pkg.c for why"\n')
     (pkg / "sub" / "__init__.py").write_text("from . import b\n")
     (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\n"
                               "else:\n    import pkg.sub\n\ndef f():\n    from pkg.sub.b import X\n")
     (pkg / "sub" / "b.py").write_text("from ..c import Y\n")
     (pkg / "c.py").write_text("import os\n\nclass K:\n    def m(self):\n        from pkg import a\n")
     g = {a: set(b) for a, b in import_graph({"pkg": pkg})[0].items()}
-    assert g == {"pkg": set(), "pkg.a": {"pkg.sub", "pkg.sub.b"}, "pkg.sub": {"pkg.sub.b"},
+    assert g == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.sub", "pkg.sub.b"}, "pkg.sub": {"pkg.sub.b"},
                  "pkg.sub.b": {"pkg.c"}, "pkg.c": {"pkg.a"}}
     found = cycles({a: dict.fromkeys(b, "") for a, b in g.items()})
     assert sorted(found) == [["pkg.a", "pkg.sub", "pkg.sub.b", "pkg.c", "pkg.a"],
@@ -146,6 +168,7 @@ def test_the_graph_sees_kvdiags_imports(graph):
     assert len(graph) > 80 and sum(map(len, graph.values())) > 200
     assert "kvdiag.kernels.dispatch" in graph["kvdiag.engines.builtin.engine"]
     assert "kvdiag.checks.registry" in graph["kvdiag.cli.app"]  # a function-level import
+    assert "kvdiag.checks.poison.run" in graph["kvdiag.checks.poison"]  # its registry entry's target, a string
 
 
 def test_every_module_has_a_layer(graph):

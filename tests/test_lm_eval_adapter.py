@@ -22,7 +22,7 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    from kvdiag.modelgen import make_random_model
+    from kvdiag.models.gen import make_random_model
 
     return make_random_model(tmp_path_factory.mktemp("m") / "llama", "llama", hidden_size=64, num_layers=2,
                              init_std=0.2, seed=3)
@@ -196,7 +196,7 @@ def test_kvdiags_own_tasks_resolve_without_importing_lm_eval():
     import subprocess
     import sys
 
-    script = ("import sys; from kvdiag.run.cases import _tasks; "
+    script = ("import sys; from kvdiag.checks.accuracy.cases import _tasks; "
               "print(_tasks(None, None), _tasks(['kv_recall,kv_recall'], None), 'lm_eval' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "(['kv_recall', 'kv_recall_long'], False) (['kv_recall'], False) False", out.stderr

@@ -12,16 +12,19 @@ from kvdiag.cli.app import main
 
 @pytest.fixture
 def caught(monkeypatch):
-    """The cases and run directory each command hands to orchestrate.execute, which runs nothing."""
+    """The cases and run directory each command hands to orchestrate.record (through kvdiag.run_check, or
+    orchestrate.execute), which runs nothing."""
+    from types import SimpleNamespace
+
     import kvdiag.run.orchestrate
 
     calls = []
 
-    def execute(command, cases, run_dir, **kw):
+    def record(cases, run_dir, **kw):
         calls.append({"cases": cases, "run_dir": Path(run_dir)})
-        return 0
+        return SimpleNamespace(exit_code=0)
 
-    monkeypatch.setattr(kvdiag.run.orchestrate, "execute", execute)
+    monkeypatch.setattr(kvdiag.run.orchestrate, "record", record)
     return calls
 
 

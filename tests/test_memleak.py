@@ -7,8 +7,8 @@ import sys
 import memleak_fakes
 import pytest
 
-from kvdiag.checks import memleak
-from kvdiag.checks.memleak import Cycle, judge
+from kvdiag.checks.memleak import run as memleak
+from kvdiag.checks.memleak.verdict import Cycle, judge
 from kvdiag.measure.memory import MiB, Snapshot, Survivors
 from kvdiag.run.runner import Case, run_cases
 
@@ -31,7 +31,7 @@ def series(after_rss, after_tensors=None, base_rss=200.0, frozen=None, workload_
 
 
 def verdict(snaps, threshold=None):
-    case = Case("memleak", "builtin", "m", "auto", "kvdiag.checks.memleak:run")
+    case = Case("memleak", "builtin", "m", "auto", "kvdiag.checks.memleak.run:run")
     empty = Survivors(frozenset(), 0, frozenset(), 0, {})
     cycles = [Cycle(empty) for s in snaps if s.stage == "after-shutdown"]
     return judge(case.result("pass"), snaps, cycles, threshold)
@@ -87,9 +87,9 @@ def test_retention_limit_is_five_percent_of_the_peak_above_64_mib():
 
 
 def test_the_driver_views_allow_the_cuda_runtimes_own_memory():
-    """The clean builtin engine on the H100 (selftest --device cuda): after every shutdown 32 MiB of cuBLAS
-    workspace in a CUDA graph pool and 102 MiB on the driver, 72 MiB of it outside torch's allocator; vLLM 0.24
-    in eager mode: 32 and 106. The CUDA runtime's memory, not a leak; 128 MiB more than that is one."""
+    """After every shutdown the clean builtin engine and vLLM 0.24 keep a cuBLAS workspace in a CUDA graph pool
+    and about 100 MiB on the driver (docs/DESIGN.md, "memleak"): the CUDA runtime's memory, not a leak; 128 MiB
+    more than that is one."""
     clean = dict(cuda_allocated=[32, 32], cuda_reserved=[30, 30], driver_used=[102, 102], nvml_process=[102, 102])
     rec = verdict(series([550, 550], workload_tensors=114, **clean))
     assert rec.status == "pass" and rec.metrics["threshold_mib"] == 64, rec.findings
@@ -101,12 +101,12 @@ def test_the_driver_views_allow_the_cuda_runtimes_own_memory():
 
 
 def test_growth_held_by_cublas_workspaces_names_them():
-    """vLLM 0.24 with its defaults on the H100: CUDA graphs captured on a new stream at every start, torch keeps a
+    """vLLM 0.24 with its defaults on CUDA: CUDA graphs captured on a new stream at every start, torch keeps a
     32 MiB cuBLAS workspace per stream: +32 MiB allocated after every shutdown, 96 MiB freed by clearing them."""
     snaps = series([550, 550, 550], workload_tensors=16468, cuda_allocated=[96, 128, 160],
                    cuda_reserved=[124, 158, 192])
     empty = Survivors(frozenset(), 0, frozenset(), 0, {})
-    case = Case("memleak", "vllm", "m", "auto", "kvdiag.checks.memleak:run")
+    case = Case("memleak", "vllm", "m", "auto", "kvdiag.checks.memleak.run:run")
     rec = judge(case.result("pass"), snaps, [Cycle(empty)] * 3, None, None, 96 * MiB)
     growth = {f.evidence["metric"]: f for f in rec.findings if f.kind == "growth"}
     assert rec.status == "fail" and set(growth) == {"cuda_allocated", "cuda_reserved"}
@@ -123,7 +123,7 @@ def test_objects_still_frozen_after_shutdown_fail():
 
 
 def test_engine_object_that_keeps_its_tensors_is_named_a_warning_while_it_stays_constant():
-    case = Case("memleak", "memleak_fakes:LeakyEngine", "m", "auto", "kvdiag.checks.memleak:run",
+    case = Case("memleak", "memleak_fakes:LeakyEngine", "m", "auto", "kvdiag.checks.memleak.run:run",
                 params={"device": "cpu", "cycles": 2, "num_prompts": 1})
     rec = memleak.run(case, None)
     assert rec.status == "pass"
@@ -140,7 +140,7 @@ def test_engine_object_that_keeps_its_tensors_is_named_a_warning_while_it_stays_
 def test_a_process_lifetime_cache_is_a_warning_with_its_holder():
     """vLLM's _TRITON_BUFFER_CACHE: the same 64 KiB tensor after every cycle; no growth: warn, exit 0."""
     memleak_fakes.PROCESS_CACHE.clear()
-    case = Case("memleak", "memleak_fakes:ProcessCacheEngine", "m", "auto", "kvdiag.checks.memleak:run",
+    case = Case("memleak", "memleak_fakes:ProcessCacheEngine", "m", "auto", "kvdiag.checks.memleak.run:run",
                 params={"device": "cpu", "cycles": 3, "num_prompts": 1})
     rec = memleak.run(case, None)
     assert rec.status == "pass", [f.message for f in rec.findings]
@@ -154,7 +154,7 @@ def test_a_leak_beside_a_constant_cache_leaves_the_cache_its_own_warning_and_num
     64 KiB cache stays a warning with its own 0.0625 MiB every cycle (before: both 'grow every cycle', totals)."""
     memleak_fakes.PROCESS_CACHE.clear()
     memleak_fakes.GROWING.clear()
-    case = Case("memleak", "memleak_fakes:CacheAndLeakEngine", "m", "auto", "kvdiag.checks.memleak:run",
+    case = Case("memleak", "memleak_fakes:CacheAndLeakEngine", "m", "auto", "kvdiag.checks.memleak.run:run",
                 params={"device": "cpu", "cycles": 3, "num_prompts": 1})
     rec = memleak.run(case, None)
     memleak_fakes.GROWING.clear()
@@ -173,7 +173,7 @@ def fake_sleep_pool(monkeypatch):
     memleak_fakes.SleepPoolEngine.started = False
     monkeypatch.setattr(memleak, "snapshot", memleak_fakes.fake_cuda_snapshot(memleak.snapshot))
     return lambda cycles: memleak.run(Case("memleak", "memleak_fakes:SleepPoolEngine", "m", "auto",
-                                           "kvdiag.checks.memleak:run",
+                                           "kvdiag.checks.memleak.run:run",
                                            params={"device": "cpu", "cycles": cycles, "num_prompts": 1}), None)
 
 
@@ -204,7 +204,7 @@ def test_a_failed_restart_is_held_to_a_plain_restart_in_a_fresh_process(plain_ok
     Restarting there makes the failure kvdiag's own interference; failing there too keeps restart_impossible, with
     the plain script's cause and command."""
     memleak_fakes.OnceEngine.started, memleak_fakes.OnceEngine.plain_ok = False, plain_ok
-    rec = memleak.run(Case("memleak", "memleak_fakes:OnceEngine", "m", "auto", "kvdiag.checks.memleak:run",
+    rec = memleak.run(Case("memleak", "memleak_fakes:OnceEngine", "m", "auto", "kvdiag.checks.memleak.run:run",
                            params={"device": "cpu", "cycles": 3, "num_prompts": 1}), None)
     kinds = {f.kind: f for f in rec.findings if f.severity == "error"}
     if plain_ok:
@@ -224,7 +224,7 @@ def test_a_plain_restart_that_gives_no_answer_is_not_said_to_fail_the_same_way(m
     memleak_fakes.OnceEngine.started = False
     monkeypatch.setattr(memleak.restart, "plain", lambda engine: {"command": "python3 -c ...", "restarted": None,
                                                                   "cause": "no answer in 900 s", "seconds": 900.0})
-    rec = memleak.run(Case("memleak", "memleak_fakes:OnceEngine", "m", "auto", "kvdiag.checks.memleak:run",
+    rec = memleak.run(Case("memleak", "memleak_fakes:OnceEngine", "m", "auto", "kvdiag.checks.memleak.run:run",
                            params={"device": "cpu", "cycles": 2, "num_prompts": 1}), None)
     (f,) = [f for f in rec.findings if f.kind == "restart_impossible"]
     assert "gave no answer either: no answer in 900 s" in f.message and "the same way" not in f.message
@@ -237,7 +237,7 @@ def test_the_plain_restart_runs_under_the_workers_own_interpreter(monkeypatch, t
     import os
     import sys
 
-    from kvdiag.checks import restart
+    from kvdiag.checks.memleak import restart
     from kvdiag.engines import base
 
     (tmp_path / "python3").write_text("#!/bin/sh\nexit 3\n")
@@ -255,7 +255,7 @@ def test_clean_builtin_engine_passes_five_repeated_runs(random_model):
     model = random_model("llama")
     for run in range(5):
         for dtype in ("int8_per_token_head",):
-            rec = memleak.run(Case("memleak", "builtin", model, dtype, "kvdiag.checks.memleak:run",
+            rec = memleak.run(Case("memleak", "builtin", model, dtype, "kvdiag.checks.memleak.run:run",
                                    params=dict(SMALL)), None)
             assert rec.status == "pass", (run, dtype, [f.message for f in rec.findings])
             assert rec.metrics["survivor_count"] == [0, 0, 0]
@@ -263,7 +263,7 @@ def test_clean_builtin_engine_passes_five_repeated_runs(random_model):
 
 
 def fault_case(model, fault, dtype, cycles=2, **params):
-    return Case("memleak", "builtin", model, dtype, "kvdiag.checks.memleak:run", id=f"{fault}/{dtype}",
+    return Case("memleak", "builtin", model, dtype, "kvdiag.checks.memleak.run:run", id=f"{fault}/{dtype}",
                 params={**SMALL, "cycles": cycles, "faults": [fault], **params})
 
 
@@ -310,7 +310,7 @@ def test_clean_sweep_passes_on_every_dtype_in_fresh_workers(random_model, tmp_pa
     from kvdiag.dtypes import BUILTIN_DTYPES, sweep_names
 
     names = sweep_names(list(BUILTIN_DTYPES))
-    cases = [Case("memleak", "builtin", random_model("llama"), d, "kvdiag.checks.memleak:run", params=dict(SMALL))
+    cases = [Case("memleak", "builtin", random_model("llama"), d, "kvdiag.checks.memleak.run:run", params=dict(SMALL))
              for d in names]
     recs = run_cases(cases, tmp_path, jobs=2, quiet=True, timeout=600)
     assert [r.kv_dtype for r in recs] == ["auto", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8_per_token_head",
@@ -360,7 +360,7 @@ def run_tiny(engine: str, dtype: str, cycles: int = 2, **params):
 
     memleak_fakes.KEPT.clear()
     try:
-        return memleak.run(Case("memleak", engine, str(TINY_MODEL), dtype, "kvdiag.checks.memleak:run",
+        return memleak.run(Case("memleak", engine, str(TINY_MODEL), dtype, "kvdiag.checks.memleak.run:run",
                                 params={**SMALL, "cycles": cycles, **params}), None)
     finally:
         memleak_fakes.KEPT.clear()
@@ -398,7 +398,7 @@ def test_a_side_buffer_sized_by_the_kv_cache_fails_under_the_retention_limit():
     """A buffer of float32 scales per token and head (1/32 of the cache: 1 MiB of a 32 MiB cache), the same every
     cycle and far under the 64 MiB retention limit, fails as sized by the KV cache; a 48 KiB process cache beside a
     cache of the same size stays a warning (0.15%)."""
-    from kvdiag.checks.kv_scaled import KV_SHARE
+    from kvdiag.checks.memleak.kv_scaled import KV_SHARE
 
     storages, nbytes = tiny_kv("auto", num_blocks=1024)
     assert nbytes == 32 * MiB
@@ -416,7 +416,7 @@ def test_a_side_buffer_sized_by_the_kv_cache_fails_under_the_retention_limit():
 
 
 def test_a_constant_survivor_over_the_retention_limit_is_not_said_to_be_under_it():
-    from kvdiag.checks import surviving
+    from kvdiag.checks.memleak import surviving
 
     assert "under the retention limit of 64 MiB" in surviving._constant(48 << 10, 64 * MiB, 3)
     why = surviving._constant(256 * MiB, 64 * MiB, 3)
@@ -441,7 +441,7 @@ def test_references_a_thread_drops_soon_after_shutdown_do_not_survive_and_real_o
 
     import torch
 
-    from kvdiag.checks.memleak import settled_census
+    from kvdiag.checks.memleak.run import settled_census
     from kvdiag.measure.memory import survivors, take_census
 
     base = take_census()
@@ -486,7 +486,7 @@ def test_survivors_the_previous_shutdown_left_or_small_ones_are_not_waited_for_l
 
     import torch
 
-    from kvdiag.checks.memleak import SETTLE_MIN_BYTES, settled_census
+    from kvdiag.checks.memleak.run import SETTLE_MIN_BYTES, settled_census
     from kvdiag.measure.memory import survivors, take_census
 
     base = take_census()
@@ -517,8 +517,9 @@ def test_survivors_the_previous_shutdown_left_or_small_ones_are_not_waited_for_l
 def test_an_engine_that_dies_in_the_workload_is_crashed_there_not_an_error_of_kvdiags():
     """vLLM's compiled hybrid dies at its first decode (finding 14): the case is the engine's crash, in the stage
     where it happened and with the frame it was raised in, as every check words an engine's failure."""
-    rec = memleak.run(Case("memleak", "memleak_fakes:DiesInWorkloadEngine", "m", "auto", "kvdiag.checks.memleak:run",
-                           params={"device": "cpu", "cycles": 3, "num_prompts": 1}), None)
+    rec = memleak.run(Case("memleak", "memleak_fakes:DiesInWorkloadEngine", "m", "auto",
+                           "kvdiag.checks.memleak.run:run", params={"device": "cpu", "cycles": 3, "num_prompts": 1}),
+                      None)
     assert rec.status == "crashed"
     (f,) = rec.findings
     assert f.kind == "crashed" and f.severity == "error"

@@ -103,8 +103,8 @@ def test_snapshot_on_cpu_leaves_cuda_columns_empty():
 
 def test_torch_compiles_fake_tensors_hold_no_memory_and_are_named_in_a_chain(tmp_path):
     """A compiled vLLM model keeps FakeTensors (dynamo's, sizes possibly symbolic) alive beside real ones: they own
-    no device memory, so the census leaves them out, and a holder chain through one still prints (on the H200 a
-    compiled Qwen3 memleak case died in the chain's formatting of such a size)."""
+    no device memory, so the census leaves them out, and a holder chain through one still prints (a compiled Qwen3
+    memleak case's chain formats such a size)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kvdiag.measure.holders import short

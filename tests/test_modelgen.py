@@ -1,4 +1,4 @@
-"""kvdiag.modelgen: the byte tokenizer and random-weight checkpoints that tests and benchmarks build on."""
+"""kvdiag.models.gen: the byte tokenizer and random-weight checkpoints that tests and benchmarks build on."""
 
 import os
 import string
@@ -9,7 +9,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvdiag import modelgen  # noqa: E402
+from kvdiag.models import gen as modelgen  # noqa: E402
 
 TEXTS = [
     "",
@@ -138,7 +138,7 @@ def test_llama_31_8b_preset_has_the_published_parameter_count_and_rope():
 
 
 def test_a_preset_is_written_from_the_command_line(tmp_path, monkeypatch):
-    """`python -m kvdiag.modelgen PRESET OUT` (the 8B preset, shrunk here to two thin layers) loads in transformers,
+    """`python -m kvdiag.models.gen PRESET OUT` (the 8B preset, shrunk here to two thin layers) loads in transformers,
     and the builtin engine reads its llama3 rope scaling."""
     from transformers import AutoModelForCausalLM
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvdiag.assets import TINY_MODEL
+from kvdiag.checks.cases import resolve_model
 from kvdiag.errors import UserError
-from kvdiag.run.cases import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -154,7 +154,7 @@ def test_configs_are_read_through_text_config_and_aliases_and_shards_through_the
 
 
 def test_the_shipped_model_is_checked_without_loading_weights():
-    code = ("import sys, time; from kvdiag.run.cases import resolve_model; t = time.perf_counter(); "
+    code = ("import sys, time; from kvdiag.checks.cases import resolve_model; t = time.perf_counter(); "
             f"p = resolve_model({str(TINY_MODEL)!r}); "
             "print(p, 'torch' in sys.modules, time.perf_counter() - t < 1.0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,

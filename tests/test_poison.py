@@ -16,7 +16,8 @@ import torch
 from conftest import TEST_DEVICE
 
 from kvdiag.case import WorkerContext
-from kvdiag.checks import kv_tensors, poison
+from kvdiag.checks import kv_tensors
+from kvdiag.checks.poison import run as poison
 from kvdiag.engines.base import KVBlockView, KVLayer, KVState
 from kvdiag.run.runner import Case
 
@@ -138,7 +139,7 @@ def test_blocks_needed_makes_later_waves_reuse_blocks():
 def test_the_engine_kvdiag_sizes_runs_no_more_sequences_at_once_than_a_wave_has(model, monkeypatch):
     """poison sizes the KV cache to its waves; its engine is then asked for no more sequences at once than the
     largest wave holds (vLLM's CUDA graphs of a hybrid need a Mamba block per sequence: with its default 64
-    sequences over 57 blocks, zoo:granite-hybrid with vLLM's defaults was refused before any poison, H100)."""
+    sequences over 57 blocks, vLLM refuses to start zoo:granite-hybrid with its defaults)."""
     seen = []
     real = poison.spec_starter
 
@@ -157,7 +158,8 @@ def test_the_engine_kvdiag_sizes_runs_no_more_sequences_at_once_than_a_wave_has(
 
 
 def run_case(model, dtype, engine="builtin", **params):
-    case = Case("poison", engine, model, dtype, "kvdiag.checks.poison:run", params={"device": TEST_DEVICE, **params})
+    case = Case("poison", engine, model, dtype, "kvdiag.checks.poison.run:run",
+                params={"device": TEST_DEVICE, **params})
     return poison.run(case, WorkerContext(Path('.'), Path('.')))
 
 
@@ -225,7 +227,7 @@ def test_cli_fault_alias_json_and_exit_code(model, tmp_path):
 def test_table_names_value_blocks_and_first_difference(model):
     from rich.console import Console
 
-    from kvdiag.report.views import poison as render
+    from kvdiag.checks.poison.view import render
     from kvdiag.results import RunRecord
 
     recs = [run_case(model, "fp8", value="max"), run_case(model, "bfloat16", faults=S3),
@@ -242,12 +244,12 @@ def test_table_names_value_blocks_and_first_difference(model):
 
 
 def test_waves_sized_for_other_blocks_than_the_engines_are_said_under_the_table(model):
-    """An engine whose blocks are its own (vLLM's MLA backend on an H100: 64 tokens) runs waves sized for kvdiag's 16:
+    """An engine whose blocks are its own (vLLM's MLA backend on a GPU: 64 tokens) runs waves sized for kvdiag's 16:
     still a verdict, with an info printed under the table (not in the first-difference cell); -a block_size=N sizes
     the waves for the engine's blocks, and then nothing is said."""
     from rich.console import Console
 
-    from kvdiag.report.views import poison as render
+    from kvdiag.checks.poison.view import render
     from kvdiag.results import RunRecord
 
     own = run_case(model, "auto", engine="limited_engines:own_blocks")

@@ -90,10 +90,8 @@ def test_a_hub_snapshot_gives_its_repository_and_revision(tmp_path):
 
 
 def test_outside_a_git_checkout_the_commit_is_none(tmp_path, monkeypatch):
-    import kvdiag
-
     (tmp_path / "site-packages" / "kvdiag").mkdir(parents=True)
-    monkeypatch.setattr(kvdiag, "__file__", str(tmp_path / "site-packages" / "kvdiag" / "__init__.py"))
+    monkeypatch.setattr(provenance, "PACKAGE", tmp_path / "site-packages" / "kvdiag")
     assert provenance.kvdiag_git() == {"commit": None, "dirty": None}
 
 

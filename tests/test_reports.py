@@ -90,7 +90,7 @@ def test_report_command_rerenders_a_run_dir(tmp_path):
 def test_memleak_lines_of_equal_dtypes_stay_visible(tmp_path):
     import re
 
-    from kvdiag.report.plots import memleak_plots
+    from kvdiag.checks.memleak.plots import plots as memleak_plots
 
     dtypes = ["auto", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"]
     snaps = [{"cycle": c, "stage": s, "rss_mib": 100.0} for c in range(3) for s in ("after-start", "after-shutdown")]

@@ -88,7 +88,7 @@ def test_a_case_that_did_not_score_is_a_row_with_its_status_and_nan(tmp_path):
     has the task x metric rows the others scored, value NaN, its status, verdict and why."""
     import torch
 
-    from kvdiag.checks import accuracy
+    from kvdiag.checks.accuracy import verdict as accuracy
     from tests.accuracy_runs import case
 
     g = torch.Generator().manual_seed(0)

@@ -137,7 +137,7 @@ def memory(monkeypatch):
 def test_builtin_accuracy_cases_share_a_gpu_as_far_as_its_memory_holds(gpus, memory, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     gpus(1)
-    memory(80, 0.01)  # the shipped tiny model on an H100
+    memory(80, 0.01)  # the shipped tiny model on an 80 GiB GPU
     assert scheduling.place(sweep("accuracy")).per_gpu == scheduling.SHARED_GPU_MAX  # 62 would fit in 64 GiB
     assert scheduling.default_jobs(sweep("accuracy")) == 7 and scheduling.default_jobs(sweep("dtypes")) == 7
     assert scheduling.default_jobs(sweep("accuracy", n=12)) == 12  # one wave: as many as the cores (16) and cases

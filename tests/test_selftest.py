@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 
 from kvdiag.checks import selftest
-from kvdiag.checks import selftest_plan as plan
+from kvdiag.checks.selftest import plan
 from kvdiag.dtypes import BUILTIN_DTYPES
 from kvdiag.engines.builtin.faults import Faults
+from kvdiag.engines.builtin.selftest import CATALOGUE as BUILTIN
+from kvdiag.engines.builtin.selftest import FAULTS
+from kvdiag.engines.selftest import cell_plan
 from kvdiag.results import CaseResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,8 +27,8 @@ def kvdiag(*args, env=None):
 
 
 def test_plan_covers_every_fault_switch_and_explains_every_na():
-    assert {s for f in plan.FAULTS for s in Faults.expand([f.name])} == set(Faults.names())
-    for f in plan.FAULTS:
+    assert {s for f in FAULTS for s in Faults.expand([f.name])} == set(Faults.names())
+    for f in FAULTS:
         assert Faults.parse([f.name]).enabled  # a name the builtin engine takes
         assert next(iter(f.runs)) == f.intended
         assert set(f.runs) | set(f.na) <= set(plan.CHECKS) and not set(f.runs) & set(f.na)
@@ -47,7 +50,7 @@ def test_every_fault_case_has_the_same_clean_case_and_leaky_faults_get_their_own
     assert cases[:len(clean)] == clean and all(not c.params["faults"] for c in clean)
     assert {key(c) for c in faulty} <= {key(c) for c in clean}
     for c in faulty:
-        f = plan.fault(c.params["selftest"])
+        f = BUILTIN.fault(c.params["selftest"])
         assert c.params["faults"] == [f.name] and c.check in f.runs
         assert c.group == (f"selftest/{f.name}" if f.leaves_process_state else f"selftest/{c.check}")
     for subject, check in {(c.params["selftest"], c.check) for c in cases if c.check in ("accuracy", "dtypes")}:
@@ -64,7 +67,7 @@ def rec(status="pass", *findings, dtype="auto"):
 
 
 def test_cells_count_only_real_detections_and_the_clean_engine_must_pass_without_error_findings():
-    f = plan.fault("global_kv_list")
+    f = BUILTIN.fault("global_kv_list")
     jobs = {(f.name, "memleak"): [rec("fail", ("info", "one_time_cost"), ("error", "tensor_survived"))],
             (f.name, "wake-cycle"): [rec("timeout", ("error", "timeout"))]}
     row = selftest.fault_row(f, list(plan.CHECKS), jobs)
@@ -84,7 +87,7 @@ def test_list_and_bad_names():
     r = kvdiag("selftest", "--list", "-f", "json")
     assert r.returncode == 0, r.stderr
     rows = {x["fault"]: x for x in json.loads(r.stdout)["faults"]}
-    assert list(rows) == list(plan.BUILTIN.names) and len(rows) == 11
+    assert list(rows) == list(BUILTIN.names) and len(rows) == 11
     assert rows["scale_cache_registry"]["bug_class"] == "S0" and rows["scale_cache_registry"]["intended"] == "memleak"
     assert rows["v_with_k_scales"]["intended"] == "accuracy" and rows["explicit_bf16_rejected"]["intended"] == "dtypes"
     for args, needle in ((["--fault", "nope"], "unknown fault 'nope'; valid: scale_cache_registry, "),
@@ -102,13 +105,13 @@ def test_selftest_catches_every_fault_with_its_intended_check(tmp_path):
     a = json.loads(r.stdout)["analysis"]["selftest"]
     assert a["ok"] and {c: x["mark"] for c, x in a["clean"].items()} == dict.fromkeys(plan.CHECKS, "pass")
     rows = {x["fault"]: x for x in a["faults"]}
-    assert list(rows) == list(plan.BUILTIN.names)
+    assert list(rows) == list(BUILTIN.names)
     for name, row in rows.items():
-        f = plan.fault(name)
+        f = BUILTIN.fault(name)
         assert row["caught_by_intended"], (name, row["cells"][f.intended])
         for check, cell in row["cells"].items():
-            assert cell["mark"] == {"run": "caught", "n/a": "n/a", "-": "-"}[plan.cell_plan(f, check)], (name, check)
-    finding = {n: rows[n]["cells"][plan.fault(n).intended]["finding"] for n in rows}
+            assert cell["mark"] == {"run": "caught", "n/a": "n/a", "-": "-"}[cell_plan(f, check)], (name, check)
+    finding = {n: rows[n]["cells"][BUILTIN.fault(n).intended]["finding"] for n in rows}
     assert "held by module global kvdiag.engines.builtin.faults._SCALE_CACHES" in finding["scale_cache_registry"]
     assert "Unsupported data type of kv cache: bfloat16" in finding["explicit_bf16_rejected"]
     assert "not bit-identical" in finding["explicit_bf16_misdispatch"]

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from kvdiag.checks import selftest
-from kvdiag.checks import selftest_plan as plan
-from kvdiag.checks.selftest_case import delta
-from kvdiag.checks.selftest_vllm import CATALOGUE as VLLM
+from kvdiag.checks.selftest.case import delta
+from kvdiag.engines.builtin.selftest import CATALOGUE as BUILTIN
+from kvdiag.engines.selftest import NEVER_SLEEPS
+from kvdiag.engines.vllm.selftest import CATALOGUE as VLLM
 from kvdiag.results import CaseResult, RunRecord
 
 S4 = VLLM.fault("kv_cache_kept_after_shutdown")
@@ -55,7 +56,7 @@ def test_only_the_intended_finding_kind_catches_and_unrecorded_firing_is_not_a_m
     other = selftest.fault_row(S4, ["memleak"], {(S4.name, "memleak"): [rec(S4.name, 1, ("error", "retained"))]})
     assert other["status"] == "missed" and "no error finding of kind kv_cache_survived" in \
         other["cells"]["memleak"]["finding"] and "it reported auto: retained" in other["cells"]["memleak"]["finding"]
-    builtin = plan.BUILTIN.fault("global_kv_list")  # its plan names no kinds; the builtin engine records no firing
+    builtin = BUILTIN.fault("global_kv_list")  # its plan names no kinds; the builtin engine records no firing
     row = selftest.fault_row(builtin, ["memleak"], {(builtin.name, "memleak"): [rec(builtin.name, None,
                                                                                         ("error", "retained"))]})
     assert row["status"] == "caught" and row["fired"] is None
@@ -94,7 +95,7 @@ def test_a_fault_whose_effect_kills_the_worker_counts_the_firing_its_log_said(tm
 def test_a_clean_engine_with_only_a_warning_passes_the_selftest_and_shows_the_warning():
     """vLLM keeps a 64 KiB Triton buffer cache for the process's life: memleak warns of it on the clean engine,
     which still passed; the self-test shows the warning and does not fail on it (an error finding would)."""
-    from kvdiag.report.selftest_rows import matrix, verdict
+    from kvdiag.checks.selftest.view import matrix, verdict
 
     for severity, ok in (("warning", True), ("error", False)):
         run = clean_run(rec(S4.name, 2, ("error", "kv_cache_survived")))
@@ -121,7 +122,7 @@ def test_a_fault_that_cannot_apply_is_na_with_its_reason_and_does_not_fail_the_r
     rows = {r["fault"]: r for r in a["faults"]}
     assert a["ok"] and rows[s2.name]["status"] == "not applicable" and rows[s2.name]["reason"] == why
     assert rows[s2.name]["cells"]["wake-cycle"] == {"mark": "n/a", "reason": why}
-    assert rows[s2.name]["cells"]["memleak"]["reason"] == plan.NEVER_SLEEPS  # n/a by design stays so
+    assert rows[s2.name]["cells"]["memleak"]["reason"] == NEVER_SLEEPS  # n/a by design stays so
     # found in the worker (the code point missing at apply time): the same
     worker = rec(S4.name, 0, ("info", "unsupported"), status="unsupported")
     worker.metrics["faults"]["not_applicable"] = {S4.name: "vllm.v1.worker.gpu_model_runner has no shutdown"}
@@ -130,8 +131,8 @@ def test_a_fault_that_cannot_apply_is_na_with_its_reason_and_does_not_fail_the_r
 
 
 def test_the_matrix_shows_fired_and_the_verdict_names_what_did_not_fire():
-    from kvdiag.report.score_tables import tables
-    from kvdiag.report.selftest_rows import matrix, verdict
+    from kvdiag.checks.selftest.view import matrix, verdict
+    from kvdiag.report.tables import tables
 
     s1 = VLLM.fault("explicit_bf16_as_fp8")
     run = clean_run(rec(S4.name, 0, ("error", "kv_cache_survived")))
@@ -156,7 +157,7 @@ def test_the_worker_records_what_fired_during_the_case_only():
 PLUGIN = '''
 import dataclasses
 
-from kvdiag.checks.selftest_plan import Catalogue, Fault, items
+from kvdiag.engines.selftest import Catalogue, Fault, items
 from kvdiag.engines.builtin.engine import BuiltinEngine
 
 _FIRED = {}
@@ -255,7 +256,7 @@ def test_bad_input_to_selftest_is_one_line_and_exit_2(capsys, monkeypatch):
 
 
 def test_a_wake_fault_that_crashes_the_engine_after_its_wake_is_caught_and_a_failed_start_is_not():
-    """On an H100, block tables left stale by a wake made vLLM's next generation fault on the device: wake-cycle
+    """Block tables left stale by a wake can make vLLM's next generation fault on the device: wake-cycle
     reports the case `crashed` in its cycles stage, which catches the fault; a crash at engine start cannot be the
     effect of a fault whose code runs at wake."""
     s2 = VLLM.fault("block_tables_not_rebuilt_on_wake")
@@ -298,9 +299,9 @@ def test_an_engine_that_raises_after_a_wake_fails_its_cycle_and_that_catches_the
 
 
 def test_a_fault_whose_patch_showed_no_effect_on_a_release_is_dropped_there(monkeypatch):
-    """On an H200 with vLLM 0.24.0 the plain probe of fp8_scales_not_reset_on_wake fired and changed nothing (the
-    same tokens after a level-2 wake): no fault there, so the self-test calls it not applicable, with that reason;
-    on another release its code point decides."""
+    """With vLLM 0.24.0 the plain probe of fp8_scales_not_reset_on_wake fires and changes nothing (the same
+    tokens after a level-2 wake; docs/vllm-findings.md): no fault there, so the self-test calls it not applicable,
+    with that reason; on another release its code point decides."""
     from kvdiag.engines.vllm import faults
 
     monkeypatch.setattr(faults, "missing_in_source", lambda cp: None)  # every code point present

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvdiag.checks import selftest
-from kvdiag.checks import selftest_plan as plan
-from kvdiag.checks.selftest_vllm import CATALOGUE as VLLM
+from kvdiag.checks.selftest import plan
+from kvdiag.engines.builtin.selftest import CATALOGUE as BUILTIN
+from kvdiag.engines.vllm.selftest import CATALOGUE as VLLM
 from kvdiag.run import runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +93,7 @@ def test_vllm_cpu_and_the_builtin_engine_keep_one_worker_per_check_or_fault(gpus
     faults, checks = plan.select(None, None)
     cases = started["cases"]
     for c in cases:
-        f = None if c.params["selftest"] == selftest.CLEAN else plan.fault(c.params["selftest"])
+        f = None if c.params["selftest"] == selftest.CLEAN else BUILTIN.fault(c.params["selftest"])
         assert c.group == (f"selftest/{f.name}" if f and f.leaves_process_state else f"selftest/{c.check}")
         assert c.params["engine_args"] == {}
     assert len(workers(cases)) == len({c.group for c in cases}) < len(cases)

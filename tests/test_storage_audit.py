@@ -13,7 +13,7 @@ import pytest
 from zoo_expect import audit_of
 
 from kvdiag.checks import storage_audit
-from kvdiag.checks.dtypes_matrix import storage_row
+from kvdiag.checks.storage_audit import storage_row
 
 torch = pytest.importorskip("torch")
 
@@ -85,7 +85,7 @@ def test_a_dtypes_row_shows_the_kinds_and_warns_when_an_mla_cache_is_not_quantiz
 
 
 def test_the_builtin_engine_gets_the_same_format_from_its_tensors():
-    from kvdiag.checks.dtypes_matrix import cache_storage
+    from kvdiag.checks.storage_audit import cache_storage
     from kvdiag.engines.base import KVBlockView, KVLayer
 
     nb, bs, heads, hs = 4, 16, 2, 8
@@ -116,11 +116,11 @@ def test_vllm_cpu_audit_names_the_zoo_models_layer_kinds(tmp_path, name):
 
 
 def test_a_mamba_spec_without_real_page_size_counts_its_states_without_padding():
-    """vLLM 0.24's MambaSpec has only the padded page_size_bytes (its page the size of an attention page); the audit
-    failed there with AttributeError on the H100. The states' own bytes, padding left out, whichever vLLM."""
+    """vLLM 0.24's MambaSpec has only the padded page_size_bytes (its page the size of an attention page), no
+    real_page_size_bytes. The states' own bytes, padding left out, whichever vLLM."""
     from kvdiag.engines.vllm.specs import mamba_state_bytes
 
     shapes, dtypes = ((3, 64), (4, 8, 16)), (torch.bfloat16, torch.float32)
-    v24 = SimpleNamespace(shapes=shapes, dtypes=dtypes, page_size_bytes=147456)  # padded, as on the H100
+    v24 = SimpleNamespace(shapes=shapes, dtypes=dtypes, page_size_bytes=147456)  # padded, as vLLM 0.24 has it
     assert mamba_state_bytes(v24) == 3 * 64 * 2 + 4 * 8 * 16 * 4
     assert mamba_state_bytes(SimpleNamespace(real_page_size_bytes=1234, page_size_bytes=147456)) == 1234

@@ -351,7 +351,7 @@ def test_bench_plumbing_at_tiny_size_reports_every_row_and_ratio():
     model for the engine row): every row, baseline and ratio present and positive; the render works."""
     from kvdiag.bench.run import judge, run_bench
     from kvdiag.cli.bench_cmd import render
-    from kvdiag.report.cells import console
+    from kvdiag.render.cells import console
 
     record = run_bench(size="tiny", device="cpu")
     kernels = [r for r in record["rows"] if r["kernel"] != "engine"]

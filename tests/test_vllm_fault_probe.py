@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.checks.selftest_vllm import CATALOGUE
+from kvdiag.engines.vllm.selftest import CATALOGUE
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -131,8 +131,8 @@ def test_the_probe_measures_each_effect_where_it_lies():
 
 
 def test_a_probe_that_dies_after_its_wake_shows_the_effect_with_the_device_error():
-    """On the H100 the block_tables_not_rebuilt_on_wake probe aborted after its wake (CUDA: an illegal memory access,
-    raised again in a tensor's destructor) and printed no PROBE line: a death after the wake is the fault's effect,
+    """The block_tables_not_rebuilt_on_wake probe can abort after its wake (CUDA: an illegal memory access,
+    raised again in a tensor's destructor) and print no PROBE line: a death after the wake is the fault's effect,
     with the device's words; a death before it is no result at all."""
     from test_vllm_fault_probe import died_after_wake
 

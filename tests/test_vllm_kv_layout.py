@@ -47,7 +47,7 @@ def test_per_token_head_scales_come_from_the_backends_scale_views():
 
 def test_poison_writes_reach_inference_tensors():
     """vLLM makes its per-token-head scale caches inside torch.inference_mode(): writes from outside it must not
-    raise (they did on the H100: 'Inplace update to inference tensor outside InferenceMode is not allowed')."""
+    raise (torch's 'Inplace update to inference tensor outside InferenceMode is not allowed')."""
     from kvdiag.checks.kv_tensors import fill_blocks
     from kvdiag.engines.base import KVBlockView, KVLayer
 

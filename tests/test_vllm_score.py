@@ -17,7 +17,7 @@ import pytest
 from probes import plain_probe
 from test_vllm_gpu import FAST, OUT, kvdiag, pytestmark, shim_args  # noqa: F401 - GPU marks apply too
 
-from kvdiag import zoo
+from kvdiag.models import zoo
 
 PREFIX_CACHING = ("-a", "enable_prefix_caching=true")
 CASES = [("tiny-llama", "turboquant_k8v4"), ("zoo:deepseek-v2", "fp8")]

@@ -1,6 +1,6 @@
 """VllmEngine's sleep/wake against a fake of vLLM's CuMem semantics (CUDA's sleep-mode allocator): waking a
-tag that is already awake maps its memory twice, which CUDA refuses. vLLM 0.24 on an H100 failed every
-level-2 wake-cycle that way while kvdiag woke the weights, reloaded them and then woke every tag."""
+tag that is already awake maps its memory twice, which CUDA refuses: waking the weights, reloading them and then
+waking every tag fails every level-2 wake-cycle that way on vLLM 0.24."""
 
 from __future__ import annotations
 

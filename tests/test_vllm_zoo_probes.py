@@ -31,7 +31,7 @@ POISONED = ("qwen3", "gemma3", "llama-outlier")
 
 
 def model_of(name: str) -> str:
-    from kvdiag.zoo import resolve
+    from kvdiag.models.zoo import resolve
 
     return str(resolve(f"zoo:{name}"))
 

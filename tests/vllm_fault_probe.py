@@ -26,8 +26,8 @@ measured); a fault that cannot apply here has ``applicable: false`` and ``reason
   Effect: not the dtype asked for (or the engine refused to start).
 - wake (block_tables_not_rebuilt_on_wake, fp8_scales_not_reset_on_wake; needs sleep mode: CUDA): greedy outputs,
   ``sleep(level)``, vLLM's documented wake (level 2: weights, ``reload_weights``, kv_cache), the outputs again.
-  Effect: they differ. Once woken the probe prints ``PROBE-WOKEN {fired}``: on an H100 the stale block tables of
-  block_tables_not_rebuilt_on_wake made the next generation fault on the device and the process abort before its
+  Effect: they differ. Once woken the probe prints ``PROBE-WOKEN {fired}``: on CUDA the stale block tables of
+  block_tables_not_rebuilt_on_wake can make the next generation fault on the device and the process abort before its
   ``PROBE`` line (tests/test_vllm_fault_probe.run_probe reads that death as the effect, with the CUDA error).
 - poison (fresh_blocks_not_zeroed, on a hybrid model such as zoo:granite-hybrid): greedy outputs; every cache
   tensor of every layer (attention K/V, Mamba states) filled with NaN while no request runs; the prefix cache
@@ -258,7 +258,7 @@ def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:
     if why:
         return {**res, "applicable": False, "reason": why}
     if model.startswith("zoo:"):
-        from kvdiag.zoo import resolve
+        from kvdiag.models.zoo import resolve
 
         model = str(resolve(model))
     args = {k: value(v) for k, v in (p.split("=", 1) for p in pairs)}

@@ -144,7 +144,7 @@ def wake_probe(model: str) -> dict:
     from vllm import LLM, SamplingParams
 
     from kvdiag.checks.greedy import prompt_texts
-    from kvdiag.checks.wake_cycle import MAX_TOKENS
+    from kvdiag.checks.wake_cycle.params import MAX_TOKENS
 
     level, cycles = int(sys.argv[3]), int(sys.argv[4])
     args = engine_args(sys.argv[5:])

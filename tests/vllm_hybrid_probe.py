@@ -135,7 +135,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1]:
         model_path = sys.argv[1]
     else:
-        from kvdiag import zoo
+        from kvdiag.models import zoo
 
         model_path = str(zoo.resolve("zoo:granite-hybrid"))
     main(model_path, sys.argv[2] if len(sys.argv) > 2 else None)

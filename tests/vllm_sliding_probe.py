@@ -6,7 +6,7 @@ on a full-attention one (tiny-llama); tests/test_vllm_cpu_poison.py holds the tw
                                           [REGION:VALUE ...]                       -> ``PROBE {...}`` on stdout
 
 ``--block=default`` leaves the block size to vLLM (on a GPU, as kvdiag's poison does: the backend's own, e.g. 64 for
-an MLA model on an H100); the waves then follow the block size the engine took. ``--kv-dtype`` (default ``auto``):
+vLLM's MLA backend); the waves then follow the block size the engine took. ``--kv-dtype`` (default ``auto``):
 an fp8 cache's bytes get VALUE's bf16 bits, pair by pair (NaN: 0x7FC0, whose high byte is e4m3's NaN code).
 ``--compiled``: vLLM's defaults (torch.compile, CUDA graphs) instead of eager mode; the blocks are filled between
 scheduling and the model's run all the same, and a graph replay reads the same cache tensors.

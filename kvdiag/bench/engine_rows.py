@@ -1,6 +1,6 @@
 """Engine row of `kvdiag bench`: builtin engine decode tokens/s against transformers ``generate``.
 
-Both run the same random-weight Qwen2 checkpoint of ~0.5B shape (kvdiag.modelgen.QWEN2_05B)
+Both run the same random-weight Qwen2 checkpoint of ~0.5B shape (kvdiag.models.gen.QWEN2_05B)
 in bf16 on the same device, greedy, with the same random prompts, EOS ignored. Decode
 tokens/s = batch x (N - 1) / (time to generate N tokens - time to generate 1), so the
 prompt's prefill cancels out.
@@ -32,7 +32,7 @@ def _timed(fn) -> float:
 def decode_tps(generate, batch: int, new_tokens: int, repeats: int = 3) -> tuple[float, dict]:
     """Decode tokens/s of ``generate(n)`` (which produces n tokens for each of ``batch`` prompts): the fastest
     of ``repeats`` runs of each length, since both engines are bound by host time, which other processes
-    on the machine disturb (one run each varied by up to 25% between H100 runs). Also returns the raw seconds."""
+    on the machine disturb (BENCHMARKS.md, "Engine": raw seconds of such runs). Also returns the raw seconds."""
     generate(4)  # warm-up: kernels compiled, allocator primed
     firsts = [_timed(lambda: generate(1)) for _ in range(max(2, repeats))]
     fulls = [_timed(lambda: generate(new_tokens)) for _ in range(repeats)]
@@ -81,7 +81,7 @@ TINY = dict(arch="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_head
 
 def engine_rows(device, batch_sizes=(1, 32), new_tokens: int = NEW_TOKENS, tiny: bool = False) -> list[dict]:
     """``tiny``: a 2-layer model instead of the ~0.5B one (CPU tests of this code)."""
-    from kvdiag.modelgen import QWEN2_05B, make_random_model
+    from kvdiag.models.gen import QWEN2_05B, make_random_model
 
     cfg = dict(TINY if tiny else QWEN2_05B)
     arch = cfg.pop("arch")

@@ -7,6 +7,7 @@ import os
 from kvdiag.case import LOG_TAIL_CHARS
 from kvdiag.engines.base import Engine, EngineSpec, create_engine
 from kvdiag.errors import EngineUnsupported
+from kvdiag.models import config_dtype
 
 TEST_DISABLE_ENV = "KVDIAG_TEST_DISABLE"
 
@@ -146,3 +147,16 @@ def detector_disabled(name: str) -> bool:
     Detectors: ``memleak.holders`` (the referrer census that names what holds a surviving tensor),
     ``memleak.kv_identity`` (the KV cache's storages, known by identity, alive after shutdown)."""
     return name in os.environ.get(TEST_DISABLE_ENV, "").replace(" ", "").split(",")
+
+
+def model_dtype(engine, case) -> str | None:
+    """The dtype the weights run in (what ``auto`` stores the KV cache in)."""
+    d = getattr(engine, "dtype", None)
+    if d is not None and not callable(d):
+        return str(d).removeprefix("torch.")
+    return config_dtype(case.model)
+
+
+def compiled(engine) -> bool:
+    """Whether the engine runs a compiled model (vLLM's defaults; not with enforce_eager): drift.limits_for."""
+    return bool(getattr(engine, "compiled", False))

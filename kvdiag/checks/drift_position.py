@@ -14,6 +14,8 @@ buckets is not judged; a NaN KL is never growth (the drift limits already fail i
 
 from __future__ import annotations
 
+from kvdiag.render.svg import line_chart
+
 FIRST = 16  # positions in the first bucket
 GROWTH = 4.0  # the last bucket's mean KL over the first's that counts as growing
 MIN_POSITIONS = 8  # a bucket with fewer positions is too noisy to judge
@@ -65,3 +67,67 @@ def grows(rows: list[dict], limit: float) -> dict | None:
 
 def label(row: dict) -> str:
     return f"{row['from']}-{row['to']}"
+
+
+SECTION_TITLES = {"prompts": "the prompts' continuations", "long": "the long continuations"}
+
+
+def position_plots(cases, suffix: str = "") -> list[str]:
+    """Per scored section, each dtype's mean KL per position bucket divided by its first bucket's (a dtype with no
+    KL in its first bucket has no line: the table in the report shows it), and the growth threshold: a line that
+    rises is a loss growing with the length of what the cache holds."""
+    from kvdiag.checks.drift_position import GROWTH
+
+    judged = [(c.kv_dtype, c.metrics["drift"]["by_position"]) for c in cases
+              if (c.metrics.get("drift") or {}).get("by_position")]
+    out = []
+    for section in dict.fromkeys(s for _, by in judged for s in by):
+        spans = sorted({(b["from"], b["to"]) for _, by in judged for b in by.get(section, ())})
+        series = {}
+        for dtype, by in judged:
+            at = {(b["from"], b["to"]): b for b in by.get(section, ()) if b.get("positions")}
+            first = at.get(spans[0], {}).get("mean_kl")
+            if isinstance(first, (int, float)) and first > 0:
+                series[dtype] = [at[s]["mean_kl"] / first if s in at else None for s in spans]
+        if series:
+            series[f"{GROWTH:g}x (threshold)"] = [GROWTH] * len(spans)
+            out.append(line_chart(f"drift by position along {SECTION_TITLES.get(section, section)}{suffix}",
+                                  f"mean KL / mean KL at {spans[0][0]}-{spans[0][1]}", [f"{a}-{b}" for a, b in spans],
+                                  series, xlabel="token positions (bucket)"))
+    return out
+
+
+SECTION_NAMES = {"prompts": "prompts", "long": "long continuation"}
+
+
+def position_table(rows: list[dict] | None, suffix: str) -> list:
+    """The drift-by-position table (one row per dtype and scored section, a column per position bucket, each cell
+    ``mean KL / top-1``), as a one-element list; [] when the analysis has none."""
+    from kvdiag.checks.drift_position import GROWTH
+
+    if not rows:
+        return []
+    spans = sorted({(b["from"], b["to"]) for r in rows for sec in r["by_position"].values() for b in sec})
+    body = []
+    for r in rows:
+        for section, buckets in r["by_position"].items():
+            at = {(b["from"], b["to"]): b for b in buckets}
+            g = (r.get("grows") or {}).get(section)
+            body.append([r["kv_dtype"], SECTION_NAMES.get(section, section)]
+                        + [_bucket_cell(at.get(span)) for span in spans] + [_grows_cell(g)])
+    title = (f"Drift by position{suffix} vs the baseline dtype: mean KL / top-1 agreement per bucket of token "
+             f"positions (drift_grows: the last bucket's KL > {GROWTH:g}x the first's and above the dtype's limit)")
+    return [(title, ("kv dtype", "scored") + tuple(f"{a}-{b}" for a, b in spans) + ("KL grows",), body)]
+
+
+def _bucket_cell(b: dict | None) -> str:
+    if not b or not b.get("positions"):
+        return "-"
+    kl = b["mean_kl"]
+    return f"{'0' if kl == 0 else f'{kl:.2g}'} / {b['top1_agreement']:.3f}"
+
+
+def _grows_cell(g: dict | None) -> str:
+    if not g:
+        return "no"
+    return "yes, " + (f"{g['ratio']:.1f}x" if g.get("ratio") is not None else "from 0")

@@ -13,49 +13,13 @@ from __future__ import annotations
 
 import importlib
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING
+
+from kvdiag.checks.check import Check, option  # noqa: F401 - plug-ins import both from here
 
 ENTRY_POINT_GROUP = "kvdiag.checks"
-BUILTIN = ("kvdiag.checks.accuracy:CHECK", "kvdiag.checks.dtypes_matrix:CHECK", "kvdiag.checks.memleak:CHECK",
+BUILTIN = ("kvdiag.checks.accuracy:CHECK", "kvdiag.checks.dtypes:CHECK", "kvdiag.checks.memleak:CHECK",
            "kvdiag.checks.wake_cycle:CHECK", "kvdiag.checks.poison:CHECK")
-
-
-def option(default, *flags: str, help: str = "", min: float | None = None, max: float | None = None,
-           choices: tuple | None = None, toml: str | None = None):
-    """A field of a check's params: its default, its command-line flags (default ``--field-name``), its help, its
-    bounds or choices (checked on the command line and in the config), and its config key (default: the name)."""
-    meta = {"flags": flags, "help": help, "min": min, "max": max, "choices": choices, "toml": toml}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str  # the command and the config table: "wake-cycle"
-    target: str  # "module:function(case, ctx)" run in the worker for one case
-    params: type  # a dataclass of option() fields
-    help: str = ""  # the command's --help: its first line is the summary
-    variants: str | None = None  # "module:function(params) -> [dict]": cases per dtype (wake-cycle: its levels)
-    analyze: str | None = None  # "module:function(run, params)": the verdict across cases, into run.analysis
-    render: str | None = None  # "module:function(run, console)": the terminal table (default: the cases table)
-    plots: str | None = None  # "module:function(cases, title_suffix) -> [svg]" for report.html
-    compare: str | None = None  # "module:function(old_case, new_case, settings) -> [row]" for kvdiag compare
-    cases: str | None = None  # "module:function(target, params) -> (cases, analyze)" when not one case per dtype and
-    # variant (accuracy, dtypes: a sweep against a baseline dtype; kvdiag.run.cases)
-    gpu_share: bool = False  # its builtin-engine cases may share a GPU (it measures no device memory; scheduling)
-    isolate: bool = True  # takes --isolate (memleak: every dtype always in its own worker)
-    timeout: float = 900.0  # seconds a case may run
-    selftest: dict | None = None  # the params of its `kvdiag selftest` cases: small sizes that keep it short
-
-    def option_fields(self) -> list:
-        """The fields made with option(); other fields are the worker's own (selftest's sizes)."""
-        return [f for f in fields(self.params) if "flags" in f.metadata]
-
-    def make(self, values: dict):
-        """The params from config or command-line values (missing keys keep their defaults)."""
-        names = {f.name for f in fields(self.params)}
-        return self.params(**{k: v for k, v in values.items() if k in names})
 
 
 def load(ref: str):
@@ -191,3 +155,35 @@ def _table(v):
     if not isinstance(v, dict):
         raise ValueError("a table of key = value")
     return v
+
+
+def check_cases(name: str, target, p) -> tuple:
+    """(cases, analyze) of a registered check (kvdiag.checks.registry) with params ``p``: the check's own builder
+    (``Check.cases``: accuracy, dtypes), else one case per kv dtype and variant, each carrying the options in ``p``;
+    ``analyze`` is the check's verdict across cases, or None."""
+    from kvdiag.checks.cases import engine_model, resolve_faults, resolve_kv_dtypes
+
+    check = get(name)
+    if check.cases:
+        return load(check.cases)(target, p)
+    from kvdiag.case import Case
+    from kvdiag.engines.args import parse_engine_args
+    from kvdiag.engines.base import check_engine_args, resolve_engine
+    from kvdiag.models import label as model_label
+
+    engine = resolve_engine(target.engine)
+    model = engine_model(engine, target.model)
+    base = {"device": target.device, "engine_args": check_engine_args(engine, parse_engine_args(target.engine_args)),
+            "faults": resolve_faults(engine, target.faults),
+            **{f.name: getattr(p, f.name) for f in check.option_fields()}}
+    variants = load(check.variants)(p) if check.variants else ({"suffix": None},)
+    group = name if check.isolate and target.isolate == "run" else None
+    cases = []
+    for d in resolve_kv_dtypes(engine, target.kv_dtypes):
+        for v in variants:
+            v = dict(v)
+            suffix = v.pop("suffix")
+            cid = f"{name}/{engine}/{model_label(model)}/{d}" + (f"/{suffix}" if suffix else "")
+            cases.append(Case(name, engine, model, d, check.target, params={**base, **v}, id=cid, group=group))
+    analyze = (lambda run: load(check.analyze)(run, p)) if check.analyze else None
+    return cases, analyze

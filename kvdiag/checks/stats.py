@@ -105,9 +105,7 @@ def paired_bootstrap(baseline, test, *, iters: int = BOOTSTRAP_ITERS, seed: int 
                       observed, p)
     # The paired resampling of documents, as the one-sample bootstrap of their differences: the same draws and the
     # same interval as bootstrap((baseline, test), paired=True) (tests/test_stats.py), in half the time and memory
-    # (2,000 resamples of 10^6 documents on 2 cores, 4 resamples a batch: 54 s and 96 MB peak this way, 116 s and
-    # 136 MB with paired=True; at BOOTSTRAP_CHUNK's 2 a batch: 52 s, 56 MB). Results equal the hand-written bootstrap
-    # this replaced to 1e-12 relative (the interval) and exactly (the p-value) on 54 samples of 2 to 30,000 documents.
+    # (docs/development.md, "Figures behind constants").
     from scipy.stats import bootstrap
 
     res = bootstrap((diff,), np.mean, n_resamples=iters, batch=max(1, BOOTSTRAP_CHUNK // n), method="percentile",

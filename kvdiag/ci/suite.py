@@ -18,8 +18,8 @@ def _engine_args(settings: dict) -> list[str]:
 
 def _build(name: str, s: dict, engine: str, model, args) -> tuple:
     """(cases, analyze) of one check for one engine and model, its options from the config (defaults: its params)."""
-    from kvdiag.checks.registry import get
-    from kvdiag.run.cases import Target, check_cases
+    from kvdiag.checks.cases import Target
+    from kvdiag.checks.registry import check_cases, get
 
     target = Target(engine, model, s.get("kv_dtypes"), s.get("device", "auto"), args, None, s.get("isolate", "case"))
     return check_cases(name, target, get(name).make(s))
@@ -27,7 +27,7 @@ def _build(name: str, s: dict, engine: str, model, args) -> tuple:
 
 def _model(cfg, name: str) -> str | None:
     """The shipped model by its name, a folder relative to the config file, or as given (a hub id)."""
-    from kvdiag.run.cases import SHIPPED_MODEL
+    from kvdiag.checks.cases import SHIPPED_MODEL
 
     if name == SHIPPED_MODEL:
         return None

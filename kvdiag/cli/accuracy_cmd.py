@@ -70,32 +70,15 @@ def accuracy(
     lm_eval's spellings work too: --model_args (= -a), --num_fewshot, --batch_size, --output_path (= -o),
     --gen_kwargs, --apply_chat_template, --fewshot_as_multiturn, --system_instruction, --include_path.
     """
-    from kvdiag.run.cases import Target, check_cases
-    from kvdiag.run.orchestrate import execute, make_run_dir
-    from kvdiag.run.scheduling import case_threads, default_jobs
+    from kvdiag.api import run_check
+    from kvdiag.run.orchestrate import command_line
 
-    p = A(tasks=tasks or [], include_paths=include_path or [], baseline=baseline, limit=limit,
-          num_fewshot=num_fewshot, seed=seed, batch_size=batch_size, apply_chat_template=apply_chat_template,
-          fewshot_as_multiturn=fewshot_as_multiturn, system_instruction=system_instruction, gen_kwargs=gen_kwargs,
-          metadata=metadata, max_drop=max_drop, alpha=alpha, max_kl=max_kl, min_top1=min_top1)
-    target = Target(engine, model, kv_dtype, device, engine_arg, fault, isolate)
-    cases, analyze = check_cases("accuracy", target, p)
-    run_dir = make_run_dir(output_dir, "accuracy", resume)
-    jobs = jobs or default_jobs(cases)
-    code = execute("accuracy", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None, quiet=quiet,
-                   jobs=jobs, analyze=analyze,
-                   threads=case_threads(cases, isolate, jobs), finish=reports_into(run_dir))
-    raise typer.Exit(code)
-
-
-
-
-def reports_into(run_dir: Path):
-    """The finished run's report.md and report.html (every task and metric; plots) in its run directory, as the
-    table's last line says."""
-    def finish(run) -> None:
-        from kvdiag.report import write_reports
-
-        write_reports(run, run_dir, ("md", "html"))
-
-    return finish
+    run = run_check("accuracy", engine=engine, model=model, kv_dtypes=kv_dtype, device=device, engine_args=engine_arg,
+                    faults=fault, isolate=isolate, output_dir=output_dir, jobs=jobs, timeout=timeout, resume=resume,
+                    quiet=quiet, fmt=fmt, command=command_line(), tasks=tasks or [],
+                    include_paths=[str(x) for x in include_path or ()],
+                    baseline=baseline, limit=limit, num_fewshot=num_fewshot, seed=seed, batch_size=batch_size,
+                    apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
+                    system_instruction=system_instruction, gen_kwargs=gen_kwargs, metadata=metadata,
+                    max_drop=max_drop, alpha=alpha, max_kl=max_kl, min_top1=min_top1)
+    raise typer.Exit(run.exit_code)

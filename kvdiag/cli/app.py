@@ -29,7 +29,7 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        from kvdiag import __version__
+        from kvdiag.version import __version__
 
         typer.echo(f"kvdiag {__version__}")
         raise typer.Exit()

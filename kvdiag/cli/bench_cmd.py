@@ -43,7 +43,7 @@ def bench(
         raise UserError("kvdiag bench needs a CUDA GPU (the Triton kernels run on CUDA only); none is available"
                         if not torch.cuda.is_available() else f"kvdiag bench runs on cuda devices, not '{device}'")
     from kvdiag.bench.run import run_bench
-    from kvdiag.report.cells import console
+    from kvdiag.render.cells import console
 
     err = console(stderr=True) if not quiet else None
     progress = (lambda m: err.print(f"[dim]bench: {m}[/dim]")) if err else None

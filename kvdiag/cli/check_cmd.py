@@ -47,19 +47,16 @@ def command_for(check):
         raise ValueError(f"check '{check.name}': option {clash[0]} is one every check takes")
 
     def command(**kw) -> None:
-        from kvdiag.run.cases import Target, check_cases
-        from kvdiag.run.orchestrate import execute, make_run_dir
-        from kvdiag.run.scheduling import gpu_jobs
+        from kvdiag.api import run_check
+        from kvdiag.run.orchestrate import command_line
 
         values = {n: getattr(kw[n], "value", kw[n]) for n, _, _ in own if kw[n] is not None}
-        p = check.make(values)
-        target = Target(kw["engine"], kw["model"], kw["kv_dtype"], kw["device"], kw["engine_arg"], kw["fault"],
-                        kw.get("isolate", "case"))
-        cases, analyze = check_cases(check.name, target, p)
-        run_dir = make_run_dir(kw["output_dir"], check.name, kw["resume"])
-        jobs = kw["jobs"] or gpu_jobs(cases)
-        raise typer.Exit(execute(check.name, cases, run_dir, fmt=kw["fmt"], timeout=kw["timeout"],
-                                 resume=kw["resume"] is not None, quiet=kw["quiet"], jobs=jobs, analyze=analyze))
+        run = run_check(check.name, engine=kw["engine"], model=kw["model"], kv_dtypes=kw["kv_dtype"],
+                        device=kw["device"], engine_args=kw["engine_arg"], faults=kw["fault"],
+                        isolate=kw.get("isolate", "case"), output_dir=kw["output_dir"], jobs=kw["jobs"],
+                        timeout=kw["timeout"], resume=kw["resume"], quiet=kw["quiet"], fmt=kw["fmt"],
+                        command=command_line(), **values)
+        raise typer.Exit(run.exit_code)
 
     isolate = [("isolate", o.CheckIsolateOpt, o.Isolate.case)] if check.isolate else []
     params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)

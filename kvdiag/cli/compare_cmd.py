@@ -46,8 +46,8 @@ def compare(
     memleak growth per cycle or tensors retained after shutdown that rose beyond the tolerance.
     Cases only in one run are listed as new/missing and do not fail the comparison.
     """
+    from kvdiag.render.cells import console
     from kvdiag.report.baseline import load_side
-    from kvdiag.report.cells import console
     from kvdiag.report.compare import compare as compare_sides
     from kvdiag.report.compare import render_table
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvdiag.checks.dtypes_matrix import CHECK
+from kvdiag.checks.dtypes import CHECK
 from kvdiag.cli import options as o
 from kvdiag.cli.accuracy_cmd import MaxKLOpt, MinTop1Opt
 
@@ -50,8 +50,8 @@ def dtypes(
 
 def _list(engine, kv_dtype, fmt) -> None:
     from kvdiag import dtypes as registry
+    from kvdiag.checks.cases import resolve_kv_dtypes
     from kvdiag.engines.base import engine_dtypes, resolve_engine
-    from kvdiag.run.cases import resolve_kv_dtypes
 
     engine = resolve_engine(engine)
     names = resolve_kv_dtypes(engine, kv_dtype) if kv_dtype else engine_dtypes(engine)
@@ -65,7 +65,7 @@ def _list(engine, kv_dtype, fmt) -> None:
         return
     from rich.table import Table
 
-    from kvdiag.report.cells import console
+    from kvdiag.render.cells import console
 
     t = Table(title=f"kv-cache dtypes of engine '{engine}'", title_justify="left")
     for col in ("name", "storage", "quant", "bytes/elem", "scale rule", "aliases"):
@@ -79,15 +79,11 @@ def _list(engine, kv_dtype, fmt) -> None:
 
 def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs, output_dir, timeout,
            resume, quiet, fault) -> int:
-    from kvdiag.run.cases import Target, check_cases
-    from kvdiag.run.orchestrate import execute, make_run_dir
-    from kvdiag.run.scheduling import default_jobs
+    from kvdiag.api import run_check
+    from kvdiag.run.orchestrate import command_line
 
-    target = Target(engine, model, kv_dtype, device, engine_arg, fault, isolate)
-    cases, analyze = check_cases("dtypes", target, CHECK.params(max_kl=max_kl, min_top1=min_top1))
-    jobs = jobs or default_jobs(cases)
-    run_dir = make_run_dir(output_dir, "dtypes", resume)
-    return execute("dtypes --check", cases, run_dir, fmt=fmt, timeout=timeout, resume=resume is not None,
-                   quiet=quiet, jobs=jobs, analyze=analyze)
+    return run_check("dtypes", engine=engine, model=model, kv_dtypes=kv_dtype, device=device, engine_args=engine_arg,
+                     faults=fault, isolate=isolate, output_dir=output_dir, jobs=jobs, timeout=timeout, resume=resume,
+                     quiet=quiet, fmt=fmt, command=command_line(), max_kl=max_kl, min_top1=min_top1).exit_code
 
 

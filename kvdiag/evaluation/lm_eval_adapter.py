@@ -344,7 +344,7 @@ _probe_users = 0  # how many run now
 def _without_env_probe():
     """Skip two probes of lm_eval 0.4.13's ``simple_evaluate`` (if this lm_eval has them); kvdiag records what they
     give in run.json another way. ``add_env_info`` runs torch's ``collect_env`` (``pip list``, compilers, drivers:
-    1.5-1.9 s and several subprocesses per call on a 2-core machine, i.e. per kv dtype) for ``pretty_env_info``,
+    seconds and several subprocesses per call, i.e. per kv dtype) for ``pretty_env_info``,
     and adds ``transformers_version``, ``lm_eval_version`` and ``upper_git_hash`` (the commit of the folder above the
     working directory); ``get_git_commit_hash`` is ``git describe --always`` in the working directory: the commit of
     whatever repository the user runs from, not kvdiag's nor lm_eval's. kvdiag records instead, once per run:

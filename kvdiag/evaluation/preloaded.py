@@ -11,7 +11,6 @@ import json
 import os
 
 ENV = "KVDIAG_PRELOAD_TASKS"
-MODULES = ("kvdiag.evaluation.lm_eval_adapter", "lm_eval.evaluator", __name__)  # the fork server's, for accuracy
 _LOADED: dict = {}
 
 

@@ -21,12 +21,13 @@ HASHED = (f"sha256 of each file's path, size and bytes (whole up to {FULL_BYTES 
           f"safetensors header and {CHUNKS} x {CHUNK_BYTES // 2**10} KiB spread over it)")
 
 
+PACKAGE = Path(__file__).resolve().parents[1]  # kvdiag/: in a checkout, or in site-packages
+
+
 def kvdiag_git() -> dict:
     """{"commit", "dirty"} of the git checkout kvdiag runs from (an editable install: ``git rev-parse HEAD`` of the
     package's folder; dirty: ``git status --porcelain`` lists a change); both None when installed otherwise."""
-    import kvdiag
-
-    root = Path(kvdiag.__file__).resolve().parent.parent
+    root = PACKAGE.parent
     if not (root / ".git").exists():  # a folder or, in a git worktree, a file; not a site-packages in a repo
         return {"commit": None, "dirty": None}
     commit = _git(root, "rev-parse", "HEAD")

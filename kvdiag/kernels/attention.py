@@ -334,7 +334,7 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if not decode:
         num_splits = 1
     elif num_splits is None and not split_tokens:
-        # per SM: 2 programs (2-byte caches), 16 (1-byte): the best of the H100 sweeps (BENCHMARKS.md); 1-byte
+        # per SM: 2 programs (2-byte caches), 16 (1-byte): the fastest measured (BENCHMARKS.md, round 1); 1-byte
         # caches with the fast paths: one split where the rows fill whole waves (round 4)
         one_byte = k_cache.element_size() == 1
         num_splits = default_splits(num_tokens * num_kv_heads, max_ctx, query.device, 16 if one_byte else 2,

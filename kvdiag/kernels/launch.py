@@ -1,8 +1,8 @@
 """Launching compiled Triton kernels without Triton's per-call dispatch.
 
-``kernel[grid](...)`` costs 40-100 us of host time per launch on the H100 machine (triton
-3.6: binding and specializing every argument, environment-backed settings, the cache-key
-hash), more than the GPU time of a decode step's store or attention at small batches, and
+``kernel[grid](...)`` costs tens of microseconds of host time per launch (triton 3.6:
+binding and specializing every argument, environment-backed settings, the cache-key hash;
+BENCHMARKS.md, round 1), more than the GPU time of a decode step's store or attention at small batches, and
 the builtin engine launches two or three per layer per step. :class:`Launcher` keeps the
 compiled kernel of each specialization it has seen and launches it directly, the way
 ``JITFunction.run`` itself ends (``kernel.run(grid..., stream, function, metadata, ...,

@@ -3,8 +3,8 @@
 Same name, signature and results as :func:`kvdiag.kernels.reference.store_kv` (codes and
 scales bit-identical: divisions are IEEE round-to-nearest, int8 rounds half away from
 zero, fp8 rounds to nearest even). One program stores ``BLOCK_T`` whole tokens, every
-kv head of K and V at once (a (token, head) grid stays near 1.2 TB/s on an H100; this layout
-measures 2.7-2.95 TB/s there, BENCHMARKS.md). A slot of -1 skips the token. Under
+kv head of K and V at once (2.3-4.5x faster than a (token, head) grid: BENCHMARKS.md, the
+recorded run). A slot of -1 skips the token. Under
 TRITON_INTERPRET, whose float->bf16/fp8 casts truncate, values are first rounded on the
 target grid in software, so CI checks the same bits the GPU writes.
 """
@@ -161,8 +161,8 @@ def interpreted() -> bool:
 
 def fast_paths() -> bool:
     """The faster arithmetic of compiled kernels (default; ``KVDIAG_TRITON_FAST=0`` turns it off): FMA
-    division in the store (bit-identical to IEEE division: 0 mismatches in 2**29 random pairs on an H100,
-    and the stores' GPU tests), register conversions of 1-byte caches and fp16 dots for fp8 caches in
+    division in the store (bit-identical to IEEE division: BENCHMARKS.md, round 1, and the stores' GPU
+    tests), register conversions of 1-byte caches and fp16 dots for fp8 caches in
     attention. The GPU tests run both settings."""
     return os.environ.get("KVDIAG_TRITON_FAST", "1") != "0" and not interpreted()
 
@@ -208,7 +208,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     block_t = block_t or max(1, (2048 if k_cache.element_size() == 1 else 1024) // (h_pad * d_pad))
     sc = k_scale_cache.stride()[:3] if per_token else (0, 0, 0)
     tiles = cdiv(num_tokens, block_t)
-    if per_token:  # absmax before any store: a persistent grid that prefetches the next tile (H100 sweep)
+    if per_token:  # absmax before any store: a persistent grid that prefetches the next tile (BENCHMARKS.md, round 1)
         programs = programs or 32 * sm_count(key.device)
         stages, num_warps = stages or 2, num_warps or 4
     _STORE((min(tiles, programs or tiles),),

@@ -2,31 +2,15 @@
 
 - Cases matched by id. A case that passed (or was unsupported) in OLD and fails, errors, crashes
   or times out in NEW is a regression; the reverse is an improvement.
-- Accuracy scores, per task and metric: the paired per-document test (McNemar / paired
-  bootstrap, ``checks/stats.py``) when both sides kept their samples, else a z-test on the two
-  stderrs. A drop larger than ``max_drop`` that is significant at ``alpha`` (or a collapse) regresses,
-  judged by the same rule as `kvdiag accuracy` (``verdicts.metric_verdict``).
-- Memory (memleak): the largest growth per cycle of each measure, and the tensor MiB that survived
-  shutdown. Growth beyond ``mem_tolerance_mib`` (default: the case's own growth tolerance) regresses;
-  surviving tensors regress beyond min(tolerance, 1 MiB) (a census has no noise).
+- Then each case's own check's rule (its registry entry's ``compare``: accuracy's scores, memleak's memory; a
+  check's folder, ``compare.py``).
 """
 
 from __future__ import annotations
 
-import math
-
 from kvdiag.checks.accuracy import AccuracyParams as A
+from kvdiag.checks.compare_rows import finite, row
 from kvdiag.results import BAD_STATUSES
-
-RETAINED_TOL_MIB = 1.0
-
-
-def row(case, what: str, old, new, verdict: str, **kw) -> dict:
-    """One row of a comparison (a check's compare rule returns a list of these); verdict: regression,
-    improvement, ok, new or missing."""
-    delta = new - old if isinstance(old, (int, float)) and isinstance(new, (int, float)) else None
-    return {"id": case.id, "check": case.check, "kv_dtype": case.kv_dtype, "what": what, "old": old, "new": new,
-            "delta": kw.pop("delta", delta), "verdict": verdict, **kw}
 
 
 def compare(old, new, *, max_drop: float = A.max_drop, alpha: float = A.alpha,
@@ -55,18 +39,9 @@ def _check_rows(o, n, settings: dict) -> list[dict]:
     check = get(n.check)
     if check is not None and check.compare:
         return load(check.compare)(o, n, settings)
-    return score_rows(o, n, settings) if "scores" in n.metrics else []
-
-
-def score_rows(o, n, settings: dict) -> list[dict]:
-    """accuracy's rule: every task metric's change, by the paired test where both sides kept their samples."""
-    return _scores(o, n, settings.get("old_samples"), settings.get("new_samples"), settings["max_drop"],
-                   settings["alpha"])
-
-
-def memory_rows(o, n, settings: dict) -> list[dict]:
-    """memleak's rule: growth per cycle of each measure, and the tensors that survived shutdown."""
-    return _memory(o, n, settings.get("mem_tolerance_mib"))
+    if "scores" in n.metrics:  # a run of an older kvdiag, or of a plug-in check, that kept accuracy scores
+        return load(get("accuracy").compare)(o, n, settings)
+    return []
 
 
 def _status(o, n) -> list[dict]:
@@ -78,83 +53,6 @@ def _status(o, n) -> list[dict]:
     if o.status in BAD_STATUSES and n.status not in BAD_STATUSES:
         return [row(n, "status", o.status, n.status, "improvement", message=f"now {n.status}")]
     return [row(n, "status", o.status, n.status, "ok")]
-
-
-def _scores(o, n, old_samples, new_samples, max_drop, alpha) -> list[dict]:
-    from kvdiag.checks.verdicts import compare_metric, metric_verdict
-
-    rows = []
-    for task, per in (n.metrics.get("scores") or {}).items():
-        for metric, sc in per.items():
-            osc = (o.metrics.get("scores") or {}).get(task, {}).get(metric)
-            numbers = isinstance(sc.get("score"), (int, float)) and isinstance((osc or {}).get("score"), (int, float))
-            if not osc or not numbers:
-                continue
-            paired = None
-            try:
-                if old_samples and new_samples:
-                    paired = compare_metric(old_samples[task][metric], new_samples[task][metric])
-            except (KeyError, TypeError, ValueError):
-                paired = None
-            if paired is not None and paired.n > 0:
-                delta, p, lo, hi, test = paired.delta, paired.p_value, paired.ci_low, paired.ci_high, paired.test
-            else:
-                delta, p, lo, hi = _stderr_test(osc["score"], osc.get("stderr"), sc["score"], sc.get("stderr"))
-                test = "stderr"
-            hib = sc.get("higher_is_better", True)
-            v = metric_verdict(osc["score"], sc["score"], delta, p, hib, max_drop=max_drop, alpha=alpha)
-            gain = delta if hib else -delta
-            verdict = ("regression" if v in ("regression", "collapse") else
-                       "improvement" if _finite(gain) and gain > max_drop and _finite(p) and p < alpha else "ok")
-            rows.append(row(n, f"{task} {metric}", osc["score"], sc["score"], verdict, delta=delta, test=test,
-                             p_value=p, ci_low=lo, ci_high=hi, n=paired.n if paired else sc.get("n")))
-    return rows
-
-
-def _stderr_test(a: float, se_a, b: float, se_b) -> tuple[float, float, float, float]:
-    """Unpaired z-test of b - a from the two standard errors: (delta, p, 95% low, 95% high)."""
-    delta = b - a
-    se = math.sqrt(sum(s * s for s in (se_a, se_b) if _finite(s)))
-    if se == 0:
-        return delta, (1.0 if delta == 0 else 0.0), delta, delta
-    p = math.erfc(abs(delta) / se / math.sqrt(2))
-    return delta, p, delta - 1.959963984540054 * se, delta + 1.959963984540054 * se
-
-
-def _memory(o, n, tol) -> list[dict]:
-    rows = []
-    tol = tol if tol is not None else max(_growth_tol(n), _growth_tol(o), 1.0)
-    og, ng = o.metrics.get("growth_mib") or {}, n.metrics.get("growth_mib") or {}
-    for measure in ng:
-        if measure not in og:
-            continue
-        a, b = _max(og[measure]), _max(ng[measure])
-        rows.append(row(n, f"growth/cycle {measure} MiB", a, b, "regression" if b - a > tol else "ok",
-                         tolerance=tol))
-    if "survivor_mib" in n.metrics and "survivor_mib" in o.metrics:
-        a, b = _max(o.metrics["survivor_mib"]), _max(n.metrics["survivor_mib"])
-        lim = min(tol, RETAINED_TOL_MIB)
-        rows.append(row(n, "retained tensor MiB", a, b, "regression" if b - a > lim else "ok", tolerance=lim))
-    return rows
-
-
-def _growth_tol(rec) -> float:
-    """The case's own tolerance for growth per cycle (memleak: the noisy measures'; older runs: threshold_mib)."""
-    tols = rec.metrics.get("growth_tol_mib") or {}
-    return _num(tols.get("noisy", rec.metrics.get("threshold_mib")))
-
-
-def _max(values) -> float:
-    vals = [v for v in values or () if _finite(v)]
-    return max(vals) if vals else 0.0
-
-
-def _num(v) -> float:
-    return float(v) if _finite(v) else 0.0
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 COLUMNS = ("id", "check", "kv_dtype", "what", "old", "new", "delta", "verdict", "test", "p_value", "ci_low", "ci_high",
@@ -177,7 +75,7 @@ def render_table(result: dict, con, title: str | None = None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.report.cells import fmt_value
+    from kvdiag.render.cells import fmt_value
 
     t = Table(title=title or f"compare: OLD {result['old']}  →  NEW {result['new']}", title_justify="left")
     for col in ("case", "what", "old", "new", "Δ", "test (p, 95% CI)", "verdict"):
@@ -199,7 +97,7 @@ def _styled(verdict: str) -> str:
 def stat_text(r: dict) -> str:
     if r.get("test"):
         ci = "" if r.get("ci_low") is None else f", [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
-        return f"{r['test']} p={r['p_value']:.3g}{ci}" if _finite(r.get("p_value")) else r["test"]
+        return f"{r['test']} p={r['p_value']:.3g}{ci}" if finite(r.get("p_value")) else r["test"]
     if r.get("tolerance") is not None:
         return f"tolerance {r['tolerance']:.3g} MiB"
     return ""

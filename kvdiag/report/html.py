@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from html import escape
 
-from kvdiag.report.cells import fmt_value, run_versions
-from kvdiag.report.score_tables import tables
+from kvdiag.render.cells import fmt_value, run_versions
+from kvdiag.report.tables import tables
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1400px}

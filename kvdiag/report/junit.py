@@ -46,7 +46,7 @@ def render_junit(run) -> str:
                       errors=str(counts(run.cases, ("error", "crashed", "timeout"))),
                       skipped=str(counts(run.cases, NOT_RUN_STATUSES)),
                       time=f"{sum(c.duration_s for c in run.cases):.3f}")
-    from kvdiag.report.cells import run_versions
+    from kvdiag.render.cells import run_versions
 
     versions = run_versions(run)
     cases = sorted(run.cases, key=lambda c: c.check)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvdiag.report.cells import fmt_value, run_versions
-from kvdiag.report.score_tables import tables
+from kvdiag.render.cells import fmt_value, run_versions
+from kvdiag.report.tables import tables
 
 ICON = {"pass": "✅", "unsupported": "⏭️", "skipped": "⏭️", "fail": "❌", "error": "❌", "crashed": "💥", "timeout": "⏱️"}
 

@@ -3,21 +3,22 @@ the cases table, then the verdict line."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
-from kvdiag.report.cells import cases_table, console
+from kvdiag.render.cells import cases_table, console
 
 
 def view_for(run) -> Callable | None:
     """The tables the command printed: selftest's matrix, ci's cases and baseline, else the check's own table (its
     registry entry's ``render``) when all the cases are of one check."""
     from kvdiag.checks.registry import get, load
-    from kvdiag.report import views
-
     if run.analysis.get("selftest"):
-        return views.selftest
+        from kvdiag.checks.selftest.view import selftest
+
+        return selftest
     if run.command.split()[1:2] == ["ci"] or run.shard:  # kvdiag ci, or shards of it merged
-        return views.ci
+        return ci
     names = {c.check for c in run.cases}
     check = get(next(iter(names))) if len(names) == 1 else None
     return load(check.render) if check is not None and check.render else None
@@ -50,3 +51,16 @@ def verdict_line(run) -> str:
     else:
         what = ", ".join(f"{n} {k}" for k, n in run.summary.items() if n) or "no cases"
     return f"{verdict}: {what} — results in {run.run_dir}"
+
+
+def ci(run, con) -> None:
+    """The cases, then the comparison with the baseline when there is one."""
+    from kvdiag.render.cells import cases_table
+
+    con.print(cases_table(run.cases, "kvdiag ci"))
+    if run.analysis.get("baseline"):
+        from kvdiag.report.compare import render_table
+
+        render_table(run.analysis["baseline"], con, title=f"against baseline {run.analysis['baseline']['old']}")
+    for name in ("report.md", "report.html", "junit.xml"):
+        con.print(f"wrote {Path(run.run_dir) / name}")

@@ -47,12 +47,12 @@ def _version(dist: str) -> str | None:
 def environment() -> dict:
     """Versions (kvdiag's and its git commit), devices, without importing torch or initialising CUDA in kvdiag's
     own process."""
-    import kvdiag
     from kvdiag.evaluation.provenance import kvdiag_git
+    from kvdiag.version import __version__
 
     git = kvdiag_git()
     env = {
-        "kvdiag": kvdiag.__version__,
+        "kvdiag": __version__,
         "kvdiag_commit": git["commit"],  # None unless kvdiag runs from a git checkout
         "kvdiag_dirty": git["dirty"],
         "python": platform.python_version(),
@@ -96,13 +96,19 @@ def command_line() -> str:
     return "kvdiag " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-def execute(
-    command: str,
+
+def execute(command: str, cases: list, run_dir: Path, *, fmt, render: Callable | None = None, **kw) -> int:
+    """:func:`record`, printed as ``fmt`` says (``render``: the table, default the check's own), and its exit code
+    (0 pass, 1 failed). ``command``: what the cases are of, for a reader of the call."""
+    return record(cases, run_dir, fmt=fmt, render=render, **kw).exit_code
+
+
+def record(
     cases: list,
     run_dir: Path,
     *,
-    fmt,
     timeout: float,
+    fmt=None,
     resume: bool = False,
     quiet: bool = False,
     jobs: int = 1,
@@ -112,24 +118,27 @@ def execute(
     finish: Callable | None = None,
     preload: tuple[str, ...] | None = None,
     threads: int = 1,
-) -> int:
-    """Run cases, analyse, write run.json, print, return the exit code (0 pass, 1 failed). ``threads``: see
-    :func:`kvdiag.run.runner.run_cases`. ``jobs`` is capped at one case per GPU when cases run on GPUs, each worker
-    given its own, and cases of an engine that allows one engine per process on a GPU each get a worker of their own
-    there (:mod:`kvdiag.run.scheduling`).
+    command: str | None = None,
+):
+    """Run cases, analyse, write run.json, print as ``fmt`` says ("table", "json", None: nothing), return the
+    finished run (a RunRecord). ``threads``: see :func:`kvdiag.run.runner.run_cases`. ``jobs`` is capped at one
+    case per GPU when cases run on GPUs, each worker given its own, and cases of an engine that allows one engine
+    per process on a GPU each get a worker of their own there (:mod:`kvdiag.run.scheduling`).
 
     ``finish(run)`` (optional) runs on the finished run before run.json is written: it may add to
     run.analysis, set run.exit_code (which is first derived from the case statuses) and write reports.
 
     ``preload`` None (every command's default): the workers fork from a server that imported what the cases'
     engine and checks need, and their environment starts from ``scheduling.worker_setup`` (``env`` on top); a
-    caller that must keep process state apart (the builtin self-test's faults) passes ``()``.
+    caller that must keep process state apart (the builtin self-test's faults) passes ``()``. ``command``: what run.json
+    says was run (default: this process's kvdiag command line).
     """
     from kvdiag.evaluation.provenance import models_record
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
     from kvdiag.run.runner import run_cases
     from kvdiag.run.scheduling import cap_jobs, own_workers, worker_setup
 
+    fmt = getattr(fmt, "value", fmt)
     cases = own_workers(cases)  # vLLM on CUDA: one engine per process, whatever --isolate asked
     jobs, gpus = cap_jobs(cases, jobs, quiet=quiet)
     if preload is None:
@@ -137,12 +146,12 @@ def execute(
         env = {**setup, **(env or {})}
     started = now()
     previous = _previous_run(run_dir) if resume else None
-    run = RunRecord(command=previous.command if previous else command_line(),
+    run = RunRecord(command=previous.command if previous else command or command_line(),
                     started=previous.started if previous else started,
                     cases=[], environment=environment(), run_dir=str(run_dir),
                     models=models_record(c.model for c in cases))
     write_run_json(run_dir, run)  # a run directory always says what it is, even if killed
-    quiet = quiet or fmt.value == "json" and not sys.stderr.isatty()
+    quiet = quiet or fmt == "json" and not sys.stderr.isatty()
     run.cases = run_cases(cases, run_dir, timeout=timeout, resume=resume, quiet=quiet, jobs=jobs, env=env,
                           preload=preload, threads=threads, gpus=gpus)
     if analyze is not None:
@@ -153,13 +162,13 @@ def execute(
     if finish is not None:
         finish(run)
     write_run_json(run_dir, run)
-    if fmt.value == "json":
+    if fmt == "json":
         print(json.dumps(run.to_json(), indent=2))
-    else:
+    elif fmt is not None:
         from kvdiag.report.table import print_run
 
         print_run(run, render)
-    return run.exit_code
+    return run
 
 
 def _previous_run(run_dir: Path):

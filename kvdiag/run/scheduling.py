@@ -106,8 +106,8 @@ def gpus_per_case(case) -> int:
     return gpus_spanned(case.engine, case.params.get("engine_args") or {})
 
 
-# Cases at once on one GPU unless --jobs asks for more (and at most the CPU cores: gpu_jobs). On an H100 (16 cores,
-# vLLM 0.24, caches warm) the default sweep of 14 dtypes took 56 s with 8 at once and 30 s with all 14 at once.
+# Cases at once on one GPU unless --jobs asks for more (and at most the CPU cores: gpu_jobs): enough for a whole
+# default sweep of vLLM's dtypes at once, which halves its wall time (BENCHMARKS.md, `kvdiag accuracy -e vllm`).
 SHARED_GPU_DEFAULT = 16
 SHARED_GPU_MAX = 32  # cases at once on one GPU, at most, whatever --jobs says
 SHARED_GPU_FRACTION = 0.8  # of the smallest GPU's memory that the cases sharing it may fill
@@ -243,7 +243,7 @@ def preload(cases: list, *modules: str) -> tuple[str, ...]:
     if len(engines) != 1:
         return ()
     own = preload_modules(engines.pop())
-    return (*own, "kvdiag.checks.accuracy", *modules) if own else ()
+    return (*own, "kvdiag.checks.accuracy.run", *modules) if own else ()
 
 
 def worker_setup(cases: list, jobs: int) -> tuple[tuple[str, ...], dict]:
@@ -254,6 +254,9 @@ def worker_setup(cases: list, jobs: int) -> tuple[tuple[str, ...], dict]:
     return modules, {**worker_env(jobs), **env}
 
 
+# what the fork server imports for accuracy cases: lm_eval, kvdiag's adapter, and the module that loads the tasks
+ACCURACY_PRELOAD = ("kvdiag.evaluation.lm_eval_adapter", "lm_eval.evaluator", "kvdiag.evaluation.preloaded")
+
 def fork_server(cases: list) -> tuple[tuple[str, ...], dict]:
     """(modules, environment) of the workers' fork server: what it imports once (``preload``; with accuracy cases
     also lm_eval and those cases' tasks, loaded once: kvdiag.evaluation.preloaded) and what the engine's server
@@ -262,7 +265,7 @@ def fork_server(cases: list) -> tuple[tuple[str, ...], dict]:
     from kvdiag.evaluation import preloaded
 
     accuracy = any(c.check == "accuracy" for c in cases)
-    modules = preload(cases, *(preloaded.MODULES if accuracy else ()))
+    modules = preload(cases, *(ACCURACY_PRELOAD if accuracy else ()))
     if not modules:
         return modules, {}
     server = preload_env(cases[0].engine, [c.model for c in cases])
@@ -272,8 +275,8 @@ def fork_server(cases: list) -> tuple[tuple[str, ...], dict]:
 def worker_env(jobs: int) -> dict:
     """Torch threads per worker: the cores shared by the workers that run at once (unless the user chose; the
     runner gives the last workers of a sweep the cores the finished ones freed), and OpenMP's passive wait: with
-    its default spin-wait, idle OpenMP threads kept spinning between the small ops of the builtin engine, and a
-    2-thread worker ran a dtype of the default sweep in 31.6 s instead of 13.1 s (1 thread: 16.3 s) on 2 cores."""
+    its default spin-wait, idle OpenMP threads keep spinning between the small ops of the builtin engine, and a
+    worker of 2 threads ran about twice as slowly as with 1 (docs/development.md, "Figures behind constants")."""
     from kvdiag.case import SHARE_CORES
 
     env = {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}

@@ -1,23 +1,47 @@
 """kvdiag's own paged-KV engine (Llama, Mistral, Qwen2, Qwen3); see engine.BuiltinEngine.
 
-Importing this package does not import torch; ``from kvdiag.engines.builtin.engine import BuiltinEngine``.
+Importing this package does not import torch; ``from kvdiag.engines.builtin.engine import BuiltinEngine``. What
+kvdiag asks the engine before any worker starts is ``TRAITS`` below; its self-test faults are ``selftest.py``.
 """
 
-__all__ = ["engine_arg_names"]
+from __future__ import annotations
 
-SPEC_ARGS = ("max_model_len", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "dtype")  # -a sets them
-OWN_ARGS = ("max_num_batched_tokens", "ignore_eos", "cuda_graphs")  # -a keys the engine reads itself
+from typing import TYPE_CHECKING
+
+from kvdiag.engines.builtin.arg_names import engine_arg_names
+from kvdiag.engines.traits import EngineTraits
+
+if TYPE_CHECKING:
+    from kvdiag.engines.selftest import Catalogue
+
+__all__ = ["TRAITS", "engine_arg_names"]
 
 
-def engine_arg_names() -> list[str]:
-    """What ``-a`` takes for the builtin engine: the EngineSpec fields it lets -a set, and its own keys."""
-    return sorted(SPEC_ARGS + OWN_ARGS)
+class BuiltinTraits(EngineTraits):
+    """What kvdiag asks the builtin engine before any worker starts (kvdiag.engines.traits), without importing torch.
+    It runs wherever torch does, records no fault firing, and its process may hold any number of engines."""
 
-# What the scheduler asks without importing torch (kvdiag.engines.base.engine_traits).
-PRELOAD = ("torch", "kvdiag.engines.builtin.engine", "tokenizers")  # not transformers: tokenizer.py
+    preload = ("torch", "kvdiag.engines.builtin.engine", "tokenizers")  # not transformers: tokenizer.py
+
+    def engine_arg_names(self) -> list[str]:
+        return engine_arg_names()
+
+    def kv_dtypes(self) -> list[str]:
+        """The dtype registry's builtin dtypes (kvdiag.dtypes), listed without importing torch."""
+        from kvdiag.dtypes import BUILTIN_DTYPES
+
+        return list(BUILTIN_DTYPES)
+
+    def shared_gpu_bytes(self, model: str, engine_args: dict, weights: int) -> int:
+        """GPU memory one case takes when cases share a GPU: 2.5 x the weights (weights, activations, KV cache) +
+        1 GiB (the CUDA context)."""
+        return int(2.5 * weights) + (1 << 30)
+
+    def selftest(self) -> Catalogue:
+        """The faults compiled into the engine (faults.py), as the self-test runs them: selftest.py."""
+        from kvdiag.engines.builtin.selftest import CATALOGUE
+
+        return CATALOGUE
 
 
-def shared_gpu_bytes(model: str, engine_args: dict, weights: int) -> int:
-    """GPU memory one case takes when cases share a GPU: 2.5 x the weights (weights, activations, KV cache) + 1 GiB
-    (the CUDA context)."""
-    return int(2.5 * weights) + (1 << 30)
+TRAITS = BuiltinTraits()

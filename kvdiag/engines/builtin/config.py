@@ -10,7 +10,7 @@ from kvdiag.errors import UserError
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
-# model types of the model zoo (kvdiag.zoo) and kin -> what the builtin engine lacks for them
+# model types of the model zoo (kvdiag.models.zoo) and kin -> what the builtin engine lacks for them
 LACKS = {
     "gemma2": "per-layer sliding windows, logit soft-capping, GeGLU and sandwich norms",
     "gemma3_text": "per-layer sliding windows and local rope, GeGLU and sandwich norms",

@@ -1,7 +1,7 @@
 """CUDA graphs of the builtin engine's decode step (nano-vllm's ``capture_cudagraph``, captured lazily).
 
-A decode step is 24-odd layers of small launches whose host time (~25 ms on the H100 machine)
-dwarfs their GPU time. On CUDA, the first decode step of each batch size runs once eagerly
+A decode step is 24-odd layers of small launches whose host time dwarfs their GPU time
+(BENCHMARKS.md, round 2). On CUDA, the first decode step of each batch size runs once eagerly
 through static input buffers (compiling and warming every kernel), is captured as a graph
 into a pool the sizes share, then replayed; later steps of that size only copy their inputs
 (token ids, positions, slots, sequence lengths, block tables: one int64 buffer, one copy

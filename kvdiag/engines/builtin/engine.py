@@ -18,14 +18,15 @@ from typing import Sequence
 import torch
 
 from kvdiag import dtypes
-from kvdiag.engines.base import Capabilities, Completion, EngineSpec, KVBlockView, Scored
-from kvdiag.engines.builtin import SPEC_ARGS, cuda_graph, engine_arg_names, loader
+from kvdiag.engines.builtin import cuda_graph, loader
+from kvdiag.engines.builtin.arg_names import SPEC_ARGS, engine_arg_names
 from kvdiag.engines.builtin.block_manager import BlockManager
 from kvdiag.engines.builtin.config import ModelConfig
 from kvdiag.engines.builtin.faults import Faults
 from kvdiag.engines.builtin.kv_cache import AttnMetadata, KVCache
 from kvdiag.engines.builtin.model import Rows
 from kvdiag.engines.builtin.sampling import Request, sample, score_rows
+from kvdiag.engines.protocol import Capabilities, Completion, EngineSpec, KVBlockView, Scored
 from kvdiag.errors import UserError
 
 _WEIGHT_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -205,8 +206,8 @@ class BuiltinEngine:
     def versions(self) -> dict[str, str]:
         import transformers
 
-        from kvdiag import __version__
         from kvdiag.kernels import dispatch
+        from kvdiag.version import __version__
 
         device = self.device or torch.device("cpu")
         return {"kvdiag": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -228,8 +229,7 @@ class BuiltinEngine:
     @property
     def _token_budget(self) -> int:
         """New tokens per forward pass (``-a max_num_batched_tokens=N``), at least one whole context. Default
-        8192; 2048 on the CPU, where smaller activations stay in cache: one dtype of the default accuracy sweep
-        on one core took 12.4-12.7 s of engine time at 2048 (1024: 12.5) against 13.5-14.1 s at 8192."""
+        8192; 2048 on the CPU, where smaller activations stay in cache (docs/DESIGN.md, "Engines")."""
         default = CPU_TOKEN_BUDGET if self.device.type == "cpu" else TOKEN_BUDGET
         return max(int(self.spec.engine_args.get("max_num_batched_tokens", default)), self.max_model_len)
 

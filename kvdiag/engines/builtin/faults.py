@@ -2,7 +2,7 @@
 
 Enabled by ``EngineSpec.faults`` (names below; ``--fault`` on the command line); all are off by
 default. ``kvdiag selftest`` runs each through the checks (the catalogue, with each fault's bug class
-and intended check, is ``kvdiag/checks/selftest_plan.py``).
+and intended check, is ``kvdiag/engines/builtin/selftest.py``).
 
 Wrong results (bug class S1 and accuracy):
 

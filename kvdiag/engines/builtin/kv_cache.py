@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdiag.dtypes import BUILTIN_DTYPES
-from kvdiag.engines.base import KVLayer
+from kvdiag.engines.protocol import KVLayer
 from kvdiag.kernels import dispatch
 
 # decode splits of 512 context tokens (vLLM's partition size): each token's attention then depends on its own

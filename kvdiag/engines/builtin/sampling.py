@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from kvdiag.engines.base import Completion, Scored
+from kvdiag.engines.protocol import Completion, Scored
 
 
 class Request:

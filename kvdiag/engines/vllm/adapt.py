@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from kvdiag.engines.base import Completion, EngineSpec, Scored
+from kvdiag.engines.protocol import Completion, EngineSpec, Scored
 from kvdiag.engines.vllm.source import top_assign, vllm_source
 from kvdiag.errors import EngineUnsupported, first_line
 from kvdiag.models import weights_bytes

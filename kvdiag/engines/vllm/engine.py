@@ -24,7 +24,7 @@ import importlib.util
 import os
 from typing import Sequence
 
-from kvdiag.engines.base import Capabilities, Completion, EngineSpec, KVBlockView, Scored
+from kvdiag.engines.protocol import Capabilities, Completion, EngineSpec, KVBlockView, Scored
 from kvdiag.engines.vllm import adapt, repro
 from kvdiag.engines.vllm.sleep import RELOAD, SleepState
 from kvdiag.errors import EngineUnsupported
@@ -59,7 +59,7 @@ _REFUSALS: dict[str, str | None] = {}  # backend_refusal's answers in this proce
 
 def backend_refusal(kwargs: dict, faults=()) -> str | None:
     """``adapt.backend_refusal`` once per arguments (and faults) in this process: the answer does not change between
-    starts, and a memleak case starts the same engine every cycle (about a second each on an H100)."""
+    starts, and a memleak case starts the same engine every cycle (the check costs 1-2.4 s: BENCHMARKS.md)."""
     if kwargs.get("kv_cache_dtype", "auto") == "auto":  # the model's own dtype: the start itself says the same
         return None  # words (adapt.create_llm) as fast, and a single-start case saves the check's second
     key = repr((sorted(kwargs.items(), key=lambda kv: kv[0]), tuple(faults)))
@@ -240,7 +240,7 @@ class VllmEngine:
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        from kvdiag import __version__
+        from kvdiag.version import __version__
 
         out = {"kvdiag": __version__, "vllm": vllm.__version__, "torch": torch.__version__,
                "transformers": transformers.__version__, "vllm_platform": current_platform.device_type}

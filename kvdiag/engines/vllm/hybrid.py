@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from kvdiag.engines.base import KVState
+from kvdiag.engines.protocol import KVState
 from kvdiag.engines.vllm.cpu_layout import KVAccessError
 
 STATE_NAMES = ("conv", "ssm")  # vLLM's MambaSpec.shapes order for Mamba/Mamba-2: conv state, then SSM state

@@ -18,7 +18,7 @@ vLLM version this module does not know raises :class:`KVAccessError` with the re
 
 from __future__ import annotations
 
-from kvdiag.engines.base import KVBlockView, KVLayer
+from kvdiag.engines.protocol import KVBlockView, KVLayer
 from kvdiag.engines.vllm import hybrid
 from kvdiag.engines.vllm.cpu_layout import KVAccessError, learn
 from kvdiag.engines.vllm.hybrid import layer_order

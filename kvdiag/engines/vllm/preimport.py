@@ -5,18 +5,16 @@ instead of paying ~20 s of imports. Nothing here may initialise CUDA (a forked C
 
 It also inspects the run's model architectures once (``warm_model_info``): vLLM inspects a model class the first
 time a machine sees it in a subprocess of its own that imports vLLM again (its cache, ``~/.cache/vllm/modelinfos``,
-serves later runs). On a fresh H100 that cost every case of the first run ~25 s, the cases whose dtype no backend
-takes included (they are decided by vLLM's config checks, which inspect the model first).
+serves later runs). Without that cache every case paid for it (~25 s, docs/vllm-gpu-log.md), the cases whose dtype
+no backend takes included (they are decided by vLLM's config checks, which inspect the model first).
 """
 
 from __future__ import annotations
 
 import importlib
-import json
-import os
 
-from kvdiag.engines.vllm import MODELS_ENV
 from kvdiag.engines.vllm.engine import import_vllm
+from kvdiag.engines.vllm.server_env import run_models
 from kvdiag.models import config
 
 # Imported by vllm.LLM() and the first generate; each is optional (vLLM moves them between releases).
@@ -25,7 +23,9 @@ MODULES = ("vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.
            "vllm.v1.worker.gpu.model_runner",
            "vllm.model_executor.models.llama", "vllm.model_executor.model_loader",
            "vllm.v1.attention.backends.flash_attn", "vllm.v1.attention.backends.triton_attn",
-           "vllm.v1.sample.sampler", "transformers", "lm_eval.evaluator", "kvdiag.evaluation.lm_eval_adapter")
+           "vllm.v1.sample.sampler", "transformers", "lm_eval.evaluator")
+# kvdiag's own modules (the checks, the lm_eval adapter) are the fork server's preload for every engine
+# (kvdiag.run.scheduling.preload), not named here: this layer may not import them.
 
 import_vllm()
 for _name in MODULES:
@@ -69,4 +69,4 @@ def warm_model_info(models: list[str]) -> list[str]:
     return done
 
 
-WARMED = warm_model_info(json.loads(os.environ.get(MODELS_ENV) or "[]"))
+WARMED = warm_model_info(run_models())

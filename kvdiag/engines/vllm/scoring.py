@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from kvdiag.engines.base import Scored
+from kvdiag.engines.protocol import Scored
 from kvdiag.engines.vllm import adapt
 
 CHUNK = 16  # the fewest tokens a step of a request scored in chunks (vLLM's default block size)

@@ -34,7 +34,7 @@ def _dtype_name(dtype, module) -> str:
 def mamba_state_bytes(spec) -> int:
     """A Mamba layer's state bytes per sequence, without the padding that makes its page an attention page's size:
     ``real_page_size_bytes`` where vLLM has it (0.32), else the states' own sum (vLLM 0.24's MambaSpec has only the
-    padded ``page_size_bytes``; on the H100 the audit failed with AttributeError)."""
+    padded ``page_size_bytes``)."""
     import math
 
     real = getattr(spec, "real_page_size_bytes", None)

@@ -1,7 +1,7 @@
 """Bugs re-introduced into the running vLLM, each by patching the code point of vLLM's real fix, so that
 ``kvdiag selftest -e vllm`` shows, on the vLLM a user has installed, that each check still sees the bug class it
 exists for (issue 28). The builtin engine's faults are ``kvdiag/engines/builtin/faults.py``; the self-test's plan of
-these (checks, dtypes, model) is ``kvdiag/checks/selftest_vllm.py``.
+these (checks, dtypes, model) is ``kvdiag/engines/vllm/selftest.py``.
 
 ====================================  =====  ======================================================  ===============
 fault                                 class  code point (module: name)                               intended check
@@ -21,7 +21,7 @@ versions it applies to and its intended check. Each patch records that it fired 
 actually ran. kvdiag applies the faults a case names in its worker, at ``VllmEngine.start``, before ``vllm.LLM``;
 the self-test puts what fired into the case record and never counts a fault that did not fire as caught.
 
-A plain script applies the same patches (the GPU session's plain-vLLM probes)::
+A plain script applies the same patches::
 
     import os; os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from kvdiag.engines.vllm.faults import apply, fired
@@ -116,8 +116,8 @@ def vllm_version() -> str | None:
 # Faults whose patch changed nothing observable in the plain probe (tests/vllm_fault_probe.py) on a vLLM release:
 # not faults there (issue 28: "a patch that changes nothing observable is not a fault"). {name: (version prefix, why)}
 NO_EFFECT = {wake.FP8_NOT_RESET: ("0.24.", "its patch fired and changed nothing observable in a plain vLLM script on "
-                                           "CUDA (an H200, fp8, a level-2 wake: the same tokens, finite logprobs, "
-                                           "2026-11-26), so it is no fault on this release")}
+                                           "CUDA (fp8, a level-2 wake: the same tokens, finite logprobs; "
+                                           "docs/vllm-findings.md), so it is no fault on this release")}
 
 
 def applicability(name: str, cpu: bool) -> str | None:

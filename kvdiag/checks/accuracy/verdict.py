@@ -1,0 +1,87 @@
+"""The accuracy analysis in the parent: every dtype's documents paired with the baseline's, the paired test, the
+drift, and a verdict per dtype (``checks/verdicts.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvdiag.checks import drift
+
+
+def artifact_path(run, rec, kind: str) -> Path:
+    return Path(run.run_dir) / "artifacts" / rec.metrics["artifacts"][kind]
+
+
+def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float | None = None,
+            min_top1: float | None = None) -> None:
+    """Compare every dtype's case with the baseline case; set verdicts, statuses, findings, run.analysis."""
+    from kvdiag.checks import verdicts
+    from kvdiag.results import append_jsonl
+
+    for rec in run.cases:
+        verdicts.reset(rec)
+    base = next((c for c in run.cases if c.kv_dtype == baseline and c.params.get("role") == "baseline"), None)
+    rows, changed, by_position = [], [], []
+    base_ok = base is not None and base.status == "pass"
+    base_samples = json.loads(artifact_path(run, base, "samples").read_text()) if base_ok else {}
+    base_probe = drift.load(artifact_path(run, base, "drift")) if base_ok else None
+    for rec in run.cases:
+        if rec is base:
+            rows += verdicts.baseline_rows(rec)
+            changed.append(rec)  # its verdict 'baseline' goes into results.jsonl too
+        elif (wrong := drift.wrongly_refused(rec, base)) is not None:
+            rec.status = "fail"
+            rec.add("error", "wrong", wrong)
+            rows += verdicts.failed_rows(rec)
+            changed.append(rec)
+        elif rec.status != "pass":
+            d = _kept_drift(run, rec, base, base_probe, max_kl, min_top1)
+            if d is not None:  # a case whose worker died after its drift probe: its drift is shown and judged
+                verdicts.add_unchanged(rec, base, d)
+                by_position += [r for r in [verdicts.position_row(rec)] if r]
+                changed.append(rec)
+            rows += verdicts.failed_rows(rec)
+        elif not base_ok:
+            rec.status = "error"
+            rec.add("error", "no_baseline", f"baseline dtype '{baseline}' did not finish; nothing to compare with")
+            rows += verdicts.failed_rows(rec)
+            changed.append(rec)
+        else:
+            samples = json.loads(artifact_path(run, rec, "samples").read_text())
+            d = drift.compare(base_probe, drift.load(artifact_path(run, rec, "drift")))
+            lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"),
+                                   compiled=drift.compiled_pair(rec, base), max_kl=max_kl, min_top1=min_top1)
+            rows += verdicts.judge_case(rec, base, base_samples, samples, d, lim, max_drop=max_drop, alpha=alpha)
+            verdicts.add_unchanged(rec, base, d)
+            by_position += [r for r in [verdicts.position_row(rec)] if r]
+            changed.append(rec)
+    for rec in changed:
+        append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
+    run.analysis["accuracy"] = {"baseline": baseline, "max_drop": max_drop, "alpha": alpha, "rows": rows,
+                                "drift_by_position": by_position, "timings": total_timings(run.cases)}
+
+
+def _kept_drift(run, rec, base, base_probe, max_kl, min_top1) -> dict | None:
+    """The drift of a case that did not pass but kept its drift probe (``WorkerContext.keep``: its worker died in
+    lm_eval), against the baseline's, judged by its family's limits (``verdicts.judge_kept``); None without one."""
+    from kvdiag.checks import verdicts
+
+    name = (rec.metrics.get("artifacts") or {}).get("drift")
+    path = Path(run.run_dir) / "artifacts" / name if name else None
+    if base_probe is None or path is None or not path.exists():
+        return None
+    d = drift.compare(base_probe, drift.load(path))
+    lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"), compiled=drift.compiled_pair(rec, base),
+                           max_kl=max_kl, min_top1=min_top1)
+    verdicts.judge_kept(rec, d, lim)
+    return d
+
+
+def total_timings(cases) -> dict:
+    """Seconds summed over the cases, per phase (startup = spawn + imports)."""
+    out: dict = {}
+    for c in cases:
+        for k, v in (c.metrics.get("timings") or {}).items():
+            out[k] = round(out.get(k, 0.0) + v, 3)
+    return out

@@ -1,0 +1,134 @@
+"""What every check's cases are made of, validated before any worker starts (bad input: UserError, exit 2): a
+``Target`` (engine, model, kv dtypes, device, engine arguments, faults, isolation) resolved, and a sweep against a
+baseline dtype (accuracy, dtypes). ``registry.check_cases`` is the one entry the commands and `kvdiag ci` call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvdiag.engines.args import parse_engine_args
+from kvdiag.errors import UserError
+
+SHIPPED_MODEL = "tiny-llama"
+
+
+def default_model() -> str:
+    from kvdiag.assets import TINY_MODEL
+
+    return str(TINY_MODEL)
+
+
+def resolve_model(model: str | None) -> str:
+    """The shipped model when None, else a checked local folder: the folder given, or a hub id's snapshot in the
+    Hugging Face cache (kvdiag.models). Resolved here, once, so that the workers only see a folder."""
+    if model is None:
+        return default_model()
+    from kvdiag.evaluation.lm_eval_options import refuse_backend
+    from kvdiag.models import resolve
+
+    refuse_backend(model)
+
+    return resolve(model)
+
+
+def engine_model(engine: str, model: str | None) -> str:
+    """:func:`resolve_model`, and for the builtin engine the model's architecture checked too, so that a model it
+    does not run (a zoo model of another family, say) is one line and exit 2 before any worker starts."""
+    folder = resolve_model(model)
+    if engine == "builtin" and model is not None:
+        from kvdiag.engines.builtin.config import ModelConfig
+
+        try:
+            ModelConfig.from_path(folder)
+        except UserError as e:
+            raise UserError(f"model {model}: {e}") from None
+    return folder
+
+
+def resolve_kv_dtypes(engine: str, user: list[str] | None, *, default_all: bool = True) -> list[str]:
+    from kvdiag import dtypes
+    from kvdiag.engines.base import engine_dtypes, resolve_engine
+
+    engine = resolve_engine(engine)
+    valid = engine_dtypes(engine)
+    if not user:
+        return dtypes.sweep_names(valid) if default_all else ["auto"]
+    out = []
+    for u in user:
+        for part in u.split(","):
+            if part.strip():
+                name = dtypes.resolve(part, valid, engine)
+                if name not in out:
+                    out.append(name)
+    return out
+
+
+def resolve_faults(engine: str, names: list[str] | None) -> list[str]:
+    """--fault names for the builtin engine, aliases expanded and validated (UserError otherwise)."""
+    if not names:
+        return []
+    if engine != "builtin":
+        raise UserError("--fault works with the builtin engine only")
+    from kvdiag.engines.builtin.faults import Faults
+
+    return list(Faults.parse(names).enabled)
+
+
+@dataclass
+class Target:
+    """What a check's cases run on, as the user gave it (validated by the builders): the engine, the model (None:
+    the shipped one), the kv dtypes (None: every dtype the engine supports), the device, ``key=value`` engine
+    arguments, builtin-engine faults, and whether the cases share one worker (``isolate="run"``)."""
+
+    engine: str = "builtin"
+    model: str | None = None
+    kv_dtypes: list[str] | None = None
+    device: str = "auto"
+    engine_args: list[str] | None = None
+    faults: list[str] | None = None
+    isolate: str = "case"
+
+    def __post_init__(self):
+        self.isolate = getattr(self.isolate, "value", self.isolate)  # the CLI's Isolate enum
+
+
+@dataclass
+class Sweep:
+    engine: str
+    model: str
+    kv_dtypes: list[str]  # the baseline first
+    baseline: str
+    spec: dict  # EngineSpec fields for case.params
+
+
+def resolve_sweep(target: Target, baseline: str, *, all_names=False) -> Sweep:
+    """Validate everything a sweep needs before any worker starts (bad input: UserError, exit 2)."""
+    from kvdiag import dtypes
+    from kvdiag.engines.base import check_engine_args, engine_dtypes, resolve_engine
+    from kvdiag.errors import UserError
+
+    engine = resolve_engine(target.engine)
+    engine_args = check_engine_args(engine, parse_engine_args(target.engine_args))
+    model = engine_model(engine, target.model)
+    valid = engine_dtypes(engine)
+    names = resolve_kv_dtypes(engine, target.kv_dtypes) if target.kv_dtypes or not all_names else list(valid)
+    try:
+        base = dtypes.resolve(baseline, valid, engine)
+    except UserError as e:
+        raise UserError(f"--baseline: {e}") from None
+    spec = {"device": target.device, "engine_args": engine_args, "faults": resolve_faults(engine, target.faults)}
+    return Sweep(engine, model, [base] + [d for d in names if d != base], base, spec)
+
+
+def sweep_cases(check: str, target: str, sweep: Sweep, params: dict, isolate) -> list:
+    """One case per dtype of the sweep, the baseline first (role 'baseline'), the others 'test'."""
+    from kvdiag.case import Case
+    from kvdiag.models import label
+
+    group = check if isolate == "run" else None
+    name = label(sweep.model)  # a hub snapshot's repo name, not its commit hash
+    return [Case(check, sweep.engine, sweep.model, d, target, group=group, id=f"{check}/{sweep.engine}/{name}/{d}",
+                 params={**sweep.spec, **params, "role": "baseline" if d == sweep.baseline else "test"})
+            for d in sweep.kv_dtypes]
+
+

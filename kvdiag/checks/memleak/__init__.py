@@ -1,0 +1,47 @@
+"""``memleak``: after an in-process engine shuts down, is the memory back, and if not, what holds it (bug class S4)?
+
+Per kv dtype, in a fresh worker: a baseline snapshot, then each cycle creates and starts a new engine, runs a
+short workload (prefill + decode of a few prompts), snapshots, shuts the engine down, cleans up (``gc.collect``,
+``torch.cuda.empty_cache`` on CUDA) and snapshots again (waiting up to ``SETTLE_S`` while new tensors are still
+alive: an engine's thread may drop its last references late), still holding the engine object: what ``shutdown()``
+did not release is named as held by it. The engine's memory is that of every process it started, on every GPU it
+uses (``kvdiag/measure/processes.py``). :func:`judge` gives the verdict, one policy for every engine
+(docs/DESIGN.md, "memleak"):
+
+- *Retention*: after every shutdown, the first included, memory beyond the baseline on CUDA allocated / reserved
+  or live tensor bytes must stay within max(64 MiB, 5% of the engine's peak) (``--threshold``), the driver's
+  views (its used memory, NVML's for the engine's processes) within that plus 128 MiB: the CUDA runtime's own
+  memory outside torch's allocator, which a process keeps once kernels have run (kernel code, library handles;
+  the figure: docs/DESIGN.md, "memleak"). One cycle is enough to fail.
+  The finding names the holder: Python referrers, the engine's own pools (vLLM's sleep-mode allocator), CUDA
+  private pools (CUDA graphs), processes the engine left running, else "held outside Python objects".
+- *Growth*: the exact measures (tensor bytes, CUDA allocated, CUDA reserved) may not grow by more than 4 MiB in
+  every step from one cycle to the next; the noisy ones (RSS, driver used, NVML) by more than max(16 MiB, 1% of
+  the peak) in every step.
+- *Survivors* (tensors the census sees that the baseline did not have): the same small set every cycle is a
+  warning with its holder; a set whose count or bytes grow every cycle fails.
+- *Sized by the KV cache*: any surviving storage of at least 1% of the engine's KV cache fails, whatever its size
+  (``kv_scaled.py``): it grows with the user's cache.
+- *The KV cache by identity*: any storage of the engine's KV cache or scale tensors (its ``kv_blocks()`` view
+  during the workload) still alive after shutdown fails, whatever its size, with its holder (``kv_identity.py``).
+- *Restart impossible*: an engine that started once and cannot start again in this process (vLLM sleep mode on
+  CUDA) fails with the engine's message; the cycles before it are judged.
+- Objects left frozen by ``gc.freeze()`` fail.
+- *Processes* the engine started and did not stop: ``leftover.py``.
+
+Files: ``params.py`` (its options), ``run.py`` (the worker: cycles and snapshots), ``verdict.py`` (:func:`judge`:
+the policy above), ``kv_identity.py``, ``kv_scaled.py``, ``surviving.py``, ``leftover.py`` and ``restart.py`` (what
+survived, and why), ``view.py`` (the terminal table), ``plots.py`` (report.html), ``compare.py`` (``kvdiag
+compare``).
+"""
+
+from __future__ import annotations
+
+from kvdiag.checks.check import Check
+from kvdiag.checks.memleak.params import HELP, LeakParams
+
+CHECK = Check("memleak", "kvdiag.checks.memleak.run:run", LeakParams, help=HELP,
+              isolate=False, render="kvdiag.checks.memleak.view:render",
+              plots="kvdiag.checks.memleak.plots:plots",
+              compare="kvdiag.checks.memleak.compare:rows",
+              selftest={"cycles": 2, "num_prompts": 2, "max_tokens": 4, "num_blocks": 16})

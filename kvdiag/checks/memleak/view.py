@@ -1,0 +1,87 @@
+"""The memleak check's terminal table: memory per kv dtype, cycle and stage, then the findings."""
+
+from __future__ import annotations
+
+COLUMNS = (("cycle", "cycle"), ("stage", "stage"), ("tensors", "tensors"), ("tensor_mib", "tensor MiB"),
+           ("rss_mib", "RSS MiB"), ("cuda_allocated_mib", "CUDA alloc"), ("cuda_reserved_mib", "CUDA reserved"),
+           ("driver_used_mib", "driver used"), ("nvml_process_mib", "NVML proc"), ("frozen", "frozen"))
+
+
+def render(run, con) -> None:
+    """One table of dtype x cycle x stage (only the columns this run measured: a CPU run has no CUDA ones), then the
+    findings (holders with their chains). Numbers are never cut: a terminal too narrow for one row per snapshot with
+    its dtype gets the dtype as a heading row above its snapshots, and the headers wrap instead."""
+    from rich.markup import escape
+
+    from kvdiag.render.cells import natural_width, status_text
+
+    cols = [(key, label) for key, label in COLUMNS
+            if key in ("cycle", "stage") or any(row.get(key) is not None
+                                                for c in run.cases for row in c.metrics.get("snapshots") or ())]
+    for grouped, padding in ((False, 1), (True, 1), (True, 0)):  # the first that fits, else the narrowest
+        t = memleak_table(run.cases, cols, grouped, padding)
+        if natural_width(con, t) <= con.width:
+            break
+    con.print(t)
+    for c in run.cases:
+        th = c.metrics.get("threshold_mib")
+        head = f"[bold]{c.kv_dtype}[/] ({status_text(c.status)}" + (f", threshold {th:.1f} MiB)" if th else ")")
+        shown = [f for f in c.findings if f.kind != "one_time_cost" or c.status == "pass"]
+        if not shown:
+            continue
+        con.print(head)
+        for f in shown:
+            con.print(f"  {f.severity}: {f.kind}: {escape(f.message)}")
+            if f.evidence.get("path") and f.evidence["path"] != "?":
+                con.print(f"    path: {escape(f.evidence['path'])}")
+
+
+def memleak_table(cases, cols: list[tuple[str, str]], grouped: bool, padding: int = 1):
+    """grouped: the dtype and status on a row of their own above their snapshots (cycle and stage in the first
+    column) and each number column as wide as its longest number or header word, so that only headers wrap;
+    padding 0: one space between columns (what a GPU run's four device columns need at 80 columns)."""
+    from rich import box
+    from rich.table import Table
+
+    from kvdiag.render.cells import status_text
+
+    title = "memleak: memory per kv dtype, cycle and stage"
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD if grouped else box.HEAVY_HEAD,
+              pad_edge=not grouped, show_edge=not grouped, collapse_padding=grouped, padding=(0, padding))
+    rows = [(c, i, row) for c in cases for i, row in enumerate(c.metrics.get("snapshots") or [{}])]
+    numbers = [(key, label) for key, label in cols if not (grouped and key in ("cycle", "stage"))]
+    if grouped:
+        names = [f"{c.kv_dtype} {c.status}" for c in cases] + [_stage(row) for _, _, row in rows]
+        t.add_column("kv dtype / cycle stage", no_wrap=True, min_width=max(map(len, names), default=4) + 1)
+    else:
+        t.add_column("kv dtype", no_wrap=True)
+        t.add_column("status")
+    for key, label in numbers:
+        cells = [_cell(key, row.get(key)) for _, _, row in rows]
+        least = max([len(x) for x in cells] + [len(w) for w in label.split()])
+        t.add_column(label, justify="left" if key == "stage" else "right", overflow="fold", min_width=least,
+                     width=least if grouped else None)  # fixed: rich's shrinking of wide columns can cut others
+    for c, i, row in rows:
+        last = i == len(c.metrics.get("snapshots") or [{}]) - 1
+        cells = [_cell(key, row.get(key)) for key, _ in numbers]
+        if not grouped:
+            t.add_row(c.kv_dtype if i == 0 else "", status_text(c.status) if i == 0 else "", *cells,
+                      end_section=last)
+            continue
+        if i == 0:
+            t.add_row(f"[bold]{c.kv_dtype}[/] {status_text(c.status)}", *[""] * len(cells),
+                      end_section=last and not row)
+        if row:  # a case without snapshots (crashed, unsupported): its heading says all
+            t.add_row(f" {_stage(row)}", *cells, end_section=last)
+    return t
+
+
+def _cell(key: str, v) -> str:
+    """MiB from 1000 up as whole MiB (16058, not fmt_value's 1.606e+04: narrower, and exact enough for a leak)."""
+    from kvdiag.render.cells import fmt_value
+
+    return f"{v:.0f}" if key.endswith("_mib") and isinstance(v, (int, float)) and abs(v) >= 1000 else fmt_value(v)
+
+
+def _stage(row: dict) -> str:
+    return f"{row.get('cycle', '-')} {row.get('stage', '-')}"

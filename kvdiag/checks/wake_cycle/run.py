@@ -1,0 +1,182 @@
+"""The wake_cycle check in the worker (the registry's target)."""
+
+from __future__ import annotations
+
+from kvdiag.checks import greedy, kv_tensors
+from kvdiag.checks.common import (
+    device_info,
+    engine_failed,
+    engine_spec,
+    failure_evidence,
+    spec_starter,
+    start_or_record,
+)
+from kvdiag.checks.wake_cycle import mem_probe
+from kvdiag.checks.wake_cycle.params import WakeParams
+from kvdiag.errors import EngineUnsupported, first_line
+
+FREED_MIN = 0.9  # asleep, at least this fraction of the expected bytes must be gone
+RESTORE_TOL = 0.1  # awake, memory within this fraction of the freed bytes of its level before sleep
+
+
+CYCLES = "sleep/wake cycles"  # the case's stage after its engine started
+
+
+def run(case, ctx):
+    """Case function (runner target ``kvdiag.checks.wake_cycle.run:run``). The record's ``seconds``: the engine's
+    start, the cycles (with the reference outputs) and its shutdown, as tests/vllm_gpu_probe.py's ``wake`` mode
+    times the same phases of a plain script."""
+    import time
+
+    p = WakeParams.from_case(case)
+    t0 = time.perf_counter()
+    ctx.stage(case, "engine start")
+    engine, failed = start_or_record(case, spec_starter(engine_spec(case, enable_sleep=True)), alone=True)
+    if failed is not None:
+        return failed
+    t1 = time.perf_counter()
+    rec = None
+    try:
+        caps = engine.capabilities
+        if p.level not in caps.sleep_levels:
+            levels = ", ".join(map(str, caps.sleep_levels)) or "none"
+            why = caps.sleep_reason or f"sleep level {p.level} unsupported (levels: {levels})"
+            return greedy.unsupported(case, why)
+        ctx.stage(case, CYCLES)
+        rec = _run_cycles(case, engine, p)
+    except Exception as e:  # noqa: BLE001 - the engine raised in a cycle (a device fault after a wake): crashed there
+        rec = engine_failed(case, e, CYCLES)
+    finally:
+        t2 = time.perf_counter()
+        try:
+            engine.shutdown()
+        except Exception:  # after a crash the shutdown may fail too: the crash is the case's record
+            if rec is None or rec.status != "crashed":
+                raise
+    rec.metrics["seconds"] = {"start": round(t1 - t0, 3), "cycles": round(t2 - t1, 3),
+                              "shutdown": round(time.perf_counter() - t2, 3)}
+    return rec
+
+
+def _run_cycles(case, engine, p: WakeParams):
+    prompts = greedy.prompt_texts(case.model, case.params.get("num_prompts"))
+    base = engine.generate(prompts, p.max_tokens, greedy=True)
+    expected = _expected_bytes(engine, p.level)
+    rec = case.result("pass", metrics={"level": p.level, "staged": p.staged, "prompts": len(prompts),
+                                       "max_tokens": p.max_tokens, **expected, "cycles": []},
+                      environment={**device_info(), **engine.versions()})
+    if expected["device"] is None:  # the cache lives in the engine's worker processes (vLLM with several GPUs)
+        rec.add("info", "kv_not_scanned", f"the KV cache is out of reach ({engine.capabilities.kv_access_reason}): "
+                "its slots are not scanned and no size is expected; memory is judged on what the engine's "
+                "processes hold on its GPUs (NVML), outputs token for token")
+    pre = greedy.compare(base, base)
+    if pre.nonfinite:
+        rec.add("error", "nan_output", f"before any sleep: {pre.nonfinite} non-finite logprobs, "
+                                       f"first {pre.first_nonfinite}")
+    for n in range(1, p.cycles + 1):
+        try:
+            row, problems = _cycle(engine, n, p, prompts, base, expected["expected_bytes"])
+        except EngineUnsupported as e:
+            return greedy.unsupported(case, str(e))
+        except Exception as e:  # noqa: BLE001 - an engine raising mid-cycle is what this check looks for
+            ev = failure_evidence(case, e, CYCLES, sleep_level=p.level)
+            where = f" (raised in {ev['where']})" if "where" in ev else ""
+            rec.add("error", "engine_error", f"cycle {n}: {type(e).__name__}: {first_line(e)}"[:400] + where,
+                    **ev, cycle=n)
+            break
+        rec.metrics["cycles"].append(row)
+        for kind, message in problems:
+            _add_once(rec, kind, message, n)
+    rec.status = "fail" if any(f.severity == "error" for f in rec.findings) else "pass"
+    return rec
+
+
+def _expected_bytes(engine, level: int) -> dict:
+    view = engine.kv_blocks()
+    kv = kv_tensors.kv_bytes(view) if view is not None else None
+    device = view.layers[0].k.device if view is not None else None
+    del view  # no reference of ours may keep the cache alive while the engine sleeps
+    weights = mem_probe.weight_bytes(engine, device)
+    weights_leave = level == 2 or (device is not None and device.type != "cpu")
+    parts = [kv, weights if weights_leave else 0]
+    return {"device": str(device) if device is not None else None, "expected_kv_bytes": kv,
+            "expected_weight_bytes": weights, "weights_leave_device": weights_leave,
+            "expected_bytes": None if None in parts else sum(parts)}
+
+
+def _cycle(engine, n: int, p: WakeParams, prompts, base, expected: int | None) -> tuple[dict, list]:
+    """One sleep/wake cycle: its table row and its problems [(kind, message)]."""
+    device = _scrub(engine)
+    if device.type == "cuda":  # kvdiag's own temporaries (scrub, the last scan) out of the caching allocator's
+        import torch  # cache: the sleep's empty_cache would free them and the wake never bring them back
+
+        torch.cuda.empty_cache()
+    before = mem_probe.measure(device, "before", n)
+    engine.sleep(p.level)
+    asleep = mem_probe.measure(device, "asleep", n)
+    for tags in ([["weights"], ["kv_cache"]] if p.staged else [None]):
+        engine.wake_up(tags)
+    awake = mem_probe.measure(device, "awake", n)
+    mem = mem_probe.judge(device, before, asleep, awake, expected, FREED_MIN, RESTORE_TOL)
+    view = engine.kv_blocks()
+    marks = kv_tensors.slot_fingerprint(view) if view is not None else None
+    out = engine.generate(prompts, p.max_tokens, greedy=True)
+    diff = greedy.compare(base, out)
+    scan = _scan_written(view, marks) or kv_tensors.SlotScan()
+    problems = mem.problems + _output_problems(diff, scan, p, prompts, engine)
+    row = {"cycle": n, "level": p.level, "staged": p.staged, **mem.row(), "identical": diff.identical,
+           "max_dlogprob": diff.max_dlogprob, "nonfinite_logprobs": diff.nonfinite, "kv_slots_scanned": scan.slots,
+           "kv_nonfinite": scan.nonfinite, "kv_bad_scales": scan.bad_scales, "first_difference": diff.first or None,
+           "problems": [k for k, _ in problems]}
+    return row, problems
+
+
+def _output_problems(diff, scan, p: WakeParams, prompts, engine) -> list:
+    problems = []
+    if not diff.identical:
+        problems.append(("divergence", greedy.describe(diff, prompts, engine.decode)))
+    elif diff.exceeds(p.logprob_tol):
+        problems.append(("logprob_drift", f"tokens identical but max |Δ logprob| {diff.max_dlogprob:.3g} "
+                                          f"> {p.logprob_tol:g}"))
+    if diff.nonfinite:
+        problems.append(("nan_output", f"{diff.nonfinite} non-finite logprobs, first {diff.first_nonfinite}"))
+    if not scan.ok:
+        problems.append(("nan_kv", f"KV cache after wake: {scan.nonfinite} slots with NaN/Inf K/V, "
+                                   f"{scan.bad_scales} bad scales; first at {scan.first}"))
+    return problems
+
+
+def _scrub(engine):
+    """Zero the free blocks of the cache about to be dropped (a correct engine never reads them
+    again); returns the cache's device."""
+    import torch
+
+    view = engine.kv_blocks()
+    if view is None:  # out of reach: the case's device (a GPU where one is visible, unless it says cpu)
+        spec = getattr(engine, "spec", None)
+        cuda = torch.cuda.is_available() and getattr(spec, "device", "auto") != "cpu"
+        return torch.device("cuda" if cuda else "cpu")
+    kv_tensors.fill_blocks(view, view.free_blocks(), "zero")
+    return view.layers[0].k.device
+
+
+def _scan_written(view, marks):
+    """Scan the slots the regeneration wrote (fingerprint changed) and those of blocks still held."""
+    if view is None:
+        return None
+    import torch
+
+    changed = (kv_tensors.slot_fingerprint(view) != marks).nonzero().flatten()
+    held = kv_tensors.block_slots(view.used_blocks(), view.block_size)
+    return kv_tensors.scan_slots(view, torch.unique(torch.cat([changed, held])))
+
+
+def _add_once(rec, kind: str, message: str, cycle: int) -> None:
+    """One finding per kind: the first cycle's message; later cycles extend its evidence."""
+    for f in rec.findings:
+        if f.kind == kind:
+            f.evidence["cycles"].append(cycle)
+            return
+    rec.add("error", kind, f"cycle {cycle}: {message}", cycles=[cycle])
+
+

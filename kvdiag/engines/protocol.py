@@ -1,0 +1,130 @@
+"""The runtime contract of an engine: the :class:`Engine` protocol every check uses in a worker (start, generate,
+score, sleep, wake_up, kv_blocks, versions, shutdown) and its data types. What kvdiag asks an engine before any
+worker starts is its traits (``traits.py``); how an engine is found by name is ``base.py``, which re-exports all of
+this (``from kvdiag.engines.base import EngineSpec`` is how the rest of kvdiag imports it; an engine's own modules
+import it from here, below the registry that names them). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+
+@dataclass
+class EngineSpec:
+    """How to start an engine. Every engine reads the fields it understands."""
+
+    model: str
+    kv_cache_dtype: str = "auto"
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory
+    kv_cache_memory: int = 64 << 20  # bytes for the KV cache when num_blocks is None
+    max_num_seqs: int = 64
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # model weights dtype: auto (checkpoint) | bfloat16 | float16 | float32
+    seed: int = 0
+    enable_sleep: bool = False
+    prefix_caching: bool | None = None  # None: the engine's default (vLLM: on); engines without it ignore it
+    faults: tuple[str, ...] = ()  # bug classes to re-introduce (self-test; builtin and vllm: each engine's own names)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # --engine-arg key=value
+
+
+@dataclass
+class Capabilities:
+    kv_dtypes: tuple[str, ...]
+    sleep_levels: tuple[int, ...] = ()
+    sleep_reason: str | None = None  # why sleep is unsupported, in the engine's words
+    kv_access: bool = False  # kv_blocks() gives the cache tensors (poison, NaN scans)
+    kv_access_reason: str | None = None
+    full_logits: bool = False  # score(top_k=-1) returns the whole distribution
+    max_logprobs: int = 20
+
+
+@dataclass
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each generated token
+    top_logprobs: list[dict[int, float]] | None = None  # per generated token, when logprobs > 0
+    text: str = ""
+    finish_reason: str = "length"  # length | stop
+
+
+@dataclass
+class Scored:
+    """Teacher-forced scores of one continuation after its context."""
+
+    logprobs: list[float]  # logprob of each continuation token
+    is_greedy: bool  # every continuation token was the argmax
+    top_logprobs: list[dict[int, float]] | None = None  # per continuation token, when top_k > 0
+    distributions: Any = None  # torch.Tensor [len(continuation), vocab] of logprobs, when top_k == -1
+    context_from_cache: int | None = None  # context tokens read back from the KV cache (None: not said)
+
+
+@dataclass
+class KVLayer:
+    """One layer's cache tensors in the layout of docs/DESIGN.md, "Cache layout"."""
+
+    k: Any  # [num_blocks, block_size, num_kv_heads, head_size]
+    v: Any  # the same; an MLA layer (one head): k its latent, v the key's rope part
+    k_scale: Any = None  # [num_blocks, block_size, num_kv_heads] float32, per-token-head dtypes
+    v_scale: Any = None
+
+
+@dataclass
+class KVState:
+    """One state layer's tensors (a Mamba layer's conv and SSM state), each ``[num_blocks, ...]``: one state per
+    block, indexed by the same block ids as the attention layers' K/V (a hybrid model's groups share one pool)."""
+
+    name: str  # e.g. "model.layers.0.mixer"
+    tensors: dict[str, Any]  # e.g. {"conv": [num_blocks, 3, 640] bf16, "ssm": [num_blocks, 8, 64, 64] fp32}
+
+
+def _no_blocks() -> set[int]:
+    return set()
+
+
+@dataclass
+class KVBlockView:
+    block_size: int
+    num_blocks: int
+    layers: list[KVLayer]
+    free_blocks: Callable[[], list[int]]  # ids of the blocks no sequence holds now
+    used_blocks: Callable[[], list[int]]
+    # Hybrid models: the state layers, and the blocks last handed to a state group. Their pages may be the same
+    # bytes as the attention layers' pages of that block id (vLLM overlays the groups): a block holds K/V or
+    # states, never both, so K/V of a state block (and states of a K/V block) are not read as values.
+    states: list[KVState] = field(default_factory=list)
+    state_blocks: Callable[[], set[int]] = _no_blocks
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def start(self, spec: EngineSpec) -> None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_tokens: int, *, greedy: bool = True,
+                 logprobs: int = 0, seed: int | None = None, stop: Sequence[str] = ()) -> list[Completion]: ...
+
+    def score(self, contexts: Sequence[str | Sequence[int]], continuations: Sequence[str | Sequence[int]], *,
+              top_k: int = 0) -> list[Scored]: ...
+
+    def sleep(self, level: int) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    def kv_blocks(self) -> KVBlockView | None: ...
+
+    def versions(self) -> dict[str, str]: ...
+
+    def shutdown(self) -> None: ...

