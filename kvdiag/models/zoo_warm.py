@@ -2,7 +2,7 @@
 
 The hybrid preset keeps tiny-llama's four attention+MLP layers, in order, and inserts its state layers (Mamba-2)
 between them as identities: their output projection and their MLP's output projection are zero, so the new model
-computes tiny-llama's function exactly (``tests/test_zoo_warm.py`` holds the two forwards to each other).
+computes tiny-llama's function exactly (``tests/unit/test_zoo_warm.py`` holds the two forwards to each other).
 ``scripts/train_tiny_model.py --arch granite-hybrid`` then fine-tunes the whole model on the recall tasks; Adam's
 first steps move the zero projections as far as any other weight, so the state layers end up in the computation
 (the training log records how much the model's answers change when they are zeroed again).

