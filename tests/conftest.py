@@ -96,7 +96,7 @@ def installed(tmp_path_factory):
 def pytest_collection_modifyitems(config, items):
     """For pytest-xdist's ``--dist loadgroup`` (the README's test command): a module whose tests share a module
     fixture, or the wheel's fresh venv (``installed``), runs whole in one worker, so that each is built once (and its
-    module-level caches are hit); every other test goes to whichever worker is free."""
+    module-level caches are hit); every other test goes to whichever worker is free, the slow ones first."""
     groups: dict = {}
     for item in items:
         defs = getattr(item, "_fixtureinfo", None)
@@ -108,3 +108,5 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in groups:
             item.add_marker(pytest.mark.xdist_group(groups[item.module.__name__]))
+    # the slow tests first (a stable sort): two workers finish together when the long ones do not come last
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

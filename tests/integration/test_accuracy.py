@@ -209,7 +209,7 @@ def test_a_crashed_baseline_leaves_nothing_to_compare(tmp_path):
 
 # ------------------------------------------------------------------ the real command, shipped model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def kvdiag(*args, env=None):

@@ -10,7 +10,7 @@ import sys
 import pytest
 from accuracy_runs import DTYPES, TASKS, recall_run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def table(run_dir, columns: int) -> str:

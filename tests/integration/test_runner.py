@@ -112,9 +112,10 @@ def test_the_fork_server_starts_with_the_workers_env(tmp_path):
     # OpenMP reads OMP_WAIT_POLICY once, when the fork server's preloaded torch loads it: the server itself
     # must start with the workers' env, and kvdiag's own environment must be left as it was. (In a fresh
     # process: a fork server lives as long as the process that started it.)
+    SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
     script = f"""if True:
         import os, sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path[:0] = [{os.path.dirname(__file__)!r}, {SUPPORT!r}]
         from test_runner import case
         from kvdiag.run.runner import run_cases
         recs = run_cases([case("server_env", 0)], {str(tmp_path)!r}, quiet=True, timeout=30, preload=("case_fns",),

@@ -16,7 +16,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # kvdiag's view of the same engine, started the probe's way: what it holds, and which blocks it says held states
 VIEW = r"""
 import json, sys
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/support")
 import vllm_hybrid_probe as probe
 from kvdiag.engines.vllm import kv
 llm = probe.start(sys.argv[1])

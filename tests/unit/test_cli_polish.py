@@ -14,7 +14,7 @@ from kvdiag.results import CaseResult, RunRecord, write_run_json
 from kvdiag.run.progress import Progress
 from kvdiag.run.runner import Case
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"]
 
 

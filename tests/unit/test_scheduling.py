@@ -263,7 +263,8 @@ def test_memleak_device_cuda_without_a_gpu_exits_2_with_one_line(tmp_path):
     import sys
 
     run = subprocess.run([sys.executable, "-m", "kvdiag", "memleak", "--device", "cuda", "-o", str(tmp_path / "r")],
-                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
+                         capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 2, run.stderr
     assert run.stderr.count("\n") == 1 and run.stderr.startswith("kvdiag: error: --device cuda asked for a CUDA GPU")

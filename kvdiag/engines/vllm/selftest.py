@@ -32,7 +32,7 @@ from kvdiag.engines.selftest import (
 )
 
 OUTPUTS = ("divergence", "logprob_drift", "nan_output", "nan_kv")  # wake-cycle's and poison's output findings
-DEVICE_FAULT = ("engine_error", "crashed")  # the engine raised in a cycle, or its worker died (on an H100, stale
+DEVICE_FAULT = ("engine_error", "crashed")  # the engine raised in a cycle, or its worker died (on a GPU, stale
 # block tables after a wake: "CUDA error: an illegal memory access was encountered")
 HYBRID = "zoo:granite-hybrid"  # a Mamba/attention hybrid: the only kind of model vLLM zeroes fresh blocks for
 NO_OUTPUTS = "looks at memory, not at outputs"
@@ -78,8 +78,8 @@ FAULTS: tuple[Fault, ...] = (
 SIZES = {"memleak": {"num_blocks": None}, "wake-cycle": {"num_blocks": None}}
 
 # Eager: with vLLM's defaults (torch.compile, CUDA graphs) every engine start captures its graphs on a new CUDA stream
-# and torch keeps a 32 MiB cuBLAS workspace per stream for the process's life: clean vLLM then fails memleak (96 MiB
-# held after two starts on an H100, vLLM 0.24.0), and a wake-cycle case took 31.9 s instead of ~9 s.
+# and torch keeps a 32 MiB cuBLAS workspace per stream for the process's life: clean vLLM then fails memleak, and
+# wake-cycle cases take several times longer (docs/vllm-gpu-results.md, memleak on vLLM's defaults).
 ENGINE_ARGS = {"enforce_eager": True}
 NOTE = ("vLLM's cases run eager (enforce_eager=true), on a GPU each in a worker of its own (vLLM allows one engine "
         "per process there). Compiled (vLLM's default), every engine start captures CUDA graphs on a new stream and "
