@@ -19,7 +19,7 @@ from kvdiag.checks.check import Check, option  # noqa: F401 - plug-ins import bo
 
 ENTRY_POINT_GROUP = "kvdiag.checks"
 BUILTIN = ("kvdiag.checks.accuracy:CHECK", "kvdiag.checks.dtypes:CHECK", "kvdiag.checks.memleak:CHECK",
-           "kvdiag.checks.wake_cycle:CHECK", "kvdiag.checks.poison:CHECK")
+           "kvdiag.checks.wake_cycle:CHECK", "kvdiag.checks.poison:CHECK", "kvdiag.checks.paths:CHECK")
 
 
 def load(ref: str):
@@ -157,6 +157,16 @@ def _table(v):
     return v
 
 
+def _default_dtypes(check: Check, engine: str) -> list[str] | None:
+    """The check's own default kv dtypes that the engine has (None: the engine's sweep)."""
+    if not check.kv_dtypes:
+        return None
+    from kvdiag.engines.base import engine_dtypes
+
+    have = engine_dtypes(engine)
+    return [d for d in check.kv_dtypes if d in have] or None
+
+
 def check_cases(name: str, target, p) -> tuple:
     """(cases, analyze) of a registered check (kvdiag.checks.registry) with params ``p``: the check's own builder
     (``Check.cases``: accuracy, dtypes), else one case per kv dtype and variant, each carrying the options in ``p``;
@@ -179,7 +189,7 @@ def check_cases(name: str, target, p) -> tuple:
     variants = load(check.variants)(p) if check.variants else ({"suffix": None},)
     group = name if check.isolate and target.isolate == "run" else None
     cases = []
-    for d in resolve_kv_dtypes(engine, target.kv_dtypes):
+    for d in resolve_kv_dtypes(engine, target.kv_dtypes or _default_dtypes(check, engine)):
         for v in variants:
             v = dict(v)
             suffix = v.pop("suffix")

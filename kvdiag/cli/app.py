@@ -52,6 +52,7 @@ COMMANDS = [
     ("memleak", None, None),
     ("wake-cycle", None, None),
     ("poison", None, None),
+    ("paths", None, None),
     ("bench", "bench_cmd", "bench"),
     ("ci", "ci_cmd", "ci"),
     ("report", "report_cmd", "report"),
@@ -63,7 +64,8 @@ COMMANDS = [
 # an option's value as --help shows it (typer's own reads <list[str]>, <float range>): by name, else by type
 METAVARS = {"engine": "ENGINE", "model": "MODEL", "kv_dtype": "DTYPE", "engine_arg": "KEY=VALUE", "output_dir": "DIR",
             "resume": "RUN_DIR", "timeout": "SECONDS", "tasks": "TASK", "include_path": "DIR", "device": "DEVICE",
-            "level": "LEVEL", "check": "CHECK", "fault": "FAULT", "only": "NAME", "shard": "K/N", "jobs": "N",
+            "level": "LEVEL", "paths": "PATH", "check": "CHECK", "fault": "FAULT", "only": "NAME", "shard": "K/N",
+            "jobs": "N",
             "gen_kwargs": "KEY=VALUE,...", "metadata": "JSON", "mem_tolerance": "MIB", "threshold_mib": "MIB",
             "batch_size": "N|auto", "limit": "N|FRACTION", "apply_chat_template": "TEMPLATE"}
 TYPE_METAVARS = {int: "N", float: "X", str: "TEXT"}
@@ -78,10 +80,12 @@ class Command(TyperCommand):
             d = getattr(param, "type_descriptor", None)
             if d is not None and param.param_type_name == "argument" and d.is_list:  # RUN_DIR..., not <list[Path]>
                 param.display_type_rich = lambda ctx: "..."
-            if d is None or param.metavar is not None or getattr(param, "is_flag", False) or d.is_choice:
+            if d is None or param.metavar is not None or getattr(param, "is_flag", False):
                 continue
-            if param.name in METAVARS:
+            if param.name in METAVARS:  # a repeatable choice too (paths --path PATH: its help lists them)
                 param.metavar = METAVARS[param.name]
+                continue
+            if d.is_choice:
                 continue
             kind = typing.get_args(d.annotation)[0] if d.is_list else d.annotation
             param.metavar = "PATH" if d.is_path else TYPE_METAVARS.get(kind, "TEXT")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 from enum import Enum
+from typing import Annotated, Optional
 
 import typer
 
@@ -15,7 +16,12 @@ from kvdiag.cli import options as o
 
 def common_options(check) -> list[tuple[str, object, object]]:
     """(name, annotation, default) of the options every check command takes."""
-    out = [("engine", o.EngineOpt, "builtin"), ("model", o.ModelOpt, None), ("kv_dtype", o.KVDtypeOpt, None),
+    dtypes = o.KVDtypeOpt
+    if check.kv_dtypes:  # the check's own default, not the engine's sweep
+        dtypes = Annotated[Optional[list[str]], typer.Option(
+            "--kv-dtype", "-d", help="kv-cache dtype; repeat for several. Short aliases work (bf16, fp16, int8, "
+            f"fp8pth). Default: {', '.join(check.kv_dtypes)} (those the engine supports).")]
+    out = [("engine", o.EngineOpt, "builtin"), ("model", o.ModelOpt, None), ("kv_dtype", dtypes, None),
            ("jobs", o.CheckJobsOpt, None), ("device", o.DeviceOpt, "auto"), ("engine_arg", o.EngineArgOpt, None),
            ("output_dir", o.OutputDirOpt, None), ("fmt", o.FormatOpt, o.Format.table),
            ("timeout", o.TimeoutOpt, check.timeout),
@@ -33,10 +39,20 @@ def own_options(check) -> list[tuple[str, object, object]]:
         default = default_of(f)
         if choices and all(isinstance(c, str) for c in choices):
             kind = Enum(f"{f.name}_choice", {c: c for c in choices}, type=str)
+            if isinstance(default, list):  # a repeatable choice (paths --path): its default is the params' own
+                out.append((f.name, o.field_option(check.params, f.name, list[kind]), None))
+                continue
             out.append((f.name, o.field_option(check.params, f.name, kind), None if default is None else kind(default)))
         else:
             out.append((f.name, o.field_option(check.params, f.name), None if isinstance(default, list) else default))
     return out
+
+
+def _plain(value):
+    """An option's value without its Enum (one, or each of a list)."""
+    if isinstance(value, list):
+        return [getattr(v, "value", v) for v in value]
+    return getattr(value, "value", value)
 
 
 def command_for(check):
@@ -50,7 +66,7 @@ def command_for(check):
         from kvdiag.api import run_check
         from kvdiag.run.orchestrate import command_line
 
-        values = {n: getattr(kw[n], "value", kw[n]) for n, _, _ in own if kw[n] is not None}
+        values = {n: _plain(kw[n]) for n, _, _ in own if kw[n] is not None}
         run = run_check(check.name, engine=kw["engine"], model=kw["model"], kv_dtypes=kw["kv_dtype"],
                         device=kw["device"], engine_args=kw["engine_arg"], faults=kw["fault"],
                         isolate=kw.get("isolate", "case"), output_dir=kw["output_dir"], jobs=kw["jobs"],

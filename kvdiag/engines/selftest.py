@@ -21,8 +21,8 @@ L1, L2 = {"level": 1}, {"level": 2}  # wake-cycle's sleep levels, as an Item's p
 
 @dataclass(frozen=True)
 class Item:
-    """One case of a check: a kv dtype, the variant params (wake-cycle's sleep level) and the model (None: the
-    shipped tiny model; a ``zoo:NAME`` for a fault that needs another architecture)."""
+    """One case of a check: a kv dtype, the variant params (wake-cycle's sleep level, paths' path) and the model
+    (None: the shipped tiny model; a ``zoo:NAME`` for a fault that needs another architecture)."""
 
     kv_dtype: str
     params: dict = field(default_factory=dict)
@@ -30,7 +30,7 @@ class Item:
 
     @property
     def suffix(self) -> str | None:
-        parts = [f"L{self.params['level']}" if "level" in self.params else None,
+        parts = [f"L{self.params['level']}" if "level" in self.params else None, self.params.get("path"),
                  self.model.replace(":", "-") if self.model else None]
         return "/".join(p for p in parts if p) or None
 
@@ -50,12 +50,13 @@ NO_MEMORY = "does not measure memory"
 SELF_COMPARE = "compares the engine only with itself, on one dtype"
 MEMORY_ONLY = "looks at memory, not at outputs"
 NO_POISON = "never puts non-finite data in free KV blocks (wake-cycle zeroes them), and 0 x finite = 0"
+ONE_PATH = "runs every request by one path: one cold prefill, then decode"
 
 
 @dataclass(frozen=True)
 class Fault:
     name: str  # what --fault takes (an engine's fault switch, or an alias of several)
-    bug_class: str  # S0-S4 (docs/DESIGN.md, "Bug classes") or accuracy
+    bug_class: str  # S0-S5 (docs/DESIGN.md, "Bug classes") or accuracy
     intended: str  # the check that must catch it
     runs: dict  # check -> items; the intended check first
     na: dict  # check -> why it cannot observe the fault

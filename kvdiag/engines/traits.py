@@ -20,10 +20,21 @@ either imports it in its body, and only what asks for that trait pays.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvdiag.engines.selftest import Catalogue
+
+
+@dataclass
+class PathConfig:
+    """How an engine takes one path of the ``paths`` check (``kvdiag/checks/paths/catalogue.py``), or one of its
+    reference cases (``cold``, ``cold-nographs``): the EngineSpec fields and ``-a`` keys of the engine that runs it,
+    over the user's."""
+
+    spec: dict = field(default_factory=dict)
+    args: dict = field(default_factory=dict)
 
 
 class EngineTraits:
@@ -86,6 +97,14 @@ class EngineTraits:
         """The engine's self-test faults (``kvdiag selftest -e ENGINE``: a :class:`kvdiag.engines.selftest.Catalogue`);
         None: it has none."""
         return None
+
+    def path_config(self, path: str, need: dict) -> PathConfig | str:
+        """How the engine runs ``path`` of the ``paths`` check (or a reference case, ``cold``/``cold-nographs``), or
+        why it cannot (a line: the case is ``unsupported`` in seconds, without starting an engine). ``need`` holds
+        the sizes the check's workload asks for: ``device`` (cpu, cuda), ``tight_blocks`` (a pool that forces
+        preemption), ``chunk_tokens`` (the prefill chunk), ``max_model_len``, ``prompts``. Default: no path is
+        known."""
+        return "the engine does not say how to run this path (EngineTraits.path_config)"
 
     def fault_state(self) -> dict | None:
         """In a worker: ``{"fired": {fault: count}, "not_applicable": {fault: reason}}`` of the faults

@@ -72,7 +72,8 @@ def test_cells_count_only_real_detections_and_the_clean_engine_must_pass_without
             (f.name, "wake-cycle"): [rec("timeout", ("error", "timeout"))]}
     row = selftest.fault_row(f, list(plan.CHECKS), jobs)
     cells = {c: x["mark"] for c, x in row["cells"].items()}
-    assert cells == {"accuracy": "n/a", "dtypes": "n/a", "memleak": "caught", "wake-cycle": "missed", "poison": "n/a"}
+    assert cells == {"accuracy": "n/a", "dtypes": "n/a", "memleak": "caught", "wake-cycle": "missed", "poison": "n/a",
+                     "paths": "n/a"}
     assert row["caught_by_intended"] and row["cells"]["memleak"]["finding"] == "auto: tensor_survived: " \
                                                                                 "tensor_survived happened"
     assert not selftest.fault_row(f, ["wake-cycle"], jobs)["caught_by_intended"]  # intended check not run
@@ -87,7 +88,7 @@ def test_list_and_bad_names():
     r = kvdiag("selftest", "--list", "-f", "json")
     assert r.returncode == 0, r.stderr
     rows = {x["fault"]: x for x in json.loads(r.stdout)["faults"]}
-    assert list(rows) == list(BUILTIN.names) and len(rows) == 11
+    assert list(rows) == list(BUILTIN.names) and len(rows) == 14
     assert rows["scale_cache_registry"]["bug_class"] == "S0" and rows["scale_cache_registry"]["intended"] == "memleak"
     assert rows["v_with_k_scales"]["intended"] == "accuracy" and rows["explicit_bf16_rejected"]["intended"] == "dtypes"
     for args, needle in ((["--fault", "nope"], "unknown fault 'nope'; valid: scale_cache_registry, "),

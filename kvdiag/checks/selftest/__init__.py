@@ -53,6 +53,10 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
             for model in dict.fromkeys(it.model for it in its):
                 if all(it.kv_dtype != plan.BASELINE for it in its if it.model == model):
                     its = [Item(plan.BASELINE, model=model)] + its
+        if check == "paths":  # a path run in an engine of its own is judged against its reference case
+            from kvdiag.checks.paths.params import with_references
+
+            its = with_references(its)
         leaky = subject != CLEAN and cat.fault(subject).leaves_process_state
         group = None if isolate == "case" else f"selftest/{subject}" if leaky else f"selftest/{check}"
         for it in its:
@@ -97,9 +101,15 @@ def analyze(run, faults: list, checks: list[str], not_applicable: dict | None = 
     jobs = jobs_of(run.cases)
     analyses = {}  # "check/subject": what accuracy / dtypes --check put in their run.analysis
     for (subject, check), recs in jobs.items():
-        if check not in plan.COMPARES_TO_BASELINE:
+        if check not in (*plan.COMPARES_TO_BASELINE, "paths"):
             continue
         sub = RunRecord(command=run.command, started=run.started, cases=recs, environment={}, run_dir=run.run_dir)
+        if check == "paths":  # its paths held to their reference cases, as `kvdiag paths` does
+            from kvdiag.checks.paths.params import PathsParams
+            from kvdiag.checks.paths.params import analyze as paths
+
+            paths(sub, PathsParams())
+            continue
         if check == "accuracy":
             accuracy.analyze(sub, baseline=plan.BASELINE, max_drop=MAX_DROP, alpha=ALPHA)
         else:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from kvdiag.engines.selftest import Catalogue, Fault
 
-CHECKS = ("accuracy", "dtypes", "memleak", "wake-cycle", "poison")
+CHECKS = ("accuracy", "dtypes", "memleak", "wake-cycle", "poison", "paths")
 # The sizes of a self-test case (case.params) are each check's ``Check.selftest`` (kvdiag.checks.registry).
 BASELINE = "auto"  # accuracy and dtypes compare every dtype with the same engine's 'auto'
 COMPARES_TO_BASELINE = ("accuracy", "dtypes")

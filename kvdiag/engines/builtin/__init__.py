@@ -37,6 +37,12 @@ class BuiltinTraits(EngineTraits):
         1 GiB (the CUDA context)."""
         return int(2.5 * weights) + (1 << 30)
 
+    def path_config(self, path: str, need: dict):
+        """How it takes each path of the ``paths`` check: paths.py."""
+        from kvdiag.engines.builtin.paths import path_config
+
+        return path_config(path, need)
+
     def selftest(self) -> Catalogue:
         """The faults compiled into the engine (faults.py), as the self-test runs them: selftest.py."""
         from kvdiag.engines.builtin.selftest import CATALOGUE

@@ -2,7 +2,8 @@
 itself. The engine (``engine.py``) and its traits (the package's ``TRAITS``) read them here, without torch."""
 
 SPEC_ARGS = ("max_model_len", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "dtype")  # -a sets them
-OWN_ARGS = ("max_num_batched_tokens", "ignore_eos", "cuda_graphs")  # -a keys the engine reads itself
+# -a keys the engine reads itself; preemption and enable_chunked_prefill: the KV paths of scheduler.py
+OWN_ARGS = ("max_num_batched_tokens", "ignore_eos", "cuda_graphs", "preemption", "enable_chunked_prefill")
 
 
 def engine_arg_names() -> list[str]:

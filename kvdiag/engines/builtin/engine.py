@@ -3,7 +3,8 @@
 One process, one model: ``start`` loads weights once (a later ``start`` with the same
 model, weights dtype, device and length, or :meth:`set_kv_dtype`, only re-creates the
 KV cache), ``generate`` runs prefill/decode over the paged cache with a free-list block
-allocator, ``score`` prefills each distinct context once and forks its blocks for every
+allocator (its scheduling and the KV paths prefix caching, preemption and chunked prefill:
+``scheduler.py``), ``score`` prefills each distinct context once and forks its blocks for every
 continuation. Sleep level 1 keeps weights (on CPU) and drops the cache; level 2 drops
 both; ``wake_up`` re-allocates and rebuilds every derived table.
 """
@@ -11,7 +12,6 @@ both; ``wake_up`` re-allocates and rebuilds every derived table.
 from __future__ import annotations
 
 import gc
-from collections import deque
 from dataclasses import replace
 from typing import Sequence
 
@@ -22,10 +22,11 @@ from kvdiag.engines.builtin import cuda_graph, loader
 from kvdiag.engines.builtin.arg_names import SPEC_ARGS, engine_arg_names
 from kvdiag.engines.builtin.block_manager import BlockManager
 from kvdiag.engines.builtin.config import ModelConfig
-from kvdiag.engines.builtin.faults import Faults
+from kvdiag.engines.builtin.faults import PATH_FAULTS, Faults
 from kvdiag.engines.builtin.kv_cache import AttnMetadata, KVCache
 from kvdiag.engines.builtin.model import Rows
-from kvdiag.engines.builtin.sampling import Request, sample, score_rows
+from kvdiag.engines.builtin.sampling import score_rows
+from kvdiag.engines.builtin.scheduler import Scheduler, Seq
 from kvdiag.engines.protocol import Capabilities, Completion, EngineSpec, KVBlockView, Scored
 from kvdiag.errors import UserError
 
@@ -33,6 +34,7 @@ _WEIGHT_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": 
                   "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 TAGS = ("weights", "kv_cache")
 TOKEN_BUDGET, CPU_TOKEN_BUDGET = 8192, 2048  # default new tokens per forward pass (_token_budget)
+PATH_COUNTERS = ("prefix_hit_tokens", "preemptions", "prefill_chunks", "cuda_graph_replays")
 
 
 def _device(name: str) -> torch.device:
@@ -58,6 +60,8 @@ class BuiltinEngine:
         self.weight_loads = 0  # how many times weights were read from disk
         self._weights_key = None
         self.graphs: cuda_graph.DecodeGraphs | None = None  # decode CUDA graphs, dropped with the cache
+        self.counters = dict.fromkeys(PATH_COUNTERS, 0)  # path_counters()
+        self.fault_fired = dict.fromkeys(PATH_FAULTS, 0)  # how often each KV-path fault fired since start
 
     @staticmethod
     def supported_kv_dtypes() -> list[str]:
@@ -97,6 +101,7 @@ class BuiltinEngine:
         else:
             self._release_kv()
         self.spec, self.faults = replace(spec, kv_cache_dtype=kv_dtype), faults
+        self.counters, self.fault_fired = dict.fromkeys(PATH_COUNTERS, 0), dict.fromkeys(PATH_FAULTS, 0)
         self._allocate_kv()
         self.faults.on_start(self)  # memleak faults (faults.py); nothing when none is set
 
@@ -203,6 +208,18 @@ class BuiltinEngine:
         return KVBlockView(self.kv.block_size, self.kv.num_blocks, list(self.kv.layers),
                            self.blocks.free_blocks, self.blocks.used_blocks)
 
+    def path_counters(self) -> dict[str, int]:
+        """Since ``start``: ``prefix_hit_tokens`` (prompt tokens not computed because their blocks were cached),
+        ``preemptions``, ``prefill_chunks`` (prefill entries of a prompt whose prefill spans several entries, every
+        one of them counted) and ``cuda_graph_replays`` (decode steps replayed from a CUDA graph)."""
+        return dict(self.counters)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (as vLLM's ``reset_prefix_cache``): False, forgetting nothing, while a running
+        sequence holds one; between ``generate`` calls nothing runs, so True."""
+        self._check_ready()
+        return self.blocks.reset_cache()
+
     def versions(self) -> dict[str, str]:
         import transformers
 
@@ -227,11 +244,16 @@ class BuiltinEngine:
         return ids
 
     @property
-    def _token_budget(self) -> int:
-        """New tokens per forward pass (``-a max_num_batched_tokens=N``), at least one whole context. Default
-        8192; 2048 on the CPU, where smaller activations stay in cache (docs/DESIGN.md, "Engines")."""
+    def _batched_tokens(self) -> int:
+        """``-a max_num_batched_tokens=N`` as given (at least 1). Default 8192; 2048 on the CPU, where smaller
+        activations stay in cache (docs/DESIGN.md, "Engines"). Only chunked prefill uses it unclamped."""
         default = CPU_TOKEN_BUDGET if self.device.type == "cpu" else TOKEN_BUDGET
-        return max(int(self.spec.engine_args.get("max_num_batched_tokens", default)), self.max_model_len)
+        return max(int(self.spec.engine_args.get("max_num_batched_tokens", default)), 1)
+
+    @property
+    def _token_budget(self) -> int:
+        """New tokens per forward pass, at least one whole context: a prompt or context is prefilled whole."""
+        return max(self._batched_tokens, self.max_model_len)
 
     def _fits(self, num_tokens: int, what: str) -> None:
         if num_tokens > self.max_model_len:
@@ -241,18 +263,20 @@ class BuiltinEngine:
                             f"the cache has {self.kv.num_blocks} (raise num_blocks or kv_cache_memory)")
 
     # ----- forward -----------------------------------------------------------------------------
-    def _forward(self, entries, last_only: bool = False) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, entries, last_only: bool = False, own_context=()) -> tuple[torch.Tensor, list[int]]:
         """Run packed new tokens. ``entries``: (block table, first position, new token ids).
         Returns final hidden states [num_new_tokens, hidden] (``last_only``: [num_entries, hidden], each
-        entry's last token) and query_start_loc."""
+        entry's last token) and query_start_loc. ``own_context``: indices of entries whose attention sequence
+        length counts their own tokens only (the fault chunk_context_dropped)."""
         ids, pos, slots, qsl, lens = [], [], [], [0], []
-        for table, start, toks in entries:
+        for i, (table, start, toks) in enumerate(entries):
             ids += toks
             pos += range(start, start + len(toks))
             slots += self.blocks.slots(table, start, start + len(toks))
             qsl.append(qsl[-1] + len(toks))
-            lens.append(start + len(toks))
+            lens.append(len(toks) if i in own_context else start + len(toks))
         if len(ids) == len(entries) and (graphs := cuda_graph.for_engine(self)) and graphs.fits(len(ids)):
+            self.counters["cuda_graph_replays"] += 1
             return graphs.run(ids, pos, slots, lens, [t for t, _, _ in entries]), qsl  # decode: replay a graph
         width = max(len(t) for t, _, _ in entries)
         tables = [t + [0] * (width - len(t)) for t, _, _ in entries]
@@ -272,40 +296,14 @@ class BuiltinEngine:
         eos = set(self.cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None}
         if self.spec.engine_args.get("ignore_eos"):  # --engine-arg ignore_eos=1: always max_tokens
             eos = set()
-        reqs = [Request(self._ids(p, True), max_tokens, eos, tuple(stop), self.decode,
-                        None if greedy else (self.spec.seed if seed is None else seed)) for p in prompts]
+        reqs = [Seq(self._ids(p, True), max_tokens, eos, tuple(stop), self.decode,
+                    None if greedy else (self.spec.seed if seed is None else seed)) for p in prompts]
         for r in reqs:
             if not r.prompt:
                 raise UserError("empty prompt")
             self._fits(len(r.prompt), "prompt")
             self._fits(min(len(r.prompt) + max(max_tokens, 0), self.max_model_len), "prompt plus max_tokens")
-        waiting, running, reserved = deque(r for r in reqs if max_tokens > 0), [], 0
-        while waiting or running:
-            batch, tokens = [], 0
-            while waiting and len(running) + len(batch) < self.spec.max_num_seqs:
-                r = waiting[0]
-                need = self.blocks.blocks_for(min(len(r.tokens) + max_tokens, self.max_model_len))
-                if reserved + need > self.kv.num_blocks or (batch and tokens + len(r.tokens) > self._token_budget):
-                    break
-                waiting.popleft()
-                r.reserved, reserved, tokens = need, reserved + need, tokens + len(r.tokens)
-                self.blocks.grow(r.table, len(r.tokens))
-                batch.append(r)
-            if batch:
-                last, _ = self._forward([(r.table, 0, r.tokens) for r in batch], last_only=True)
-                running += batch
-            else:
-                batch = list(running)
-                for r in batch:
-                    self.blocks.grow(r.table, len(r.tokens))
-                last, _ = self._forward([(r.table, len(r.tokens) - 1, r.tokens[-1:]) for r in batch])
-            sample(batch, self.model.logits(last), logprobs)
-            for r in batch:
-                if r.finished or len(r.tokens) >= self.max_model_len:
-                    r.finish_reason = r.finish_reason or "length"
-                    running.remove(r)
-                    self.blocks.free(r.table)
-                    reserved -= r.reserved
+        Scheduler(self, max_tokens, logprobs).run(reqs)
         return [r.completion(logprobs) for r in reqs]
 
     # ----- score -------------------------------------------------------------------------------

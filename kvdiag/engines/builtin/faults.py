@@ -29,6 +29,19 @@ KV state across sleep/wake and fresh blocks (S2, S3):
 - ``no_zero_fresh_blocks`` (S3): freshly allocated blocks are not zeroed.
   Each S3 half alone is harmless; ``unzeroed_page_reads`` (an alias) switches on both: the bug.
 
+KV paths (the paths check): each breaks one path that must give what the cold path (no prefix cache, whole
+prefill, no preemption) gives; ``engine.fault_fired`` counts how often each fired since ``start``:
+
+- ``prefix_hit_treated_fresh``: blocks reused from the prefix cache are handed to the fresh-block
+  hook (zeroed) as if new, so a hit reads zeros where the cached prefix was. Fires on every hit.
+- ``preempt_keeps_freed_blocks``: a preempted request's blocks go back to the free pool but it keeps
+  its block table and is not recomputed when resumed: it goes on decoding on blocks other requests may
+  have been given and overwritten (vLLM #52360). Fires on every preemption (``-a preemption=1``).
+- ``chunk_context_dropped``: a prefill chunk after the first gets an attention sequence length that
+  counts the chunk's own tokens only (positions and K/V writes stay right), so it does not attend over
+  the chunks before it (the kernel reads that many positions from the sequence's start). Fires on every
+  chunk after the first (``-a enable_chunked_prefill=1``).
+
 Memory held after shutdown (S0, S4: ``memleak``), applied by :meth:`Faults.on_start`:
 
 - ``lru_cache_bound_method``: a module-level ``functools.lru_cache`` is called with the
@@ -51,6 +64,7 @@ from dataclasses import dataclass, fields
 from kvdiag.errors import UserError
 
 ALIASES = {"unzeroed_page_reads": ("whole_page_reads", "no_zero_fresh_blocks")}
+PATH_FAULTS = ("prefix_hit_treated_fresh", "preempt_keeps_freed_blocks", "chunk_context_dropped")
 
 
 UNSUPPORTED_BF16 = "Unsupported data type of kv cache: bfloat16"
@@ -70,6 +84,9 @@ class Faults:
     scale_cache_registry: bool = False
     global_kv_list: bool = False
     orphan_worker_process: bool = False
+    prefix_hit_treated_fresh: bool = False
+    preempt_keeps_freed_blocks: bool = False
+    chunk_context_dropped: bool = False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

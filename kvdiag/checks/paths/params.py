@@ -1,0 +1,67 @@
+"""The paths check's options (each default written once: the CLI, the config and the worker read them from here),
+its cases (one per kv dtype and path) and its --help."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvdiag.checks import greedy
+from kvdiag.checks.check import option
+from kvdiag.checks.paths.catalogue import DEFAULT, PATHS, REFERENCES
+
+FLOOR_FACTOR = 4.0  # a path may move logprobs this many times the engine's own run-to-run difference
+
+
+@dataclass
+class PathsParams:
+    paths: list[str] = option(list(DEFAULT), "--path", "-p", choices=tuple(PATHS),
+                              help="Path to hold to the cold path (repeat): " + ", ".join(PATHS) + ". Default: all; "
+                              "those the engine or platform cannot run are reported unsupported in seconds.")
+    num_prompts: int = option(8, "--num-prompts", min=2, help="Prompts of the fixed set, generated greedily in one "
+                              "batch.")
+    max_tokens: int = option(32, "--max-tokens", min=1, help="Tokens generated greedily per prompt.")
+    logprob_tol: float = option(greedy.LOGPROB_TOL, "--logprob-tol", min=0, help="Largest |Δ logprob| a path may "
+                                "add where the engine's two cold runs agree exactly.")
+    floor_factor: float = option(FLOOR_FACTOR, "--floor-factor", min=1, help="A path may move logprobs this many "
+                                 "times the noise floor (two cold runs, and the batch reordered).")
+    seed: int = option(0, "--seed", help="Random seed.")
+    path: str = "prefix-hit"  # this case's path (one of paths), or a reference case's name (catalogue.REFERENCES)
+
+    @classmethod
+    def from_case(cls, case) -> "PathsParams":
+        return cls(**{k: case.params[k] for k in asdict(cls()) if case.params.get(k) is not None})
+
+
+def variants(p: PathsParams) -> list[dict]:
+    """One case per dtype and path, after the reference cases those paths are held to (``catalogue.py``)."""
+    paths = list(dict.fromkeys(p.paths or DEFAULT))
+    refs = [r for r in REFERENCES if any(PATHS[x].reference == r for x in paths)]
+    return [{"path": name, "suffix": name} for name in refs + paths]
+
+
+def with_references(items: list) -> list:
+    """`kvdiag selftest`'s items (``kvdiag.engines.selftest.Item``) of this check, each path's reference case of its
+    kv dtype and model first."""
+    from kvdiag.engines.selftest import Item
+
+    refs = [Item(it.kv_dtype, {"path": PATHS[it.params["path"]].reference}, it.model) for it in items
+            if it.params.get("path") in PATHS and PATHS[it.params["path"]].reference]
+    return list({it.key: it for it in refs + list(items)}.values())
+
+
+def analyze(run, p: PathsParams) -> None:
+    """Hold each path case that ran in an engine of its own to its reference case (verdict.analyze)."""
+    from kvdiag.checks.paths.verdict import analyze as judge
+
+    judge(run, p)
+
+
+HELP = (
+    "Hold every path the KV cache takes to the cold path: prefix-cache hits, preemption, chunked prefill, CUDA-graph "
+    "modes, speculative decoding, CPU offload.\n"
+    "\n"
+    "Per kv dtype and path: the same fixed prompts run greedily cold, twice, and in another order and batch size\n"
+    "(the engine's noise floor), then through the path (the same engine, or one started for it). A path fails\n"
+    "when it changes a greedy token where the cold run's top two were further apart than the floor allows, or\n"
+    "moves logprobs beyond the floor; the table names the first diverging token, the largest logprob difference\n"
+    "and the share of prompts affected. A path the engine or platform cannot run is unsupported, in its words.")

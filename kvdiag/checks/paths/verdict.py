@@ -1,0 +1,101 @@
+"""The paths check's verdicts: a path's distance from the cold run, judged against the floor (``floor.judge``), and
+whether the path was taken at all (its counter). A path that ran in the engine of its own cold runs is judged in its
+worker (``verdict``); one that ran in an engine of its own is judged here in the parent, against its reference case
+of the same kv dtype (``analyze``, again on ``--resume``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# the findings analyze() adds: dropped before it judges again (--resume)
+ANALYSIS_KINDS = ("divergence", "near_tie", "logprob_drift", "nan_output", "not_taken", "not_counted",
+                  "no_reference", "graph_mode")
+
+
+def verdict(case, p, path, config, floor, trial, env: dict):
+    rec = case.result("pass", environment=env, metrics={
+        "path": path.name, "role": "own", "counter": path.counter, "counted": trial.counted,
+        "path_config": {"spec": config.spec, "args": config.args}, **trial.notes})
+    judge_into(rec, p, path, floor, trial.reference, trial.out, trial)
+    return rec
+
+
+def judge_into(rec, p, path, floor, reference, out, trial) -> None:
+    """Fill ``rec``'s metrics, findings and status from ``out`` against ``reference`` and the floor."""
+    from kvdiag.checks.paths.floor import distance, judge
+
+    d = distance(reference, out)
+    tol = floor.tolerance(p.logprob_tol, p.floor_factor)
+    rec.metrics.update({"floor": vars(floor), "tolerance": tol, **d.metrics(tol)})
+    for severity, kind, message in judge(d, floor, p.logprob_tol, p.floor_factor):
+        rec.add(severity, kind, f"{path.name}: {message}")
+    _taken(rec, path, trial)
+    rec.status = "fail" if any(f.severity == "error" for f in rec.findings) else "pass"
+
+
+def analyze(run, p) -> None:
+    """Judge every path case that ran in an engine of its own against its reference case."""
+    from kvdiag.checks.paths import completions
+    from kvdiag.checks.paths.catalogue import PATHS
+    from kvdiag.checks.paths.floor import Floor
+    from kvdiag.results import append_jsonl
+
+    refs = {(c.engine, c.model, c.kv_dtype, c.metrics.get("path")): c for c in run.cases
+            if c.metrics.get("role") == "reference"}
+    for rec in run.cases:
+        m = rec.metrics
+        if m.get("role") != "path" or "completions" not in m:
+            continue
+        rec.findings = [f for f in rec.findings if f.kind not in ANALYSIS_KINDS]
+        path = PATHS[m["path"]]
+        ref = refs.get((rec.engine, rec.model, rec.kv_dtype, path.reference))
+        if ref is None or ref.status != "pass" or "completions" not in ref.metrics:
+            said = "not in this run" if ref is None else f"{ref.status}"
+            rec.status = "error"
+            rec.add("error", "no_reference", f"{path.name}: its reference case '{path.reference}' of {rec.kv_dtype} "
+                    f"is {said}: nothing to hold the path to")
+        else:
+            floor = Floor(**ref.metrics["floor"])
+            judge_into(rec, p, path, floor, completions.from_json(ref.metrics["completions"]),
+                       completions.from_json(m["completions"]), _Counted(m.get("counted"), m))
+            _graph(rec, path, ref)
+        append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
+
+
+class _Counted:
+    """What ``_taken`` reads of a trial, from a record."""
+
+    def __init__(self, counted, notes):
+        self.counted, self.notes = counted, notes
+
+
+def _graph(rec, path, ref) -> None:
+    """A graph path whose engine ran another CUDA-graph mode than asked (or the same as its reference) tested
+    nothing."""
+    asked = (rec.metrics.get("path_config") or {}).get("args", {}).get("compilation_config", {})
+    ran, base = rec.metrics.get("cudagraph_mode"), ref.metrics.get("cudagraph_mode")
+    if not isinstance(asked, dict) or ran is None or "cudagraph_mode" not in asked:
+        return
+    if str(ran).upper() != str(asked["cudagraph_mode"]).upper() or ran == base:
+        rec.add("warning", "graph_mode", f"{path.name}: the engine ran cudagraph_mode {ran} (asked "
+                f"{asked['cudagraph_mode']}, reference {base}): the path was not taken as asked")
+
+
+def _taken(rec, path, trial) -> None:
+    """Whether the path ran: its counter grew (prefix-reset: stayed at 0, and the reset was done)."""
+    if path.name == "prefix-reset":
+        if trial.notes.get("reset") is False:
+            rec.add("error", "reset_refused", "prefix-reset: reset_prefix_cache() returned False with no request "
+                    "running")
+        if trial.counted:
+            rec.add("error", "reset_not_cold", f"prefix-reset: {trial.counted} prompt tokens were read from the "
+                    "prefix cache after reset_prefix_cache()")
+        return
+    if path.counter is None:
+        return
+    if trial.counted is None:
+        rec.add("info", "not_counted", f"{path.name}: the engine does not count {path.counter}: whether the path "
+                "was taken is not known")
+    elif trial.counted <= 0:
+        rec.add("warning", "not_taken", f"{path.name}: {path.counter} stayed at 0: the path was not taken, nothing "
+                "was tested")

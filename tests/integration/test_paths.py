@@ -1,0 +1,87 @@
+"""`kvdiag paths` on the builtin engine, as a user runs it: every path the engine has is taken (its counter grew)
+and passes against the cold path; paths it lacks are unsupported in seconds, with the reason; each of the engine's
+path faults fails exactly its own path, naming the first diverging token; bad input exits 2 before any worker; and
+the run compares with another (`kvdiag compare`)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HAS = ("prefix-hit", "prefix-partial", "prefix-reset", "preemption", "chunked-prefill")
+LACKS = ("cudagraph-piecewise", "spec-ngram", "offload")
+
+
+def kvdiag(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    out = tmp_path_factory.mktemp("paths") / "clean"
+    r = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "-o", str(out),
+               *[a for p in HAS + LACKS for a in ("-p", p)])
+    return r, out
+
+
+def by_path(run: dict) -> dict:
+    return {c["metrics"].get("path") or c["params"]["path"]: c for c in run["cases"]}
+
+
+def test_every_path_the_engine_has_is_taken_and_matches_the_cold_path(clean):
+    r, _ = clean
+    assert r.returncode == 0, r.stderr[-2000:]
+    cases = by_path(json.loads(r.stdout))
+    for name in HAS:
+        c = cases[name]
+        m = c["metrics"]
+        assert c["status"] == "pass", (name, c["findings"])
+        assert m["diverged_requests"] == 0 and m["max_dlogprob"] <= m["tolerance"]
+        assert m["floor"]["runs"] == 3 and m["tolerance"] >= 1e-4
+        if name == "prefix-reset":
+            assert m["counted"] == 0  # cold again after reset_prefix_cache()
+        else:
+            assert m["counted"] > 0, name  # the path was taken: hits, preemptions, chunks
+    for name in LACKS:
+        c = cases[name]
+        assert c["status"] == "unsupported" and c["duration_s"] < 10
+        assert "builtin engine" in c["findings"][0]["message"]
+
+
+def test_report_has_the_path_by_dtype_grid(clean):
+    _, out = clean
+    md = (out / "report.md").read_text()
+    assert "## paths: path x kv dtype" in md and "| prefix-hit | pass |" in md and "| offload | unsupported |" in md
+    assert "paths: path x kv dtype" in (out / "report.html").read_text()
+
+
+@pytest.mark.parametrize("fault, path", [("prefix_hit_treated_fresh", "prefix-hit"),
+                                         ("preempt_keeps_freed_blocks", "preemption"),
+                                         ("chunk_context_dropped", "chunked-prefill")])
+def test_each_path_fault_fails_its_own_path_only(fault, path, tmp_path):
+    r = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "-o", str(tmp_path / "run"), "--fault", fault,
+               "-p", "prefix-hit", "-p", "preemption", "-p", "chunked-prefill")
+    assert r.returncode == 1, r.stderr[-2000:]
+    cases = by_path(json.loads(r.stdout))
+    assert {n for n, c in cases.items() if c["status"] == "fail"} == {path}
+    f = next(x for x in cases[path]["findings"] if x["kind"] == "divergence")
+    assert "first differs at generated position" in f["message"] and cases[path]["metrics"]["first_difference"]
+
+
+def test_compare_with_a_faulty_run_regresses(clean, tmp_path):
+    _, old = clean
+    new = tmp_path / "new"
+    kvdiag("paths", "-d", "auto", "--device", "cpu", "-o", str(new), "--fault", "chunk_context_dropped",
+           "-p", "chunked-prefill")
+    r = kvdiag("compare", str(old), str(new), "-f", "json")
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "paths: diverging prompts" in r.stdout
+
+
+@pytest.mark.parametrize("args, words", [(["-p", "prefix-hot"], "prefix-hot"),
+                                         (["--floor-factor", "0.5"], "--floor-factor"),
+                                         (["--num-prompts", "1"], "--num-prompts")])
+def test_bad_input_exits_2_with_one_line(args, words):
+    r = kvdiag("paths", *args)
+    assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

