@@ -38,7 +38,7 @@ def test_every_path_the_engine_has_is_taken_and_matches_the_cold_path(clean):
         m = c["metrics"]
         assert c["status"] == "pass", (name, c["findings"])
         assert m["diverged_requests"] == 0 and m["max_dlogprob"] <= m["tolerance"]
-        assert m["floor"]["runs"] == 3 and m["tolerance"] >= 1e-4
+        assert m["floor"]["runs"] >= 3 and m["tolerance"] >= 1e-4  # chunked-prefill: its own engine's too
         if name == "prefix-reset":
             assert m["counted"] == 0  # cold again after reset_prefix_cache()
         else:

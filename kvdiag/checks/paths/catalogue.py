@@ -21,6 +21,8 @@ class Path:
     summary: str  # one line for --help and the tables
     counter: str | None  # path_counters() key that must grow on the path (None: none is counted)
     reference: str | None = "cold"  # the reference case it is held to; None: its own engine's cold runs
+    own_floor: bool = False  # its engine's own floor counts too: every run of it takes the path, whatever the batch
+    # (graphs, chunks, drafts); not preemption, which smaller batches do not take (their difference is the path's)
 
 
 PATHS: dict[str, Path] = {p.name: p for p in (
@@ -32,11 +34,13 @@ PATHS: dict[str, Path] = {p.name: p for p in (
          "prefix_hit_tokens", None),
     Path("preemption", "a KV pool too small for every request at its longest: requests are preempted and "
          "recomputed", "preemptions"),
-    Path("chunked-prefill", "prompts prefilled in small chunks instead of whole", "prefill_chunks"),
-    Path("cudagraph-piecewise", "CUDA graphs around attention (piecewise) against none", None, "cold-nographs"),
-    Path("cudagraph-full", "full CUDA graphs, attention inside, against none", None, "cold-nographs"),
+    Path("chunked-prefill", "prompts prefilled in small chunks instead of whole", "prefill_chunks", own_floor=True),
+    Path("cudagraph-piecewise", "CUDA graphs around attention (piecewise) against none", None, "cold-nographs",
+         own_floor=True),
+    Path("cudagraph-full", "full CUDA graphs, attention inside, against none", None, "cold-nographs",
+         own_floor=True),
     Path("spec-ngram", "speculative decoding with ngram proposals (no draft model) against none",
-         "spec_draft_tokens"),
+         "spec_draft_tokens", own_floor=True),
     Path("offload", "the KV cache stored to CPU memory, dropped from the device and loaded back",
          "offload_loaded_tokens"),
 )}

@@ -2,7 +2,8 @@
 
 vLLM is not batch-invariant: two cold runs, or the same prompts in another batch, may differ in the last bits of a
 logprob, and a greedy token may flip where the cold run's top two candidates were nearly tied. So each path is held
-to a floor measured on the same engine (two cold runs, and the batch reordered):
+to a floor measured on the same engine (two cold runs, the batch reordered, the outputs' halves recomputed), and for a
+path run in an engine of its own, on that engine too:
 
 - a logprob difference (over the positions before a request's first divergence) beyond
   ``max(logprob_tol, floor_factor * floor)`` fails;
@@ -89,6 +90,11 @@ class Floor:
         self.max_dlogprob = max(self.max_dlogprob, d.max_dlogprob) if math.isfinite(d.max_dlogprob) else math.inf
         self.diverged = max(self.diverged, len(d.divergences))
         self.runs += 1
+
+    def merge(self, other: "Floor") -> None:
+        self.max_dlogprob = max(self.max_dlogprob, other.max_dlogprob)
+        self.diverged = max(self.diverged, other.diverged)
+        self.runs += other.runs
 
     def tolerance(self, logprob_tol: float, factor: float) -> float:
         return max(logprob_tol, factor * self.max_dlogprob)

@@ -90,7 +90,7 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
     env = {**device_info(), **engine.versions()}
     if path is not None and path.reference is not None:  # judged in the parent against its reference case
         ctx.stage(case, f"path {path.name}")
-        trial = PATH_RUNS.get(path.name, _plain)(engine, prompts, p.max_tokens, path.counter)
+        trial = PATH_RUNS.get(path.name, _plain)(engine, prompts, p.max_tokens, path)
         trial.notes.update(_graph_mode(engine, path.name))
         return case.result("pass", environment=env, metrics={
             "path": path.name, "role": "path", "counter": path.counter, "counted": trial.counted, "need": need,
@@ -147,9 +147,15 @@ def cold_runs(engine, prompts, max_tokens: int) -> tuple[list, Floor]:
     """The cold run, and the floor, each against the first: a second cold run, the prompts reordered, and the
     second half of each output after its first half was prefilled (recompute after preemption, and a hit on blocks
     decode wrote, read K/V that a prefill computed: in bf16 not the bits decode wrote)."""
-    floor = Floor()
     reset(engine)
     cold = generate(engine, prompts, max_tokens, "cold run")
+    return cold, floor_runs(engine, prompts, cold, max_tokens)
+
+
+def floor_runs(engine, prompts, cold, max_tokens: int) -> Floor:
+    """The floor of ``cold`` (this engine's first run of the prompts): the second cold run, the reordered batches
+    and the recomputed halves, each against it."""
+    floor = Floor()
     reset(engine)
     floor.add(distance(cold, generate(engine, prompts, max_tokens, "second cold run")))
     back: list = [None] * len(prompts)
@@ -164,7 +170,7 @@ def cold_runs(engine, prompts, max_tokens: int) -> tuple[list, Floor]:
         again = generate(engine, [list(p) + c.token_ids[:k] for p, c in zip(prompts, cold)], max_tokens - k,
                          "recomputed cold run")
         floor.add(distance([_tail(c, k) for c in cold], again))
-    return cold, floor
+    return floor
 
 
 def _tail(c, k: int):
@@ -217,23 +223,28 @@ def _reset(engine, prompts, cold, max_tokens, block_size, counter) -> Trial:
 PREFIX_RUNS = {"prefix-hit": _hit, "prefix-partial": _partial, "prefix-reset": _reset}
 
 
-def _plain(engine, prompts, max_tokens, counter) -> Trial:
-    """The prompts through the path engine, cold."""
+def _plain(engine, prompts, max_tokens, path) -> Trial:
+    """The prompts through the path engine, cold; then, where every run takes the path (``Path.own_floor``), the
+    path engine's own floor (its batch and run-to-run noise: CUDA graphs pad batches to captured sizes, where the
+    kernels may split the work otherwise)."""
     reset(engine)
-    before = _counter(engine, counter)
+    before = _counter(engine, path.counter)
     out = generate(engine, prompts, max_tokens, "path run")
-    return Trial(None, out, _grew(engine, counter, before), {})
+    counted = _grew(engine, path.counter, before)
+    own = {"own_floor": vars(floor_runs(engine, prompts, out, max_tokens))} if path.own_floor else {}
+    return Trial(None, out, counted, own)
 
 
-def _offload(engine, prompts, max_tokens, counter) -> Trial:
+def _offload(engine, prompts, max_tokens, path) -> Trial:
     """Stored to CPU memory by a first run, dropped from the device's prefix cache (the offloaded copy stays), read
-    back by the second: the second is held to the cold path."""
+    back by the second: the second is held to the cold path. No floor of its own: the offloaded copy outlives a
+    reset, so no run of this engine is cold after the first."""
     reset(engine)
     generate(engine, prompts, max_tokens, "offload store")
     done = reset(engine)
-    before = _counter(engine, counter)
+    before = _counter(engine, path.counter)
     out = generate(engine, prompts, max_tokens, "offload load")
-    return Trial(None, out, _grew(engine, counter, before), {"reset": done})
+    return Trial(None, out, _grew(engine, path.counter, before), {"reset": done})
 
 
 PATH_RUNS = {"offload": _offload}

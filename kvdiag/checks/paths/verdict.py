@@ -56,6 +56,8 @@ def analyze(run, p) -> None:
                     f"is {said}: nothing to hold the path to")
         else:
             floor = Floor(**ref.metrics["floor"])
+            if m.get("own_floor"):  # the path engine's own noise counts too
+                floor.merge(Floor(**m["own_floor"]))
             judge_into(rec, p, path, floor, completions.from_json(ref.metrics["completions"]),
                        completions.from_json(m["completions"]), _Counted(m.get("counted"), m))
             _graph(rec, path, ref)
