@@ -17,8 +17,8 @@ SelftestEngineOpt = Annotated[str, typer.Option(
 SelftestFaultOpt = Annotated[Optional[list[str]], typer.Option(
     "--fault", help="Run only these faults (repeat or comma-separate; see --list). Default: all.")]
 SelftestCheckOpt = Annotated[Optional[list[str]], typer.Option(
-    "--check", "-c", help="Run only these checks: accuracy, dtypes, memleak, wake-cycle, poison (repeat or "
-    "comma-separate). Faults whose intended check is left out are not run. Default: all.")]
+    "--check", "-c", help="Run only these checks: accuracy, dtypes, memleak, wake-cycle, poison, paths (repeat "
+    "or comma-separate). Faults whose intended check is left out are not run. Default: all.")]
 ListOpt = Annotated[bool, typer.Option("--list", help="List the faults, their bug class and intended check; "
                                                       "run nothing.")]
 SelftestIsolateOpt = Annotated[Isolate, typer.Option(

@@ -35,6 +35,13 @@ measured); a fault that cannot apply here has ``applicable: false`` and ``reason
   non-finite elements left in the cache's storages after those requests (what no write and no zeroing replaced);
   more than the control's is the fault's effect in the cache itself, where the outputs do not show it (vLLM 0.24
   on CUDA: its Mamba kernels start a new sequence without reading the unzeroed page).
+- paths (prefix_hit_block_dropped, preempt_keeps_computed_tokens): one engine (prefix caching on, blocks of 32,
+  ``max_model_len`` 256) and the 8 prompts of tests/support/vllm_paths_probe.py, greedy, 32 tokens. prefix-hit: a
+  cold run after ``reset_prefix_cache()``, then the same prompts again, read back from the cache. preemption: a
+  pool of ``max_model_len`` plus 2 blocks; each prompt alone (the cold run: one request fits), then all at once
+  (vLLM preempts and recomputes). Effect: a greedy token differs, or a logprob moves more than
+  ``PATH_DLOGPROB`` before it. ``observed``: diverged requests, the first diverging position, max |Δ logprob|,
+  and the path's counters (cached tokens, preemptions).
 """
 
 from __future__ import annotations
@@ -58,7 +65,10 @@ SCENARIOS = {"memory": ("kv_cache_kept_after_shutdown", "scale_caches_kept_after
                         "kv_sized_buffer_kept_after_shutdown"),
              "dtype": ("explicit_bf16_as_fp8",),
              "wake": ("block_tables_not_rebuilt_on_wake", "fp8_scales_not_reset_on_wake"),
-             "poison": ("fresh_blocks_not_zeroed",)}
+             "poison": ("fresh_blocks_not_zeroed",),
+             "paths": ("prefix_hit_block_dropped", "preempt_keeps_computed_tokens")}
+PATH_OF = {"prefix_hit_block_dropped": "prefix-hit", "preempt_keeps_computed_tokens": "preemption"}
+PATH_DLOGPROB = 0.1  # a path's |Δ logprob| from its cold run that counts as an effect (batch noise: ~0.02 on CPU)
 GROWTH_BYTES = 1 << 19  # tensor_kept_per_start keeps 1 MiB per start; the probe calls half of that growth
 WAIT_S = 3.0  # after shutdown, how long storages may take to die (a thread may drop its reference late)
 
@@ -238,6 +248,33 @@ def poison(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
                                       "nonfinite_left": left}
 
 
+def paths(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
+    from vllm import LLM
+    from vllm_paths_probe import MAX_MODEL_LEN, compare, generate, prompt_texts
+
+    path, block = PATH_OF[fault], 32
+    extra = {"block_size": block, "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True,
+             "disable_log_stats": False}  # vLLM counts cached tokens and preemptions only with stats
+    if path == "preemption":  # every prompt alone fits; all 8 at their longest do not
+        extra["num_gpu_blocks_override"] = MAX_MODEL_LEN // block + 2
+    llm = LLM(model=model, **{**args, **extra})
+    prompts = [llm.get_tokenizer().encode(p) for p in prompt_texts()]
+    ref = []
+    for batch in ([prompts] if path == "prefix-hit" else [[p] for p in prompts]):
+        llm.reset_prefix_cache()
+        ref += generate(llm, batch)[0]
+    if path == "preemption":
+        llm.reset_prefix_cache()
+    out, counters = generate(llm, prompts)
+    llm.llm_engine.engine_core.shutdown()
+    d = compare(ref, out)
+    bad = sum(1 for _, lps in out for x in lps if not math.isfinite(x))
+    return d["diverged_requests"] > 0 or d["max_dlogprob"] > PATH_DLOGPROB or bad > 0, {
+        "path": path, **{k: d[k] for k in ("diverged_requests", "first_divergence", "max_dlogprob")},
+        "requests": len(out), "nonfinite_logprobs": bad,
+        **{k: counters.get(k, 0) for k in ("cached_tokens", "preemptions")}}
+
+
 def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:
     t0 = time.perf_counter()
     from probes import sized  # an explicit KV cache unless the pairs size vLLM's memory
@@ -280,7 +317,7 @@ def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:
     import torch
 
     cuda = not cpu and torch.cuda.is_available()
-    run = {"memory": memory, "dtype": dtype, "poison": poison,
+    run = {"memory": memory, "dtype": dtype, "poison": poison, "paths": paths,
            "wake": lambda *a: wake(*a, level=level)}[scenario]
     effect, observed = run(fault, model, args, cuda)
     return {**res, "applicable": True, "device": "cuda" if cuda else "cpu", "fired": fired(), "effect": effect,

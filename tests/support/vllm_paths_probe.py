@@ -2,6 +2,7 @@
 prompts, greedy, 32 tokens, logprobs=1) and print one JSON line.
 
     python3 tests/support/vllm_paths_probe.py PATH [--model M] [--kv-dtype D] [--block-size B] [--split] [--json]
+                                               [--fault NAME]
 
 Cold = the base engine (prefix caching on, ``reset_prefix_cache()`` before each cold generate, ample pool, whole
 prefill in one step, eager), run twice (``cold_vs_cold``: the noise floor). Paths that change the engine's
@@ -12,6 +13,9 @@ time) is the control for ``preempt``: a tiny pool also changes the batches.
 that compiled engine (cold built with cudagraph_mode NONE), so that a graph's effect is not mixed with compile's.
 Counters are deltas of ``llm.get_metrics()`` (Prometheus, needs ``disable_log_stats=False``) over the path's
 generate, plus a wrap of the scheduler's ``schedule`` (internal) for prefill chunks.
+``--fault NAME``: one of kvdiag's vLLM faults (``kvdiag.engines.vllm.faults``) patched in before the first ``LLM``,
+so that cold and path run in the faulty vLLM (a path fault must leave the cold runs alone); ``fired`` says how often
+its patched code ran.
 """
 
 from __future__ import annotations
@@ -221,7 +225,7 @@ def path_phase(a, base: dict, llm=None, prompts=None) -> dict:
 def child(a, role: str) -> dict:
     """``--split``: one engine per process (vLLM 0.24 on CUDA cannot start a second engine in a process)."""
     cmd = [sys.executable, __file__, a.path, "--model", a.model, "--kv-dtype", a.kv_dtype,
-           "--block-size", str(a.block_size), "--role", role]
+           "--block-size", str(a.block_size), "--role", role, *(["--fault", a.fault] if a.fault else [])]
     out = subprocess.run(cmd, capture_output=True, text=True).stdout.splitlines()
     line = next((x for x in reversed(out) if x.startswith("ROLE ")), None)
     return json.loads(line[5:]) if line else {"supported": False, "reason": f"{role} process printed nothing"}
@@ -236,7 +240,12 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="cold and path engines in processes of their own")
     ap.add_argument("--role", choices=("cold", "path"), help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="accepted: the JSON line is always stdout's last line")
+    ap.add_argument("--fault", help="a kvdiag vLLM fault to patch in before the first LLM")
     a = ap.parse_args()
+    if a.fault:
+        from kvdiag.engines.vllm.faults import apply
+
+        apply([a.fault], a.kv_dtype)
     from kvdiag.assets import TINY_MODEL
     from kvdiag.models import resolve
 
@@ -245,7 +254,10 @@ def main() -> None:
     if a.path.startswith("cudagraph-") and a.path != "cudagraph-NONE":
         base.update(path_args("cudagraph-NONE", a.block_size))
     if a.role:
-        print("ROLE " + json.dumps(cold_phase(a, base)[1] if a.role == "cold" else path_phase(a, base)), flush=True)
+        from kvdiag.engines.vllm.faults import fired
+
+        out = cold_phase(a, base)[1] if a.role == "cold" else path_phase(a, base)
+        print("ROLE " + json.dumps({**out, "fired": fired()}), flush=True)
         return
     if a.split and not a.path.startswith("prefix-"):
         c, p = child(a, "cold"), child(a, "path")
@@ -258,7 +270,12 @@ def main() -> None:
             gc.collect()
             llm = None
         p = path_phase(a, base, llm, c["prompts"])
-    res = {"path": a.path, "kv_dtype": a.kv_dtype, "supported": p["supported"], "reason": p["reason"],
+    from kvdiag.engines.vllm.faults import fired
+
+    counts = [fired(), c.get("fired", {}), p.get("fired", {})]  # --split: what fired in each child
+    res = {"path": a.path, "kv_dtype": a.kv_dtype, "fault": a.fault,
+           "fired": {k: sum(x.get(k, 0) for x in counts) for x in counts for k in x}, "supported": p["supported"],
+           "reason": p["reason"],
            "cold_vs_cold": {**compare(c["cold"], c["cold_b"]), "cached_tokens": c["cold_cached_tokens"]},
            "path_vs_cold": compare(c["cold"], p["outs"]) if "outs" in p else None, "counters": p["counters"],
            "prompt_tokens": [len(x) for x in c["prompts"]], "llm_start_s": c["llm_start_s"],

