@@ -159,18 +159,30 @@ def floor_runs(engine, prompts, cold, max_tokens: int) -> Floor:
     reset(engine)
     floor.add(distance(cold, generate(engine, prompts, max_tokens, "second cold run")))
     back: list = [None] * len(prompts)
-    for ix, batch in workload.reordered(prompts):
+    for ix, batch in workload.reordered(prompts, "all_but_one"):
         reset(engine)
         for i, c in zip(ix, generate(engine, batch, max_tokens, "reordered cold runs")):
             back[i] = c
     floor.add(distance(cold, back))
-    k = max_tokens // 2
-    if k:  # the first half of each output fed back as prompt: K/V a prefill computed where decode computed it
-        reset(engine)
-        again = generate(engine, [list(p) + c.token_ids[:k] for p, c in zip(prompts, cold)], max_tokens - k,
-                         "recomputed cold run")
-        floor.add(distance([_tail(c, k) for c in cold], again))
+    # a part of each output fed back as prompt, in the reordered batches: K/V a prefill computed where decode
+    # computed it, for a request alone or beside a few, cut at several points (what a recompute after preemption is)
+    cuts = [max(1, min(len(c.token_ids) - 1, max_tokens * (1 + i % 3) // 4)) for i, c in enumerate(cold)]
+    if all(len(c.token_ids) > k for c, k in zip(cold, cuts)):  # each has a token left to compare after its cut
+        fed = [list(p) + c.token_ids[:k] for p, c, k in zip(prompts, cold, cuts)]
+        again: list = [None] * len(prompts)
+        for ix, batch in workload.reordered(fed):
+            reset(engine)
+            for i, c in zip(ix, generate(engine, batch, max_tokens - min(cuts[j] for j in ix), "recomputed runs")):
+                again[i] = c
+        floor.add(distance([_tail(c, k) for c, k in zip(cold, cuts)],
+                           [_head(a, len(c.token_ids) - k) for a, c, k in zip(again, cold, cuts)]))
     return floor
+
+
+def _head(c, n: int):
+    """Completion ``c``'s first ``n`` generated tokens."""
+    return replace(c, token_ids=c.token_ids[:n], logprobs=c.logprobs[:n],
+                   top_logprobs=None if c.top_logprobs is None else c.top_logprobs[:n])
 
 
 def _tail(c, k: int):

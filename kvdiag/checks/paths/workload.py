@@ -15,11 +15,14 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def reordered(prompts: list) -> list[tuple[list[int], list]]:
-    """The floor's batches: the prompts reversed, in generate calls of 1, 2, 3, ... prompts (order and batch size
-    both change: a preempted or partly cached batch decodes in smaller batches, and an engine's kernels may round
-    differently at each size). Returns (indices, prompts) per call."""
+def reordered(prompts: list, sizes: str = "growing") -> list[tuple[list[int], list]]:
+    """The floor's batches: the prompts reversed, in generate calls of 1, 2, 3, ... prompts (``growing``) or of all
+    but one, then one (``all_but_one``): order and batch size both change (a preempted or partly cached batch
+    decodes in smaller batches, often one short of the whole, and an engine's kernels may round differently at each
+    size). Returns (indices, prompts) per call."""
     order, out, size = list(reversed(range(len(prompts)))), [], 1
+    if sizes == "all_but_one" and len(order) > 1:
+        return [(order[:-1], [prompts[i] for i in order[:-1]]), (order[-1:], [prompts[order[-1]]])]
     while order:
         ix, order = order[:size], order[size:]
         out.append((ix, [prompts[i] for i in ix]))
