@@ -84,3 +84,35 @@ def test_needs_sizes_a_pool_that_holds_every_prompt_but_not_every_request_at_its
     assert usable >= max(workload.blocks_for(len(p) + 32, 16) for p in prompts)
     assert usable >= sum(workload.blocks_for(len(p) + 1, 16) for p in prompts)
     assert need["max_model_len"] % 16 == 0 and need["max_model_len"] >= 130 + 32
+
+
+def _record(path, role, completions_, **metrics):
+    from kvdiag.case import Case
+    from kvdiag.checks.paths import completions
+
+    case = Case("paths", "builtin", "m", "auto", "t", params={"path": path}, id=f"paths/builtin/m/auto/{path}")
+    return case.result("pass", metrics={"path": path, "role": role, "completions": completions.to_json(completions_),
+                                        **metrics})
+
+
+@pytest.mark.parametrize("own, warned, status", [(0.02, False, "pass"), (0.3, True, "pass"), (None, False, "fail")])
+def test_a_path_run_apart_is_judged_against_its_reference_case(tmp_path, own, warned, status):
+    """A graph path held to its reference case: a logprob shift of 0.3 fails against the reference's floor alone;
+    the path engine's own floor of 0.3 lets it through but is said (a warning), never silently absorbed."""
+    from kvdiag.checks.paths.params import PathsParams
+    from kvdiag.checks.paths.verdict import analyze
+    from kvdiag.results import RunRecord
+
+    ref = _record("cold-nographs", "reference", COLD, floor={"max_dlogprob": 0.01, "diverged": 0, "runs": 3})
+    shifted = [comp([5, 6, 7, 8], [-0.1, -0.5, -0.3, -0.4]), COLD[1]]  # 0.3 at request 0 position 1
+    own_floor = {"own_floor": {"max_dlogprob": own, "diverged": 0, "runs": 3}} if own is not None else {}
+    rec = _record("cudagraph-full", "path", shifted, counted=None, **own_floor)
+    (tmp_path / "results.jsonl").write_text("")
+    run = RunRecord(command="kvdiag paths", started="", cases=[ref, rec], environment={}, run_dir=str(tmp_path))
+    analyze(run, PathsParams())
+    kinds = [f.kind for f in rec.findings]
+    expect_fail = own is None or 4 * own < 0.3
+    assert rec.status == ("fail" if expect_fail else status)
+    assert ("own_floor" in kinds) is warned
+    assert rec.metrics["max_dlogprob"] == pytest.approx(0.3)
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 1  # the judged record is appended

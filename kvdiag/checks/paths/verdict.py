@@ -9,7 +9,7 @@ from pathlib import Path
 
 # the findings analyze() adds: dropped before it judges again (--resume)
 ANALYSIS_KINDS = ("divergence", "near_tie", "logprob_drift", "nan_output", "not_taken", "not_counted",
-                  "no_reference", "graph_mode")
+                  "no_reference", "graph_mode", "own_floor")
 
 
 def verdict(case, p, path, config, floor, trial, env: dict):
@@ -57,7 +57,12 @@ def analyze(run, p) -> None:
         else:
             floor = Floor(**ref.metrics["floor"])
             if m.get("own_floor"):  # the path engine's own noise counts too
-                floor.merge(Floor(**m["own_floor"]))
+                own, base = Floor(**m["own_floor"]), floor.max_dlogprob
+                floor.merge(own)
+                if own.max_dlogprob > p.floor_factor * max(base, p.logprob_tol):  # said, not hidden in the floor
+                    rec.add("warning", "own_floor", f"{path.name}: its engine's own runs (other batches, recomputes) "
+                            f"differ by {own.max_dlogprob:.3g}, over {p.floor_factor:g}x the reference engine's "
+                            f"{base:.3g}: the path moves logprobs with the batch; the tolerance took it in")
             judge_into(rec, p, path, floor, completions.from_json(ref.metrics["completions"]),
                        completions.from_json(m["completions"]), _Counted(m.get("counted"), m))
             _graph(rec, path, ref)
