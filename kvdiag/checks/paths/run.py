@@ -1,9 +1,10 @@
-"""The paths check in the worker: the cold runs and the noise floor, then the case's path, held to them.
+"""The paths check in the worker: a reference case's cold runs and noise floor, or one path.
 
-One case is one kv dtype and one path. The reference engine runs the prompts cold twice and once reordered (the
-floor: ``floor.py``); the prefix-cache paths then run in that same engine, the others in an engine started for the
-path after the reference engine has shut down (one vLLM engine per process at a time on a GPU). Before every cold
-run the prefix cache is reset, so only the path's own run reads it.
+One case is one kv dtype and one path (or reference). A reference case (``cold``, ``cold-nographs``) runs the prompts
+cold and measures the floor (``floor.py``). A prefix-cache path runs its own cold runs and floor, then the path, in
+one engine, and is judged here. Any other path runs in an engine of its own (an engine that captures CUDA graphs
+cannot start again in its process) and records its completions, which ``verdict.analyze`` holds to its reference case
+in the parent. Before every cold run the prefix cache is reset, so only the path's own run reads it.
 """
 
 from __future__ import annotations
