@@ -57,9 +57,11 @@ def test_shipped_config_builds_cases_for_every_check():
     cfg = load_config(REPO / "kvdiag.toml")
     cases, analyzers = build_suite(cfg)
     checks = {c.check for c in cases}
-    assert checks == {"memleak", "accuracy", "wake-cycle", "poison"}
+    assert checks == {"memleak", "accuracy", "wake-cycle", "poison", "paths"}
     acc = [c for c in cases if c.check == "accuracy"]
-    assert acc[0].kv_dtype == "auto" and acc[0].params["role"] == "baseline" and len(analyzers) == 1
+    assert acc[0].kv_dtype == "auto" and acc[0].params["role"] == "baseline" and len(analyzers) == 2  # + paths'
+    assert [c.params["path"] for c in cases if c.check == "paths"] == [  # its reference case first
+        "cold", "prefix-hit", "prefix-partial", "prefix-reset", "preemption", "chunked-prefill"]
     assert {c.id for c in cases if c.check == "wake-cycle"} == {
         f"wake-cycle/builtin/tiny-llama/{d}/L{lv}" for d in ("auto", "fp8") for lv in (1, 2)}
     assert all(c.timeout == 600 for c in cases)
