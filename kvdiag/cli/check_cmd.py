@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 from enum import Enum
-from typing import Annotated, Optional
 
 import typer
 
@@ -16,11 +15,9 @@ from kvdiag.cli import options as o
 
 def common_options(check) -> list[tuple[str, object, object]]:
     """(name, annotation, default) of the options every check command takes."""
-    dtypes = o.KVDtypeOpt
-    if check.kv_dtypes:  # the check's own default, not the engine's sweep
-        dtypes = Annotated[Optional[list[str]], typer.Option(
-            "--kv-dtype", "-d", help="kv-cache dtype; repeat for several. Short aliases work (bf16, fp16, int8, "
-            f"fp8pth). Default: {', '.join(check.kv_dtypes)} (those the engine supports).")]
+    dtypes = o.KVDtypeOpt  # the check's own default, not the engine's sweep:
+    if check.kv_dtypes:
+        dtypes = o.kv_dtype_option(f"{', '.join(check.kv_dtypes)} (those the engine supports)")
     out = [("engine", o.EngineOpt, "builtin"), ("model", o.ModelOpt, None), ("kv_dtype", dtypes, None),
            ("jobs", o.CheckJobsOpt, None), ("device", o.DeviceOpt, "auto"), ("engine_arg", o.EngineArgOpt, None),
            ("output_dir", o.OutputDirOpt, None), ("fmt", o.FormatOpt, o.Format.table),

@@ -27,9 +27,16 @@ EngineOpt = Annotated[str, typer.Option(
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="Model folder, or hub id (gpt2, org/name) taken from the Hugging Face cache or "
     "downloaded once, before any worker starts. Default: kvdiag's shipped tiny model.")]
-KVDtypeOpt = Annotated[Optional[list[str]], typer.Option(
-    "--kv-dtype", "-d", help="kv-cache dtype; repeat for several. Short aliases work (bf16, fp16, int8, fp8pth). "
-    "Default: every dtype the engine supports.")]
+
+
+def kv_dtype_option(default: str):
+    """--kv-dtype/-d, whose default (said in its help) is ``default``."""
+    return Annotated[Optional[list[str]], typer.Option(
+        "--kv-dtype", "-d", help="kv-cache dtype; repeat for several. Short aliases work (bf16, fp16, int8, fp8pth). "
+        f"Default: {default}.")]
+
+
+KVDtypeOpt = kv_dtype_option("every dtype the engine supports")
 OutputDirOpt = Annotated[Optional[Path], typer.Option(
     "--output-dir", "-o", help="Run directory for results.jsonl, run.json and reports. "
     "Default: reports/<timestamp>-<command>/.")]

