@@ -41,8 +41,8 @@ PATHS: dict[str, Path] = {p.name: p for p in (
          own_floor=True),
     Path("spec-ngram", "speculative decoding with ngram proposals (no draft model) against none",
          "spec_draft_tokens", own_floor=True),
-    Path("offload", "the KV cache stored to CPU memory, dropped from the device and loaded back",
-         "offload_loaded_tokens"),
+    Path("offload", "the KV cache stored to CPU memory, dropped from the device and loaded back (after the reset, "
+         "tokens read as cached came from the CPU tier)", "prefix_hit_tokens"),
 )}
 
 DEFAULT = tuple(PATHS)

@@ -98,6 +98,9 @@ def _taken(rec, path, trial) -> None:
             rec.add("error", "reset_not_cold", f"prefix-reset: {trial.counted} prompt tokens were read from the "
                     "prefix cache after reset_prefix_cache()")
         return
+    if path.name == "offload" and trial.notes.get("reset") is False:  # hits may then come from the device's cache
+        rec.add("warning", "reset_refused", "offload: reset_prefix_cache() returned False after the store: the "
+                "device prefix cache was not dropped, so the second run may not have read the offloaded copy")
     if path.counter is None:
         return
     if trial.counted is None:

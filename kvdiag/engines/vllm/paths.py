@@ -50,8 +50,7 @@ def path_config(path: str, need: dict, cpu: bool) -> PathConfig | str:
 
 # path_counters() key -> vLLM's metric (its counter's total in this process)
 METRICS = {"preemptions": "vllm:num_preemptions", "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens",
-           "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
-           "offload_loaded_tokens": "vllm:external_prefix_cache_hits"}
+           "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
 
 
 def counters(llm) -> dict[str, int]:
