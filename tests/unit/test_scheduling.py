@@ -156,6 +156,17 @@ def test_builtin_accuracy_cases_share_a_gpu_as_far_as_its_memory_holds(gpus, mem
     assert scheduling.place(sweep("accuracy")).per_gpu == 1
 
 
+def test_paths_cases_share_a_gpu_they_measure_no_memory(gpus, memory, monkeypatch):
+    """The paths check compares outputs only: its cases (a reference and a path each, each its own engine) run side
+    by side on one GPU, as accuracy's, so its default set takes about the time of its slowest case."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    gpus(1)
+    memory(80, 0.01)
+    assert scheduling.place(sweep("paths", n=11)).per_gpu == scheduling.SHARED_GPU_MAX
+    assert scheduling.default_jobs(sweep("paths", n=11)) == 11
+    assert scheduling.place(sweep("paths") + sweep("memleak")).per_gpu == 1
+
+
 def test_checks_that_measure_the_device_never_share_it(gpus, memory):
     gpus(1)
     memory(80, 0.01)
