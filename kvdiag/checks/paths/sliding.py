@@ -58,7 +58,10 @@ def cuts(prompt_len: int, window: int, block: int, tokens: int, i: int = 0) -> t
     last = prompt_len + tokens - 1  # the last decoded token's context length
     inside = {window - window // 4, window - 1}
     past = {min(window + block + i % max(1, block // 2), last), (window + block + last) // 2, last}
-    keep = lambda ns, lo, hi: sorted(n - prompt_len for n in ns if lo <= n <= hi and 0 <= n - prompt_len < tokens)  # noqa: E731
+
+    def keep(lengths, lo, hi):  # context lengths -> the positions this completion has
+        return sorted(n - prompt_len for n in lengths if lo <= n <= hi and 0 <= n - prompt_len < tokens)
+
     return keep(inside, prompt_len, window - 1), keep(past, window + 1, last)
 
 
