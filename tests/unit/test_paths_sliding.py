@@ -140,3 +140,38 @@ def test_divergence_is_named_by_its_prompt_and_position():
     assert rec.status == "fail"
     assert rec.metrics["first_difference"]["request"] == 4 and rec.metrics["first_difference"]["position"] == 111
     assert "request 4 first differs at generated position 111" in rec.findings[0].message
+
+
+def test_vllm_counts_the_blocks_its_sliding_managers_free():
+    """``WindowFrees`` on a stand-in of vLLM's in-process scheduler: a sliding manager that replaces blocks behind
+    the window by the null block is counted, a full-attention manager is not wrapped; no engine core here (vLLM in
+    another process): nothing counted, no error."""
+    from types import SimpleNamespace as NS
+
+    from kvdiag.engines.vllm.paths import WindowFrees
+
+    null = NS(is_null=True)
+
+    class SlidingWindowManager:
+        def __init__(self):
+            self.req_to_blocks = {"r": [NS(is_null=False) for _ in range(4)]}
+
+        def remove_skipped_blocks(self, request_id, num_computed_tokens):
+            blocks = self.req_to_blocks[request_id]
+            for i in range(min(num_computed_tokens // 10, len(blocks))):
+                blocks[i] = null
+
+    class FullAttentionManager:
+        def remove_skipped_blocks(self, request_id, num_computed_tokens):
+            raise AssertionError("not a sliding manager: never wrapped, never called here")
+
+    sliding, full = SlidingWindowManager(), FullAttentionManager()
+    coordinator = NS(single_type_managers=(full, sliding))
+    core = NS(scheduler=NS(kv_cache_manager=NS(coordinator=coordinator)))
+    frees = WindowFrees(NS(llm_engine=NS(engine_core=NS(engine_core=core))))
+    sliding.remove_skipped_blocks("r", 25)
+    sliding.remove_skipped_blocks("r", 29)  # nothing more behind the window
+    sliding.remove_skipped_blocks("r", 31)
+    assert frees.counters() == {"window_freed_blocks": 3}
+    assert "remove_skipped_blocks" not in vars(full)
+    assert WindowFrees(NS(llm_engine=NS(engine_core=NS()))).counters() == {}

@@ -77,14 +77,18 @@ def counters(llm) -> dict[str, int]:
 class WindowFrees:
     """Blocks vLLM's sliding-window managers took back from running requests (``remove_skipped_blocks``: each block
     behind the window replaced by the null block in the request's table). vLLM has no metric of it: each manager
-    of the in-process scheduler is wrapped, once, and counts what it replaced."""
+    of the in-process scheduler is wrapped, once, and counts what it replaced (no scheduler in this process, or
+    none of these names: nothing is counted, and the path says it cannot know)."""
 
     def __init__(self, llm):
-        from kvdiag.engines.vllm.kv import engine_core
+        from kvdiag.engines.vllm.kv import KVAccessError, engine_core
 
         self.freed = 0
-        coordinator = engine_core(llm).scheduler.kv_cache_manager.coordinator
-        self.managers = [m for m in coordinator.single_type_managers if type(m).__name__ == "SlidingWindowManager"]
+        try:
+            managers = engine_core(llm).scheduler.kv_cache_manager.coordinator.single_type_managers
+        except (KVAccessError, AttributeError):
+            managers = ()
+        self.managers = [m for m in managers if type(m).__name__ == "SlidingWindowManager"]
         for m in self.managers:
             m.remove_skipped_blocks = self._wrap(m, m.remove_skipped_blocks)
 
