@@ -109,6 +109,14 @@ def test_tiny_model_has_no_window_and_gemma3_has():
     assert sliding.need("zoo:gemma3", 8, 32, "cpu") == sliding.needs(8, 64, 32, "cpu")
 
 
+def test_a_window_too_long_for_the_model_is_unsupported(tmp_path, monkeypatch):
+    cfg = json.loads(open(SHIPPED.format("gemma3")).read())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 191}))
+    monkeypatch.setattr("kvdiag.models.resolve", str)  # the folder as it is: only its config is read
+    said = sliding.need(str(tmp_path), 8, 32, "cpu")
+    assert said == f"{tmp_path.name} takes 191 positions; two windows of 64 past the prompt need 192"
+
+
 def test_engines_say_how_they_take_the_path():
     from kvdiag.engines.builtin.paths import path_config as builtin
     from kvdiag.engines.vllm.paths import path_config as vllm

@@ -28,10 +28,16 @@ def need(model: str, prompts: int, block: int, device: str) -> dict | str:
     """The path's sizes (``needs``) from the window of ``model``'s layers; none slides: why it is unsupported."""
     from kvdiag.models import config, label, resolve, sliding_window
 
-    window = sliding_window(config(resolve(model), text=True))
+    cfg = config(resolve(model), text=True)
+    window = sliding_window(cfg)
     if window is None:
         return NO_WINDOW.format(model=label(model))
-    return needs(prompts, window, block, device)
+    sizes = needs(prompts, window, block, device)
+    longest = cfg.get("max_position_embeddings")
+    if isinstance(longest, int) and longest < sizes["max_model_len"]:
+        return (f"{label(model)} takes {longest} positions; two windows of {window} past the prompt need "
+                f"{sizes['max_model_len']}")
+    return sizes
 
 
 def generated(window: int, block: int) -> int:
