@@ -251,6 +251,21 @@ def config(model: str | Path, text: bool = False) -> dict:
     return inner if text and isinstance(inner, dict) else cfg
 
 
+def sliding_window(cfg: dict) -> int | None:
+    """The tokens a sliding-window layer of this (text) config attends to; None when no layer slides: no window, a
+    ``layer_types`` without ``sliding_attention``, or Qwen's window left off (``use_sliding_window`` false, its
+    default). The one place of this rule (the builtin engine's config and the paths check read it)."""
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    if cfg.get("model_type", "").startswith(("qwen2", "qwen3")) and not cfg.get("use_sliding_window", False):
+        return None
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and "sliding_attention" not in types:
+        return None
+    return window
+
+
 def config_dtype(model: str | Path) -> str | None:
     """The dtype the checkpoint's config names for its weights (``dtype``, or the older ``torch_dtype``; a
     multimodal checkpoint's top level first, then its ``text_config``); None when it names none."""

@@ -49,6 +49,16 @@ def test_every_path_the_engine_has_is_taken_and_matches_the_cold_path(clean):
         assert "builtin engine" in c["findings"][0]["message"]
 
 
+def test_sliding_window_is_unsupported_in_seconds_without_a_window():
+    """The tiny model has no sliding layer; the builtin engine never decodes past a window (zoo:gemma3 is refused
+    as a model it cannot run, exit 2)."""
+    r = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "-p", "sliding-window", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (c,) = json.loads(r.stdout)["cases"]
+    assert c["status"] == "unsupported" and c["duration_s"] < 10
+    assert "no sliding-window layer in tiny-llama (zoo:gemma3" in c["findings"][0]["message"]
+
+
 def test_report_has_the_path_by_dtype_grid(clean):
     _, out = clean
     md = (out / "report.md").read_text()

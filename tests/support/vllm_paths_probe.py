@@ -13,6 +13,8 @@ time) is the control for ``preempt``: a tiny pool also changes the batches.
 that compiled engine (cold built with cudagraph_mode NONE), so that a graph's effect is not mixed with compile's.
 Counters are deltas of ``llm.get_metrics()`` (Prometheus, needs ``disable_log_stats=False``) over the path's
 generate, plus a wrap of the scheduler's ``schedule`` (internal) for prefill chunks.
+``sliding-window`` (``--model zoo:gemma3``): tests/support/vllm_window_probe.py, which says how; its fault
+``swa_frees_window_block`` is the probe's own.
 ``--fault NAME``: one of kvdiag's vLLM faults (``kvdiag.engines.vllm.faults``) patched in before the first ``LLM``,
 so that cold and path run in the faulty vLLM (a path fault must leave the cold runs alone); ``fired`` says how often
 its patched code ran.
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # kvdiag.models, f
 
 GRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
 PATHS = ("prefix-hit", "prefix-partial", "prefix-reset", "preempt", "serial", "chunked", "offload", "spec-ngram",
-         *(f"cudagraph-{m}" for m in GRAPH_MODES))
+         "sliding-window", *(f"cudagraph-{m}" for m in GRAPH_MODES))
 N_PROMPTS, MAX_TOKENS, MAX_MODEL_LEN, CHUNK = 8, 32, 256, 40
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 METRICS = {"vllm:prefix_cache_queries": "prefix_queries", "vllm:prefix_cache_hits": "prefix_hits",
@@ -252,7 +254,10 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="accepted: the JSON line is always stdout's last line")
     ap.add_argument("--fault", help="a kvdiag vLLM fault to patch in before the first LLM")
     a = ap.parse_args()
-    if a.fault:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import vllm_window_probe as window
+
+    if a.fault and a.fault not in window.FAULTS:
         from kvdiag.engines.vllm.faults import apply
 
         apply([a.fault], a.kv_dtype)
@@ -260,6 +265,10 @@ def main() -> None:
     from kvdiag.models import resolve
 
     a.model, t0 = resolve(a.model or str(TINY_MODEL)), time.time()
+    if a.path == "sliding-window":  # decode past the window held to prefills of its tokens (vllm_window_probe.py)
+        res = window.run(a.model, prompt_texts(), a.kv_dtype, a.block_size, a.fault, metrics)
+        return print(json.dumps({"path": a.path, "kv_dtype": a.kv_dtype, "fault": a.fault, **res,
+                                 "seconds": round(time.time() - t0, 2)}), flush=True)
     base = base_args(a.model, a.kv_dtype, a.block_size)
     if a.path.startswith("cudagraph-") and a.path != "cudagraph-NONE":
         base.update(path_args("cudagraph-NONE", a.block_size))

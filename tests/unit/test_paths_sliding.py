@@ -1,0 +1,185 @@
+"""The sliding-window path's workload (kvdiag/checks/paths/sliding.py) held to an independent computation: which
+positions a decode step has freed (blocks wholly behind the window), the blocks a request holds step by step, and
+the pool tests/support/vllm_window_probe.py gives plain vLLM; the window rule (kvdiag.models.sliding_window) on the
+shipped configs; the engines' configs of the path; a divergence named by its (prompt, position)."""
+
+import json
+import math
+
+import pytest
+
+from kvdiag.checks.paths import sliding
+from kvdiag.models import sliding_window
+
+GRID = [(64, 32), (64, 16), (128, 16), (512, 16), (16, 32), (4096, 16)]  # (window, block)
+
+
+def freed_blocks(n: int, window: int, block: int) -> int:
+    """Blocks wholly behind the window when the last of ``n`` context tokens is computed: every position of the
+    block below ``n - window``."""
+    return sum(1 for b in range(n // block + 1) if (b + 1) * block - 1 < n - window)
+
+
+@pytest.mark.parametrize("window, block", GRID)
+def test_cuts_inside_free_nothing_and_cuts_past_free_a_block(window, block):
+    tokens = sliding.generated(window, block)
+    for plen in range(1, window // 2 + 1, max(1, window // 16)):
+        for i in range(4):
+            inside, past = sliding.cuts(plen, window, block, tokens, i)
+            assert len(inside) == 2 and len(past) == 3, (plen, inside, past)
+            assert all(0 <= k < tokens and plen + k <= window for k in inside)  # the whole context in the window
+            assert all(freed_blocks(plen + k, window, block) == 0 for k in inside)
+            assert all(freed_blocks(plen + k, window, block) >= 1 for k in past)
+            assert past[-1] == tokens - 1 and freed_blocks(plen + tokens - 1, window, block) >= 2
+
+
+def test_cuts_skip_positions_a_short_completion_lacks():
+    inside, past = sliding.cuts(10, 64, 32, 60, 0)  # stopped at 60 tokens: context 69 at most
+    assert inside == [38, 53] and past == [59]
+
+
+def test_truncation_cuts_to_half_a_window_one_token_ahead_in_turn():
+    prompts = [list(range(100))] * 6 + [[1, 2]]
+    out = sliding.truncate(prompts, 64)
+    assert [len(p) for p in out] == [29, 30, 31, 32, 29, 30, 2]
+    assert out[3] == list(range(32))
+
+
+def held_peak(length: int, window: int, block: int) -> int:
+    """A request's blocks, step by step: every block of its full layers so far, and its sliding layers' blocks not
+    wholly behind the window of the position being computed."""
+    peak = 0
+    for c in range(length):
+        full = c // block + 1
+        window_blocks = sum(1 for b in range(c // block + 1) if (b + 1) * block - 1 >= c - window + 1)
+        peak = max(peak, full + window_blocks)
+    return peak
+
+
+@pytest.mark.parametrize("window, block", GRID)
+def test_pool_holds_the_batch_at_its_peak_and_little_more(window, block):
+    need = sliding.needs(8, window, block, "cpu")
+    length = window // 2 + need["tokens"]
+    usable = need["window_blocks"] - 1  # vLLM's null block
+    assert 8 * held_peak(length, window, block) <= usable <= 8 * (held_peak(length, window, block) + 1) + 1
+    whole = 8 * 2 * math.ceil(length / block)  # both layer kinds holding every block: a pool the window must free
+    assert usable < whole or window >= length
+    probe = 8 * (math.ceil(length / block) + math.ceil(window / block) + 1) + 2  # vllm_window_probe.py's pool
+    assert need["window_blocks"] == probe
+    assert need["max_model_len"] >= length and need["max_model_len"] % block == 0
+    assert need["batch_tokens"] >= need["max_model_len"]  # each cut prefilled whole, in one step
+
+
+def test_generation_runs_two_windows_past_the_prompt():
+    assert sliding.generated(64, 32) == 160 and sliding.generated(64, 32) >= 2 * 64
+
+
+SHIPPED = "kvdiag/assets/zoo/{}/config.json"
+
+
+@pytest.mark.parametrize("cfg, window", [
+    (json.loads(open(SHIPPED.format("gemma3")).read()), 64),
+    (json.loads(open(SHIPPED.format("qwen3")).read()), None),  # sliding_window null, use_sliding_window false
+    ({"model_type": "qwen2", "sliding_window": 4096}, None),  # Qwen's window off by default
+    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}, 4096),
+    ({"model_type": "mistral", "sliding_window": 4096}, 4096),  # every layer slides
+    ({"model_type": "gemma2", "sliding_window": 4096}, 4096),  # its pattern, no layer_types
+    ({"model_type": "llama", "sliding_window": 64, "layer_types": ["full_attention"] * 2}, None),
+    ({"model_type": "llama", "sliding_window": None}, None),
+    ({"model_type": "llama"}, None),
+])
+def test_window_rule(cfg, window):
+    assert sliding_window(cfg) == window
+
+
+def test_builtin_engine_reads_the_same_rule():
+    from kvdiag.engines.builtin.config import ModelConfig
+
+    base = {"model_type": "qwen3", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "vocab_size": 10, "sliding_window": 32}
+    assert ModelConfig.from_dict(base).sliding_window is None
+    assert ModelConfig.from_dict({**base, "use_sliding_window": True}).sliding_window == 32
+
+
+def test_tiny_model_has_no_window_and_gemma3_has():
+    from kvdiag.assets import TINY_MODEL
+
+    assert sliding.need(str(TINY_MODEL), 8, 32, "cpu") == ("no sliding-window layer in tiny-llama (zoo:gemma3 has "
+                                                           "them): nothing decodes past a window")
+    assert sliding.need("zoo:gemma3", 8, 32, "cpu") == sliding.needs(8, 64, 32, "cpu")
+
+
+def test_a_window_too_long_for_the_model_is_unsupported(tmp_path, monkeypatch):
+    cfg = json.loads(open(SHIPPED.format("gemma3")).read())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 191}))
+    monkeypatch.setattr("kvdiag.models.resolve", str)  # the folder as it is: only its config is read
+    said = sliding.need(str(tmp_path), 8, 32, "cpu")
+    assert said == f"{tmp_path.name} takes 191 positions; two windows of 64 past the prompt need 192"
+
+
+def test_engines_say_how_they_take_the_path():
+    from kvdiag.engines.builtin.paths import path_config as builtin
+    from kvdiag.engines.vllm.paths import path_config as vllm
+
+    need = sliding.needs(8, 64, 32, "cpu")
+    assert "sliding window" in builtin("sliding-window", need)
+    cfg = vllm("sliding-window", need, cpu=True)
+    assert cfg.spec["prefix_caching"] is False  # a prefill at a cut must not read the blocks decode wrote
+    assert cfg.spec["num_blocks"] == need["window_blocks"] == 74 and cfg.args["ignore_eos"] is True
+
+
+def test_divergence_is_named_by_its_prompt_and_position():
+    from kvdiag.case import Case
+    from kvdiag.checks.paths.catalogue import PATHS
+    from kvdiag.checks.paths.floor import Floor
+    from kvdiag.checks.paths.params import PathsParams
+    from kvdiag.checks.paths.run import Trial
+    from kvdiag.checks.paths.verdict import verdict
+    from kvdiag.engines.protocol import Completion
+    from kvdiag.engines.traits import PathConfig
+
+    def one(t, lp):
+        return Completion(prompt_token_ids=[], token_ids=[t], logprobs=[lp], top_logprobs=[{t: lp, -1: lp - 3}])
+
+    ref, out = [one(5, -0.1), one(6, -0.2)], [one(5, -0.1), one(7, -0.2)]
+    case = Case("paths", "vllm", "m", "auto", "t", params={"path": "sliding-window"}, id="paths/vllm/m/auto/sw")
+    trial = Trial(ref, out, 3, {"cuts": [(0, 70), (4, 111)]})
+    rec = verdict(case, PathsParams(), PATHS["sliding-window"], PathConfig(), Floor(), trial, {})
+    assert rec.status == "fail"
+    assert rec.metrics["first_difference"]["request"] == 4 and rec.metrics["first_difference"]["position"] == 111
+    assert "request 4 first differs at generated position 111" in rec.findings[0].message
+
+
+def test_vllm_counts_the_blocks_its_sliding_managers_free():
+    """``WindowFrees`` on a stand-in of vLLM's in-process scheduler: a sliding manager that replaces blocks behind
+    the window by the null block is counted, a full-attention manager is not wrapped; no engine core here (vLLM in
+    another process): nothing counted, no error."""
+    from types import SimpleNamespace as NS
+
+    from kvdiag.engines.vllm.paths import WindowFrees
+
+    null = NS(is_null=True)
+
+    class SlidingWindowManager:
+        def __init__(self):
+            self.req_to_blocks = {"r": [NS(is_null=False) for _ in range(4)]}
+
+        def remove_skipped_blocks(self, request_id, num_computed_tokens):
+            blocks = self.req_to_blocks[request_id]
+            for i in range(min(num_computed_tokens // 10, len(blocks))):
+                blocks[i] = null
+
+    class FullAttentionManager:
+        def remove_skipped_blocks(self, request_id, num_computed_tokens):
+            raise AssertionError("not a sliding manager: never wrapped, never called here")
+
+    sliding, full = SlidingWindowManager(), FullAttentionManager()
+    coordinator = NS(single_type_managers=(full, sliding))
+    core = NS(scheduler=NS(kv_cache_manager=NS(coordinator=coordinator)))
+    frees = WindowFrees(NS(llm_engine=NS(engine_core=NS(engine_core=core))))
+    sliding.remove_skipped_blocks("r", 25)
+    sliding.remove_skipped_blocks("r", 29)  # nothing more behind the window
+    sliding.remove_skipped_blocks("r", 31)
+    assert frees.counters() == {"window_freed_blocks": 3}
+    assert "remove_skipped_blocks" not in vars(full)
+    assert WindowFrees(NS(llm_engine=NS(engine_core=NS()))).counters() == {}
