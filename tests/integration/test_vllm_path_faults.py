@@ -109,3 +109,29 @@ def test_the_sliding_window_fault_moves_a_chunked_prefill_past_gemma3s_window():
 def test_offload_is_not_applicable_on_vllm_cpu_in_the_probe_as_in_the_selftest():
     truth = probe("offload_load_block_shifted")
     assert truth["applicable"] is False and "CPU Offloading is currently only supported" in truth["reason"], truth
+
+
+def test_the_offload_patch_goes_into_the_installed_vllms_class_and_rotates_its_own_load_spec():
+    """Offload cannot run on vllm-cpu; its patch's mechanics can: the code point resolves in the imported vLLM, the
+    wrapper replaces it (vLLM's method behind ``__wrapped__``), and a load job built of vLLM's own classes gets its
+    device blocks rotated per group."""
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvdiag.engines.vllm.faults import apply, offload, restore
+
+    original = OffloadingConnectorScheduler.update_state_after_alloc
+    try:
+        assert apply(["offload_load_block_shifted"]) == {"offload_load_block_shifted": [str(offload.LOAD_JOBS)]}
+        assert OffloadingConnectorScheduler.update_state_after_alloc.__wrapped__ is original
+    finally:
+        restore()
+    assert OffloadingConnectorScheduler.update_state_after_alloc is original
+    spec = GPULoadStoreSpec([4, 5, 6, 8, 9], group_sizes=[3, 2], block_indices=[0, 0])
+    names = {f.name for f in dataclasses.fields(TransferJob)}
+    job = TransferJob("r", None, spec) if "dst_spec" in names else TransferJob("r", (None, spec))
+    assert offload.load_target(job) is spec and offload.rotate_groups(spec)
+    assert spec.block_ids.tolist() == [5, 6, 4, 9, 8]
