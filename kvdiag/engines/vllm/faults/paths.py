@@ -1,9 +1,10 @@
 """Faults in the paths by which vLLM's KV cache reaches attention other than one cold prefill (bug class S5): a
-prefix-cache hit and preemption; ``paths`` must catch each on its own path while the cold path stays clean.
+prefix-cache hit, preemption and a chunked prefill; ``paths`` must catch each on its own path while the cold path
+stays clean. (Speculative decoding's: ``spec.py``; the sliding window's: ``window.py``; CPU offload's: ``offload.py``.)
 
-Both patch the scheduler's bookkeeping (the KV-cache manager and the scheduler of vLLM's V1 engine core), not a
+All three patch the scheduler's bookkeeping (the KV-cache manager and the scheduler of vLLM's V1 engine core), not a
 kernel: what the model runner is told is computed no longer matches what its blocks hold, so attention reads K/V
-that no prefill wrote. Neither names a vLLM fix: each re-introduces a bug class, not a known regression.
+that no prefill wrote. None names a vLLM fix: each re-introduces a bug class, not a known regression.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from kvdiag.engines.vllm.faults.patching import CodePoint, fire, wrap
 
 GET_COMPUTED = CodePoint("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_computed_blocks")
 PREEMPT = CodePoint("vllm.v1.core.sched.scheduler", "Scheduler._preempt_request")
+AFTER_SCHEDULE = CodePoint("vllm.v1.core.sched.scheduler", "Scheduler._update_after_schedule")
 HIT_SHORT = "prefix_hit_block_dropped"
 PREEMPT_KEEPS = "preempt_keeps_computed_tokens"
+CHUNK_SKIPS = "chunk_boundary_token_skipped"
 
 
 def prefix_hit_block_dropped(kv_cache_dtype: str | None = None) -> list[str]:
@@ -80,3 +83,40 @@ def preempt_keeps_computed_tokens(kv_cache_dtype: str | None = None) -> list[str
         return _preempt_request
     wrap(PREEMPT, PREEMPT_KEEPS, make)
     return [str(PREEMPT)]
+
+
+def chunk_boundary_token_skipped(kv_cache_dtype: str | None = None) -> list[str]:
+    """S5, a prefill chunk's end counted one token too far: the first token of the next chunk is never computed.
+
+    Code point: ``Scheduler._update_after_schedule(scheduler_output)`` (``vllm/v1/core/sched/scheduler.py``), where
+    the V1 scheduler advances each scheduled request's ``num_computed_tokens`` by its scheduled tokens once the step
+    is scheduled (so that the next step can schedule the rest of a chunked prefill at once). Relied on: that method,
+    ``scheduler_output.num_scheduled_tokens`` (request id -> tokens), ``Scheduler.requests`` and ``Request``'s
+    ``num_computed_tokens`` and ``num_prompt_tokens``. Versions: vLLM 0.24 (source read: the same method, advancing
+    ``num_computed_tokens`` the same way), 0.32. The fault: after vLLM's own advance, a request still mid-prefill
+    (``num_computed_tokens + 1 < num_prompt_tokens``) is advanced one token more. The next chunk starts a token
+    later: that prompt token is never fed to the model, its K/V slot is never written, and every later token's
+    attention reads whatever the slot held (another request's K/V, or the pool's initial zeros). The class of an
+    off-by-one between a chunk's end and the next chunk's start. Fires once per chunk boundary: never on a prefill
+    that fits one step (a cold run), nor on the chunk that finishes a prompt (at least one prompt token is always
+    left to compute, so the request still samples its first token; advancing it to the end would leave it nothing
+    to schedule).
+
+    Intended check: ``paths``, ``chunked-prefill`` (finding ``divergence`` or ``logprob_drift``); the other paths
+    run whole prefills and pass.
+
+    Outside kvdiag: ``apply(["chunk_boundary_token_skipped"])`` before ``vllm.LLM(..., enable_chunked_prefill=True,
+    max_num_batched_tokens=N)`` with N below the prompts' length.
+    """
+    def make(original):
+        def _update_after_schedule(self, scheduler_output, *args, **kwargs):
+            result = original(self, scheduler_output, *args, **kwargs)
+            for req_id in scheduler_output.num_scheduled_tokens:
+                request = self.requests.get(req_id)
+                if request is not None and request.num_computed_tokens + 1 < request.num_prompt_tokens:
+                    fire(CHUNK_SKIPS)
+                    request.num_computed_tokens += 1
+            return result
+        return _update_after_schedule
+    wrap(AFTER_SCHEDULE, CHUNK_SKIPS, make)
+    return [str(AFTER_SCHEDULE)]
