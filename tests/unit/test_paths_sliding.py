@@ -131,9 +131,9 @@ def test_engines_say_how_they_take_the_path():
 def test_divergence_is_named_by_its_prompt_and_position():
     from kvdiag.case import Case
     from kvdiag.checks.paths.catalogue import PATHS
+    from kvdiag.checks.paths.engine_runs import Trial
     from kvdiag.checks.paths.floor import Floor
     from kvdiag.checks.paths.params import PathsParams
-    from kvdiag.checks.paths.run import Trial
     from kvdiag.checks.paths.verdict import verdict
     from kvdiag.engines.protocol import Completion
     from kvdiag.engines.traits import PathConfig

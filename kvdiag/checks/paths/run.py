@@ -10,7 +10,7 @@ the prefix cache is reset, so only the path's own run reads it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from kvdiag.checks import greedy
 from kvdiag.checks.common import (
@@ -21,22 +21,18 @@ from kvdiag.checks.common import (
     spec_starter,
     start_or_record,
 )
-from kvdiag.checks.paths import sliding, workload
+from kvdiag.checks.paths import completions, sliding, workload
 from kvdiag.checks.paths.catalogue import PATHS
-from kvdiag.checks.paths.floor import Floor, distance
+from kvdiag.checks.paths.engine_runs import (
+    Trial,
+    block_size,
+    cold_runs,
+    counted_run,
+    floor_runs,
+    generate,
+    reset,
+)
 from kvdiag.checks.paths.params import PathsParams
-
-TOP = 2  # top logprobs per generated token: the cold run's top two say whether a flipped token was a near-tie
-
-
-@dataclass
-class Trial:
-    """What a path produced, and the cold run of the same prompts to hold it to (None: its reference case's)."""
-
-    reference: list | None
-    out: list
-    counted: int | None  # the path's counter grew this much during its run (None: the engine does not count it)
-    notes: dict
 
 
 def run(case, ctx):
@@ -90,7 +86,6 @@ def run(case, ctx):
 
 
 def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
-    from kvdiag.checks.paths import completions
     from kvdiag.checks.paths.verdict import verdict
 
     env = {**device_info(), **engine.versions()}
@@ -105,14 +100,15 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
             "path_config": {"spec": config.spec, "args": config.args}, **trial.notes,
             "completions": completions.to_json(trial.out)})
     ctx.stage(case, "cold runs and noise floor")
-    cold, floor = cold_runs(engine, prompts, p.max_tokens)
+    layouts: dict = {}
+    cold, floor = cold_runs(engine, prompts, p.max_tokens, layouts)
     if path is None:  # a reference case
         return case.result("pass", environment=env, metrics={
             "path": p.path, "role": "reference", "floor": vars(floor), "requests": len(cold),
             "tokens": sum(len(c.token_ids) for c in cold), **_graph_mode(engine, p.path),
-            "completions": completions.to_json(cold)})
+            "completions": completions.to_json(cold), "layouts": completions.layouts_to_json(layouts)})
     ctx.stage(case, f"path {path.name}")
-    trial = PREFIX_RUNS[path.name](engine, prompts, cold, p.max_tokens, _block_size(engine, spec), path.counter)
+    trial = PREFIX_RUNS[path.name](engine, prompts, cold, p.max_tokens, block_size(engine, spec), path.counter)
     return verdict(case, p, path, config, floor, trial, env)
 
 
@@ -139,100 +135,29 @@ def _need(case, traits, base, texts, max_tokens: int, device: str) -> dict | str
     return workload.needs(prompts, max_tokens, block, device)
 
 
-def generate(engine, prompts, max_tokens: int, what: str = "generate") -> list:
-    try:
-        return engine.generate(prompts, max_tokens, greedy=True, logprobs=TOP)
-    except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record
-        raise WorkloadFailed(what) from e
-
-
-def reset(engine) -> bool | None:
-    """Empty the engine's prefix cache (``reset_prefix_cache``); None when the engine has no such call."""
-    f = getattr(engine, "reset_prefix_cache", None)
-    return None if f is None else bool(f())
-
-
-def cold_runs(engine, prompts, max_tokens: int) -> tuple[list, Floor]:
-    """The cold run, and the floor, each against the first: a second cold run, the prompts reordered, and the
-    second half of each output after its first half was prefilled (recompute after preemption, and a hit on blocks
-    decode wrote, read K/V that a prefill computed: in bf16 not the bits decode wrote)."""
-    reset(engine)
-    cold = generate(engine, prompts, max_tokens, "cold run")
-    return cold, floor_runs(engine, prompts, cold, max_tokens)
-
-
-def floor_runs(engine, prompts, cold, max_tokens: int) -> Floor:
-    """The floor of ``cold`` (this engine's first run of the prompts): the second cold run, the reordered batches
-    and the recomputed halves, each against it."""
-    floor = Floor()
-    reset(engine)
-    floor.add(distance(cold, generate(engine, prompts, max_tokens, "second cold run")))
-    back: list = [None] * len(prompts)
-    for ix, batch in workload.reordered(prompts, "all_but_one"):
-        reset(engine)
-        for i, c in zip(ix, generate(engine, batch, max_tokens, "reordered cold runs")):
-            back[i] = c
-    floor.add(distance(cold, back))
-    # a part of each output fed back as prompt, in the reordered batches: K/V a prefill computed where decode
-    # computed it, for a request alone or beside a few, cut at several points (what a recompute after preemption is)
-    cuts = [max(1, min(len(c.token_ids) - 1, max_tokens * (1 + i % 3) // 4)) for i, c in enumerate(cold)]
-    if all(len(c.token_ids) > k for c, k in zip(cold, cuts)):  # each has a token left to compare after its cut
-        fed = [list(p) + c.token_ids[:k] for p, c, k in zip(prompts, cold, cuts)]
-        again: list = [None] * len(prompts)
-        for ix, batch in workload.reordered(fed):
-            reset(engine)
-            for i, c in zip(ix, generate(engine, batch, max_tokens - min(cuts[j] for j in ix), "recomputed runs")):
-                again[i] = c
-        floor.add(distance([_part(c, k) for c, k in zip(cold, cuts)],
-                           [_part(a, 0, len(c.token_ids) - k) for a, c, k in zip(again, cold, cuts)]))
-    return floor
-
-
-def _part(c, start: int, stop: int | None = None):
-    """Completion ``c``'s generated positions ``start`` to ``stop``."""
-    cut = slice(start, stop)
-    return replace(c, token_ids=c.token_ids[cut], logprobs=c.logprobs[cut],
-                   top_logprobs=None if c.top_logprobs is None else c.top_logprobs[cut])
-
-
-def _counter(engine, name: str | None) -> int | None:
-    f = getattr(engine, "path_counters", None)
-    if name is None or f is None:
-        return None
-    return f().get(name)
-
-
-def counted_run(engine, prompts, max_tokens: int, counter: str | None, what: str) -> tuple[list, int | None]:
-    """``generate``, and how much the path's ``counter`` grew during it (None: the engine does not count it)."""
-    before = _counter(engine, counter)
-    out = generate(engine, prompts, max_tokens, what)
-    after = _counter(engine, counter)
-    return out, None if after is None else after - (before or 0)
-
-
-def _hit(engine, prompts, cold, max_tokens, block_size, counter) -> Trial:
+def _hit(engine, prompts, cold, max_tokens, block, tally) -> Trial:
     """The cold runs left the prompts' blocks cached (no reset after the last): run them again."""
-    out, counted = counted_run(engine, prompts, max_tokens, counter, "prefix-cache hit")
+    out, counted = counted_run(engine, prompts, max_tokens, tally, "prefix-cache hit")
     return Trial(cold, out, counted, {})
 
 
-def _partial(engine, prompts, cold, max_tokens, block_size, counter) -> Trial:
+def _partial(engine, prompts, cold, max_tokens, block, tally) -> Trial:
     """Prompts sharing a part of the cached ones that ends inside a block, against their own cold run."""
-    other = workload.partial_prompts(prompts, block_size)
+    other = workload.partial_prompts(prompts, block)
     if not other:  # no prompt is long enough: nothing hits, the verdict says the path was not taken
         return Trial(cold, cold, 0, {"partial_prompts": 0})
     reset(engine)
     ref = generate(engine, other, max_tokens, "cold run of the partial prompts")
     reset(engine)
     generate(engine, prompts, max_tokens, "the cached prompts")
-    out, counted = counted_run(engine, other, max_tokens, counter, "partial prefix-cache hit")
+    out, counted = counted_run(engine, other, max_tokens, tally, "partial prefix-cache hit")
     return Trial(ref, out, counted, {"partial_prompts": len(other)})
 
 
-def _reset(engine, prompts, cold, max_tokens, block_size, counter) -> Trial:
+def _reset(engine, prompts, cold, max_tokens, block, tally) -> Trial:
     """The cached prompts again after reset_prefix_cache: nothing may come from the cache."""
     done = reset(engine)
-    out, counted = counted_run(engine, prompts, max_tokens, counter, "after reset_prefix_cache")
+    out, counted = counted_run(engine, prompts, max_tokens, tally, "after reset_prefix_cache")
     return Trial(cold, out, counted, {"reset": done})
 
 
@@ -241,12 +166,15 @@ PREFIX_RUNS = {"prefix-hit": _hit, "prefix-partial": _partial, "prefix-reset": _
 
 def _plain(engine, prompts, max_tokens, path) -> Trial:
     """The prompts through the path engine, cold; then, where every run takes the path (``Path.own_floor``), the
-    path engine's own floor (its batch and run-to-run noise: CUDA graphs pad batches to captured sizes, where the
-    kernels may split the work otherwise)."""
+    floor's runs in the path engine too: each batch layout is held to the reference engine's same layout
+    (``layouts.py``), and its own spread is said."""
     reset(engine)
     out, counted = counted_run(engine, prompts, max_tokens, path.counter, "path run")
-    own = {"own_floor": vars(floor_runs(engine, prompts, out, max_tokens))} if path.own_floor else {}
-    return Trial(None, out, counted, own)
+    if not path.own_floor:
+        return Trial(None, out, counted, {})
+    layouts: dict = {}
+    own = floor_runs(engine, prompts, out, max_tokens, layouts)
+    return Trial(None, out, counted, {"own_floor": vars(own), "layouts": completions.layouts_to_json(layouts)})
 
 
 def _offload(engine, prompts, max_tokens, path) -> Trial:
@@ -269,11 +197,6 @@ def _graph_mode(engine, name: str) -> dict:
     """The CUDA-graph mode the engine really runs (vLLM may lower what was asked), for the graph paths."""
     mode = getattr(engine, "cudagraph_mode", None)
     return {"cudagraph_mode": mode} if mode is not None and ("graph" in name) else {}
-
-
-def _block_size(engine, spec) -> int:
-    view = engine.kv_blocks() if engine.capabilities.kv_access else None
-    return view.block_size if view is not None else spec.block_size
 
 
 def _device_type(case, traits) -> str:

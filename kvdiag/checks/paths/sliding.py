@@ -6,7 +6,7 @@ Truth: a prefill of the same tokens. Each prompt (cut to half a window, so that 
 generated greedily for two windows and a block; its completion is cut at positions past the window, and prompt +
 completion[:k] is prefilled for one token, which must be decoded token k with its logprob: position by position,
 one (prompt, cut) a request, so a difference does not cascade. The floor is the same decode-against-prefill at
-cuts whose length stays inside the window (nothing freed yet), and the check's own floor runs (``run.floor_runs``)
+cuts whose length stays inside the window (nothing freed yet), and the check's own floor runs (``engine_runs.floor_runs``)
 on generations that stay inside it too: a run past the window would take the path, and a fault's effect would
 widen the floor that should expose it.
 
@@ -95,15 +95,24 @@ def serve(case, ctx, p, path, engine, prompts, spec, need, config, env):
     """Decode past the window, prefill at the cuts, judge (``verdict.verdict``)."""
     from dataclasses import replace
 
+    from kvdiag.checks.paths.engine_runs import (
+        Trial,
+        block_size,
+        counted_run,
+        counter,
+        floor_runs,
+        generate,
+        part,
+        reset,
+    )
     from kvdiag.checks.paths.floor import Floor, distance
-    from kvdiag.checks.paths.run import Trial, _block_size, _counter, _part, counted_run, floor_runs, generate, reset
     from kvdiag.checks.paths.verdict import verdict
 
-    window, tokens, block = need["window"], need["tokens"], _block_size(engine, spec)
+    window, tokens, block = need["window"], need["tokens"], block_size(engine, spec)
     prompts = truncate(prompts, window)
     ctx.stage(case, f"path {path.name}: decode past the window")
     reset(engine)
-    preempted = _counter(engine, "preemptions")
+    preempted = counter(engine, "preemptions")
     decoded, counted = counted_run(engine, prompts, tokens, path.counter, "decode past the window")
     at = {"inside": [], "past": []}
     for i, (ids, c) in enumerate(zip(prompts, decoded)):
@@ -113,14 +122,14 @@ def serve(case, ctx, p, path, engine, prompts, spec, need, config, env):
     ctx.stage(case, f"path {path.name}: prefill at the cuts")
     pairs = at["inside"] + at["past"]
     fed = generate(engine, [prompts[i] + decoded[i].token_ids[:k] for i, k in pairs], 1, "prefill at the cuts")
-    after = _counter(engine, "preemptions")
-    ref = [_part(decoded[i], k, k + 1) for i, k in pairs]
+    after = counter(engine, "preemptions")
+    ref = [part(decoded[i], k, k + 1) for i, k in pairs]
     fed = [replace(f, prompt_token_ids=[]) for f in fed]
     n = len(at["inside"])
     floor = Floor()
     floor.add(distance(ref[:n], fed[:n]))
     short = max(1, window - max(len(x) for x in prompts) - 1)  # the check's floor runs, inside the window
-    floor.merge(floor_runs(engine, prompts, [_part(c, 0, short) for c in decoded], short))
+    floor.merge(floor_runs(engine, prompts, [part(c, 0, short) for c in decoded], short))
     notes = {"window": window, "block_size": block, "generated": tokens, "floor_tokens": short,
              "inside_cuts": at["inside"], "cuts": at["past"],
              "preemptions": None if after is None else after - (preempted or 0)}

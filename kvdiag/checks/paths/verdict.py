@@ -27,6 +27,8 @@ def judge_into(rec, p, path, floor, reference, out, trial) -> None:
     d = distance(reference, out)
     for x in d.divergences if trial.notes.get("cuts") else ():  # one request a (prompt, position) cut: name those
         x.request, x.position = trial.notes["cuts"][x.request]
+    for x in d.divergences if trial.notes.get("labels") else ():  # requests of several batch layouts: say which
+        x.request = trial.notes["labels"][x.request]
     tol = floor.tolerance(p.logprob_tol, p.floor_factor)
     rec.metrics.update({"floor": vars(floor), "tolerance": tol, **d.metrics(tol)})
     for severity, kind, message in judge(d, floor, p.logprob_tol, p.floor_factor):
@@ -37,7 +39,7 @@ def judge_into(rec, p, path, floor, reference, out, trial) -> None:
 
 def analyze(run, p) -> None:
     """Judge every path case that ran in an engine of its own against its reference case."""
-    from kvdiag.checks.paths import completions
+    from kvdiag.checks.paths import completions, layouts
     from kvdiag.checks.paths.catalogue import PATHS
     from kvdiag.checks.paths.floor import Floor
     from kvdiag.results import append_jsonl
@@ -58,15 +60,14 @@ def analyze(run, p) -> None:
                     f"is {said}: nothing to hold the path to")
         else:
             floor = Floor(**ref.metrics["floor"])
-            if m.get("own_floor"):  # the path engine's own noise counts too
-                own, base = Floor(**m["own_floor"]), floor.max_dlogprob
-                floor.merge(own)
-                if own.max_dlogprob > p.floor_factor * max(base, p.logprob_tol):  # said, not hidden in the floor
-                    rec.add("warning", "own_floor", f"{path.name}: its engine's own runs (other batches, recomputes) "
-                            f"differ by {own.max_dlogprob:.3g}, over {p.floor_factor:g}x the reference engine's "
-                            f"{base:.3g}: the path moves logprobs with the batch; the tolerance took it in")
-            judge_into(rec, p, path, floor, completions.from_json(ref.metrics["completions"]),
-                       completions.from_json(m["completions"]), _Counted(m.get("counted"), m))
+            held, out, labels = layouts.pair(ref.metrics, m) if path.own_floor else (
+                completions.from_json(ref.metrics["completions"]), completions.from_json(m["completions"]), None)
+            if m.get("own_floor") and Floor(**m["own_floor"]).max_dlogprob > p.floor_factor * max(
+                    floor.max_dlogprob, p.logprob_tol):  # said; each layout is held to the reference's same one
+                rec.add("info", "own_floor", f"{path.name}: its engine's own runs in other batches differ by "
+                        f"{m['own_floor']['max_dlogprob']:.3g}, the reference engine's by {floor.max_dlogprob:.3g}: "
+                        f"each batch layout is held to the reference's same layout ({len(held)} requests)")
+            judge_into(rec, p, path, floor, held, out, _Counted(m.get("counted"), {**m, "labels": labels}))
             _graph(rec, path, ref)
         append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
 

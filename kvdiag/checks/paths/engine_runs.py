@@ -1,0 +1,105 @@
+"""The engine runs every paths case is made of: a greedy generate with top-2 logprobs, the prefix cache reset, the
+cold run and the noise floor's runs (``floor.py``), a run that counts its path's counter, and what a path produced
+(``Trial``). ``run.py`` (the worker) and ``sliding.py`` (the sliding-window path) call them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvdiag.checks.common import WorkloadFailed
+from kvdiag.checks.paths import workload
+from kvdiag.checks.paths.floor import Floor, distance
+
+TOP = 2  # top logprobs per generated token: the cold run's top two say whether a flipped token was a near-tie
+
+
+@dataclass
+class Trial:
+    """What a path produced, and the cold run of the same prompts to hold it to (None: its reference case's)."""
+
+    reference: list | None
+    out: list
+    counted: int | None  # the path's counter grew this much during its run (None: the engine does not count it)
+    notes: dict
+
+
+def generate(engine, prompts, max_tokens: int, what: str = "generate") -> list:
+    try:
+        return engine.generate(prompts, max_tokens, greedy=True, logprobs=TOP)
+    except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record
+        raise WorkloadFailed(what) from e
+
+
+def reset(engine) -> bool | None:
+    """Empty the engine's prefix cache (``reset_prefix_cache``); None when the engine has no such call."""
+    f = getattr(engine, "reset_prefix_cache", None)
+    return None if f is None else bool(f())
+
+
+def cold_runs(engine, prompts, max_tokens: int, layouts: dict | None = None) -> tuple[list, Floor]:
+    """The cold run, and the floor, each against the first: a second cold run, the prompts reordered, and the
+    second half of each output after its first half was prefilled (recompute after preemption, and a hit on blocks
+    decode wrote, read K/V that a prefill computed: in bf16 not the bits decode wrote)."""
+    reset(engine)
+    cold = generate(engine, prompts, max_tokens, "cold run")
+    return cold, floor_runs(engine, prompts, cold, max_tokens, layouts)
+
+
+def floor_runs(engine, prompts, cold, max_tokens: int, layouts: dict | None = None) -> Floor:
+    """The floor of ``cold`` (this engine's first run of the prompts): the second cold run, the reordered batches
+    and the recomputed halves, each against it. ``layouts`` (a dict, filled): the runs of the other batch layouts,
+    as ``completions.layouts_to_json`` keeps them, so that a path engine's runs of each layout can be held to its
+    reference engine's runs of the same layout (``layouts.pair``)."""
+    floor = Floor()
+    reset(engine)
+    floor.add(distance(cold, generate(engine, prompts, max_tokens, "second cold run")))
+    back: list = [None] * len(prompts)
+    for ix, batch in workload.reordered(prompts, "all_but_one"):
+        reset(engine)
+        for i, c in zip(ix, generate(engine, batch, max_tokens, "reordered cold runs")):
+            back[i] = c
+    floor.add(distance(cold, back))
+    if layouts is not None:
+        layouts["all_but_one"] = back
+    # a part of each output fed back as prompt, in the reordered batches: K/V a prefill computed where decode
+    # computed it, for a request alone or beside a few, cut at several points (what a recompute after preemption is)
+    cuts = [max(1, min(len(c.token_ids) - 1, max_tokens * (1 + i % 3) // 4)) for i, c in enumerate(cold)]
+    if all(len(c.token_ids) > k for c, k in zip(cold, cuts)):  # each has a token left to compare after its cut
+        fed = [list(p) + c.token_ids[:k] for p, c, k in zip(prompts, cold, cuts)]
+        again: list = [None] * len(prompts)
+        for ix, batch in workload.reordered(fed):
+            reset(engine)
+            for i, c in zip(ix, generate(engine, batch, max_tokens - min(cuts[j] for j in ix), "recomputed runs")):
+                again[i] = c
+        parts = [part(a, 0, len(c.token_ids) - k) for a, c, k in zip(again, cold, cuts)]
+        floor.add(distance([part(c, k) for c, k in zip(cold, cuts)], parts))
+        if layouts is not None:
+            layouts["recomputed"] = (cuts, parts)
+    return floor
+
+
+def part(c, start: int, stop: int | None = None):
+    """Completion ``c``'s generated positions ``start`` to ``stop``."""
+    cut = slice(start, stop)
+    return replace(c, token_ids=c.token_ids[cut], logprobs=c.logprobs[cut],
+                   top_logprobs=None if c.top_logprobs is None else c.top_logprobs[cut])
+
+
+def counter(engine, name: str | None) -> int | None:
+    f = getattr(engine, "path_counters", None)
+    if name is None or f is None:
+        return None
+    return f().get(name)
+
+
+def counted_run(engine, prompts, max_tokens: int, counter: str | None, what: str) -> tuple[list, int | None]:
+    """``generate``, and how much the path's ``counter`` grew during it (None: the engine does not count it)."""
+    before = counter(engine, counter)
+    out = generate(engine, prompts, max_tokens, what)
+    after = counter(engine, counter)
+    return out, None if after is None else after - (before or 0)
+
+
+def block_size(engine, spec) -> int:
+    view = engine.kv_blocks() if engine.capabilities.kv_access else None
+    return view.block_size if view is not None else spec.block_size
