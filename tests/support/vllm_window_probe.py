@@ -7,7 +7,9 @@ The window is the config's (checked against the SlidingWindowSpec vLLM builds). 
 (less 3, 2, 1, 0 tokens: a request one token ahead of the one before it allocates in the step where that
 one frees a block, and gets it); each generates two
 windows and a block. The pool: per request its full layers' blocks plus ``ceil(window / block) + 1`` sliding ones,
-two over: tight, so a freed block goes out again at once. Counted by wraps of the in-process scheduler:
+two over: tight, so a freed block goes out again at once. ``alone``: each prompt decoded by itself, its past-window
+positions against the same prefills (the noise there: no other request takes the blocks it frees). Counted by wraps
+of the in-process scheduler:
 ``freed`` (blocks the sliding managers replaced by the null block), ``reused_while_owner_runs`` (such blocks
 handed out again while the request that freed them still runs), ``reused_by_another`` (of those, to another
 request), ``min_free_blocks`` (the pool's fewest free blocks), and vLLM's preemption metric.
@@ -135,6 +137,10 @@ def run(model: str, texts: list[str], kv_dtype: str, block: int, fault: str | No
     every = pairs["inside"] + pairs["past"]
     fed = llm.generate([{"prompt_token_ids": prompts[i] + list(dec[i].token_ids[:k])} for i, k in every],
                        SamplingParams(max_tokens=1, **sp), use_tqdm=False)
+    # each prompt decoded alone: the only request to take a block it frees is itself; its decode past the window
+    # against the same prefills is the noise there (a fault that hands a block to another request cannot fire)
+    alone = [llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=tokens, **sp), use_tqdm=False)[0]
+             .outputs[0] for p in prompts]
     preemptions = metrics(llm).get("preemptions", 0) - before
     res = {"supported": True, "reason": "", "window": window, "block_size": block, "generated": tokens,
            "num_gpu_blocks": pool, "min_free_blocks": min_free, "freed": freed, "reused_while_owner_runs": reused,
@@ -150,4 +156,11 @@ def run(model: str, texts: list[str], kv_dtype: str, block: int, fault: str | No
             else:
                 dlp = max(dlp, abs(dec[i].logprobs[k][want].logprob - f.outputs[0].logprobs[0][got].logprob))
         res[name] = {"cuts": len(part), "max_dlogprob": dlp, "diverging": diverging}
+    dlp, compared = 0.0, 0
+    for (i, k), f in zip(pairs["past"], fed[len(pairs["inside"]):]):
+        got = f.outputs[0].token_ids[0]
+        if list(alone[i].token_ids[:k + 1]) == list(dec[i].token_ids[:k + 1]) and got == dec[i].token_ids[k]:
+            compared += 1
+            dlp = max(dlp, abs(alone[i].logprobs[k][got].logprob - f.outputs[0].logprobs[0][got].logprob))
+    res["alone"] = {"cuts": compared, "max_dlogprob": dlp}
     return res

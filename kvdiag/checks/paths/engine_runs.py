@@ -92,11 +92,11 @@ def counter(engine, name: str | None) -> int | None:
     return f().get(name)
 
 
-def counted_run(engine, prompts, max_tokens: int, counter: str | None, what: str) -> tuple[list, int | None]:
-    """``generate``, and how much the path's ``counter`` grew during it (None: the engine does not count it)."""
-    before = counter(engine, counter)
+def counted_run(engine, prompts, max_tokens: int, name: str | None, what: str) -> tuple[list, int | None]:
+    """``generate``, and how much the path's counter ``name`` grew during it (None: the engine does not count it)."""
+    before = counter(engine, name)
     out = generate(engine, prompts, max_tokens, what)
-    after = counter(engine, counter)
+    after = counter(engine, name)
     return out, None if after is None else after - (before or 0)
 
 
