@@ -655,3 +655,22 @@ def test_vllm_defaults_memleak_restarts_or_fails_as_a_plain_restart_does(model):
         (failed,) = [r for r in truth["cycles"] if not r["started"]]
         assert "use_count > 0" in failed["error"], truth
         assert truth["cycles"][failed["cycle"] - 2]["graphs_alive_after_shutdown"] == 0, truth
+
+
+def test_cudagraph_paths_fail_exactly_where_plain_vllm_changes_a_batch_layout():
+    """Finding 18: the plain probe runs the paths check's prompts per cudagraph_mode in batches of 8, 7 + 1 and 1;
+    kvdiag holds each batch layout of a graph engine to the graph-free engine's same layout. A graph path fails in
+    kvdiag exactly when, in the probe, some layout of that mode moves a token or a logprob beyond 4 x the graph-free
+    engine's own spread (at least 0.01)."""
+    p = subprocess.run([sys.executable, str(HERE / "vllm_graph_layout_probe.py")], capture_output=True, text=True,
+                       timeout=900)
+    rows = {r["mode"]: r for r in (json.loads(x) for x in p.stdout.splitlines() if x.startswith("{"))}
+    assert {"NONE", "FULL", "PIECEWISE"} <= set(rows), p.stderr[-2000:]
+    spread = max(x["max_dlogprob"] for x in rows["NONE"]["vs_own_batch_of_8"].values())
+    _, run, _ = kvdiag("paths-graphs", "paths", "-e", "vllm", "-d", "auto", "-p", "cudagraph-piecewise",
+                       "-p", "cudagraph-full")
+    status = {c["params"]["path"]: c["status"] for c in run["cases"]}
+    for mode, path in (("PIECEWISE", "cudagraph-piecewise"), ("FULL", "cudagraph-full")):
+        moved = rows[mode]["vs_NONE_same_layout"].values()
+        differs = any(x["diverged"] or x["max_dlogprob"] > max(0.01, 4 * spread) for x in moved)
+        assert status[path] == ("fail" if differs else "pass"), (mode, rows[mode], status)

@@ -21,8 +21,9 @@ class Path:
     summary: str  # one line for --help and the tables
     counter: str | None  # path_counters() key that must grow on the path (None: none is counted)
     reference: str | None = "cold"  # the reference case it is held to; None: its own engine's cold runs
-    own_floor: bool = False  # its engine's own floor counts too: every run of it takes the path, whatever the batch
-    # (graphs, chunks, drafts); not preemption, which smaller batches do not take (their difference is the path's)
+    own_floor: bool = False  # every run of it takes the path, whatever the batch (graphs, chunks, drafts): its engine
+    # runs the floor's batches too, each held to the reference's same batch (layouts.py); not preemption, which
+    # smaller batches do not take (their difference is the path's)
 
 
 PATHS: dict[str, Path] = {p.name: p for p in (
