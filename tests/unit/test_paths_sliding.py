@@ -183,3 +183,33 @@ def test_vllm_counts_the_blocks_its_sliding_managers_free():
     assert frees.counters() == {"window_freed_blocks": 3}
     assert "remove_skipped_blocks" not in vars(full)
     assert WindowFrees(NS(llm_engine=NS(engine_core=NS()))).counters() == {}
+
+
+def test_vllm_counts_the_prefill_chunks_that_leave_a_request_mid_prompt():
+    """``PrefillChunks`` on a stand-in of vLLM's in-process scheduler, which advances a request's computed tokens
+    when it schedules them: a chunk that leaves its request short of its prompt counts, the last chunk and decode
+    steps do not; no engine core here: nothing counted."""
+    from types import SimpleNamespace as NS
+
+    from kvdiag.engines.vllm.paths import PrefillChunks
+
+    class Scheduler:
+        def __init__(self):
+            self.requests = {"a": NS(num_computed_tokens=0, num_prompt_tokens=100),
+                             "b": NS(num_computed_tokens=0, num_prompt_tokens=30)}
+
+        def schedule(self, budget):
+            out = {}
+            for rid, r in self.requests.items():
+                n = min(budget - sum(out.values()), max(1, r.num_prompt_tokens - r.num_computed_tokens))
+                if n > 0:
+                    r.num_computed_tokens += n
+                    out[rid] = n
+            return NS(num_scheduled_tokens=out)
+
+    sched = Scheduler()
+    chunks = PrefillChunks(NS(llm_engine=NS(engine_core=NS(engine_core=NS(scheduler=sched)))))
+    for _ in range(4):  # 40 tokens a step: a to 40 and 80 (mid-prompt), then 100; b to 20 (mid-prompt), then 30
+        sched.schedule(40)
+    assert chunks.counters() == {"prefill_chunks": 3}
+    assert PrefillChunks(NS(llm_engine=NS(engine_core=NS()))).counters() == {}

