@@ -33,8 +33,7 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
     ``isolate="run"``: one worker per check (and model) for the clean engine and the faults that stay inside an
     engine object, one per fault (and model) for faults that leak into the process; ``"case"``: one per case.
     (Where the engine allows one engine per process on a GPU, vLLM on CUDA, every case gets its own worker whatever
-    this says:
-    ``kvdiag.run.scheduling.own_workers``, when the cases run.)
+    this says: ``kvdiag.run.scheduling.own_workers``, when the cases run.)
     """
     from kvdiag.assets import TINY_MODEL
     from kvdiag.case import Case

@@ -41,6 +41,13 @@ NO_OUTPUTS = "looks at memory, not at outputs"
 # path fault broke)
 PATH_FINDINGS = ("divergence", "logprob_drift", "nan_output", "crashed")
 
+def path_fault(name: str, summary: str, *paths: str, model: str | None = None, na: dict | None = None) -> Fault:
+    """An S5 fault for ``paths``, run on each of ``paths`` (auto), left in the process; memleak cannot see it."""
+    return Fault(name, "S5", "paths", {"paths": items(*(("auto", {"path": p}) for p in paths), model=model)},
+                 (na or {}) | na_for({"*": NO_OUTPUTS}, "memleak"), summary, leaves_process_state=True,
+                 kinds={"paths": PATH_FINDINGS})
+
+
 FAULTS: tuple[Fault, ...] = (
     Fault("kv_cache_kept_after_shutdown", "S4", "memleak", {"memleak": items("auto")},
           na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison", "paths"),
@@ -75,33 +82,19 @@ FAULTS: tuple[Fault, ...] = (
           na_for({"*": NO_OUTPUTS}, "memleak"),
           "fresh blocks of a hybrid (Mamba) model not zeroed where vLLM zeroes them (vLLM #43990)",
           leaves_process_state=True, kinds={"poison": OUTPUTS}),
-    Fault("prefix_hit_block_dropped", "S5", "paths", {"paths": items(("auto", {"path": "prefix-hit"}),
-                                                                     ("auto", {"path": "prefix-partial"}))},
-          na_for({"*": "runs with prefix caching off: no request hits the prefix cache"}, "poison") |
-          na_for({"*": NO_OUTPUTS}, "memleak"),
-          "a prefix-cache hit counted one block longer than the blocks it hands out: attention reads a fresh block "
-          "for the hit's last block", leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
-    Fault("preempt_keeps_computed_tokens", "S5", "paths", {"paths": items(("auto", {"path": "preemption"}))},
-          na_for({"*": NO_OUTPUTS}, "memleak"),
-          "a preempted request keeps its computed-token count while its blocks are freed: resumed without "
-          "recompute, it reads fresh blocks", leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
-    Fault("chunk_boundary_token_skipped", "S5", "paths", {"paths": items(("auto", {"path": "chunked-prefill"}))},
-          na_for({"*": NO_OUTPUTS}, "memleak"),
-          "a prefill chunk's end counted one token too far: one prompt token's K/V is never written and attention "
-          "reads a slot nobody wrote", leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
-    Fault("spec_rejected_tokens_kept", "S5", "paths", {"paths": items(("auto", {"path": "spec-ngram"}))},
-          na_for({"*": NO_OUTPUTS}, "memleak"),
-          "the draft tokens the target model rejected stay counted as computed: later tokens attend to the rejected "
-          "drafts' K/V", leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
-    Fault("swa_frees_window_block", "S5", "paths", {"paths": items(("auto", {"path": "sliding-window"}),
-                                                                   model=SLIDING)},
-          na_for({"*": NO_OUTPUTS}, "memleak"),
-          "the sliding window frees one block too many: a block still inside the window is freed and reused by "
-          "another request", leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
-    Fault("offload_load_block_shifted", "S5", "paths", {"paths": items(("auto", {"path": "offload"}))},
-          na_for({"*": NO_OUTPUTS}, "memleak"),
-          "K/V loaded back from the CPU offload tier lands in a neighbour block (load block ids rotated by one)",
-          leaves_process_state=True, kinds={"paths": PATH_FINDINGS}),
+    path_fault("prefix_hit_block_dropped", "a prefix-cache hit counted one block longer than the blocks it hands "
+               "out: attention reads a fresh block for the hit's last block", "prefix-hit", "prefix-partial",
+               na=na_for({"*": "runs with prefix caching off: no request hits the prefix cache"}, "poison")),
+    path_fault("preempt_keeps_computed_tokens", "a preempted request keeps its computed-token count while its "
+               "blocks are freed: resumed without recompute, it reads fresh blocks", "preemption"),
+    path_fault("chunk_boundary_token_skipped", "a prefill chunk's end counted one token too far: one prompt "
+               "token's K/V is never written and attention reads a slot nobody wrote", "chunked-prefill"),
+    path_fault("spec_rejected_tokens_kept", "the draft tokens the target model rejected stay counted as computed: "
+               "later tokens attend to the rejected drafts' K/V", "spec-ngram"),
+    path_fault("swa_frees_window_block", "the sliding window frees one block too many: a block still inside the "
+               "window is freed and reused by another request", "sliding-window", model=SLIDING),
+    path_fault("offload_load_block_shifted", "K/V loaded back from the CPU offload tier lands in a neighbour block "
+               "(load block ids rotated by one)", "offload"),
 )
 
 # memleak's and wake-cycle's 16-block cache (Check.selftest) is below vLLM's need for one sequence at the model's
