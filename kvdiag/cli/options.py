@@ -54,8 +54,6 @@ EngineArgOpt = Annotated[Optional[list[str]], typer.Option(
     f"the closest names; '-a help' lists the engine's. Example (vLLM): {VLLM_ARGS_EXAMPLE}")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N (builtin engine).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed for sampling and for lm_eval.")]
-JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Cases run at once (each in its own worker); "
-                                      "on GPUs at most one per visible GPU.")]
 CheckJobsOpt = Annotated[Optional[int], typer.Option(
     "--jobs", "-j", min=1, help="Cases run at once (each in its own worker). Default: one per visible GPU when the "
     "cases run on GPUs (each worker pinned to its own), else 1.")]

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvdiag.cli.options import DeviceOpt, Format, FormatOpt, Isolate, JobsOpt, OutputDirOpt, QuietOpt, TimeoutOpt
+from kvdiag.cli.options import DeviceOpt, Format, FormatOpt, Isolate, OutputDirOpt, QuietOpt, TimeoutOpt
 
 SelftestEngineOpt = Annotated[str, typer.Option(
     "--engine", "-e", help="builtin (its faults are compiled in), vllm (faults patched into the installed vLLM at "
@@ -19,6 +19,10 @@ SelftestFaultOpt = Annotated[Optional[list[str]], typer.Option(
 SelftestCheckOpt = Annotated[Optional[list[str]], typer.Option(
     "--check", "-c", help="Run only these checks: accuracy, dtypes, memleak, wake-cycle, poison, paths (repeat "
     "or comma-separate). Faults whose intended check is left out are not run. Default: all.")]
+SelftestJobsOpt = Annotated[Optional[int], typer.Option(
+    "--jobs", "-j", min=1, help="Cases run at once (each in its own worker). Default: 1 off the GPU; on GPUs one per "
+    "visible GPU, or side by side on one where every case is of a check that measures no device memory (-c paths: "
+    "each vLLM engine with its own explicit KV cache).")]
 ListOpt = Annotated[bool, typer.Option("--list", help="List the faults, their bug class and intended check; "
                                                       "run nothing.")]
 SelftestIsolateOpt = Annotated[Isolate, typer.Option(
@@ -33,7 +37,7 @@ def selftest(
     check: SelftestCheckOpt = None,
     list_faults: ListOpt = False,
     isolate: SelftestIsolateOpt = Isolate.run,
-    jobs: JobsOpt = 1,
+    jobs: SelftestJobsOpt = None,
     device: DeviceOpt = "auto",
     output_dir: OutputDirOpt = None,
     fmt: FormatOpt = Format.table,
@@ -63,7 +67,7 @@ def selftest(
 
     from kvdiag.checks import selftest as st
     from kvdiag.run.orchestrate import execute, make_run_dir
-    from kvdiag.run.scheduling import fork_server
+    from kvdiag.run.scheduling import fork_server, gpu_jobs
 
     cases = st.build_cases([f for f in faults if f.name not in na], checks, device=device, isolate=isolate.value,
                            cat=cat)
@@ -74,6 +78,7 @@ def selftest(
     # one torch thread per worker (unless the user chose): the tiny model gains nothing from two, and two
     # OpenMP threads on a busy machine with few cores run many times slower
     env = {**env, **({} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"})}
+    jobs = gpu_jobs(cases) if jobs is None else jobs  # GPU cases side by side where they may share one
     raise typer.Exit(execute("selftest", cases, run_dir, fmt=fmt, timeout=timeout, quiet=quiet, jobs=jobs, env=env,
                              analyze=lambda run: st.analyze(run, faults, checks, na, cat.engine, cat.note),
                              finish=_judge, preload=modules))

@@ -35,7 +35,7 @@ class Progress:
         self.done += 1
         k = self._number(rec.id)  # a case that never started (not run) gets the next number
         if not self.quiet:
-            print(f"[{k}/{self.total}] {rec.id}: {rec.status} ({rec.duration_s:.1f}s{rate(rec)}; "
+            print(f"[{k}/{self.total}] {rec.id}: {shown(rec)} ({rec.duration_s:.1f}s{rate(rec)}; "
                   f"{self.done}/{self.total} done)", file=sys.stderr, flush=True)
 
     def note(self, case_id: str, text: str) -> None:
@@ -45,6 +45,14 @@ class Progress:
 
     def close(self) -> None:
         pass
+
+
+def shown(rec: CaseResult) -> str:
+    """The status a finished case is said with: a case that ran cleanly but is judged only once the run ends (a paths
+    case held to its reference case: ``judged_later``) is not yet a pass."""
+    if rec.status == "pass" and rec.metrics.get("judged_later"):
+        return "ran (judged at the end)"
+    return rec.status
 
 
 def rate(rec: CaseResult) -> str:
@@ -72,7 +80,8 @@ class RichProgress(Progress):
     def finish(self, rec: CaseResult) -> None:
         self.done += 1
         style = {"pass": "green", "unsupported": "yellow", "skipped": "yellow"}.get(rec.status, "red")
-        self.rp.console.print(f"[{style}]{rec.status:>8}[/] {rec.id} ({rec.duration_s:.1f}s{rate(rec)})")
+        style = "cyan" if shown(rec) != rec.status else style
+        self.rp.console.print(f"[{style}]{shown(rec):>8}[/] {rec.id} ({rec.duration_s:.1f}s{rate(rec)})")
         self.rp.update(self.task, advance=1)
 
     def note(self, case_id: str, text: str) -> None:

@@ -15,6 +15,8 @@ Counters are deltas of ``llm.get_metrics()`` (Prometheus, needs ``disable_log_st
 generate, plus a wrap of the scheduler's ``schedule`` (internal) for prefill chunks.
 ``sliding-window`` (``--model zoo:gemma3``): tests/support/vllm_window_probe.py, which says how; its fault
 ``swa_frees_window_block`` is the probe's own.
+``KVDIAG_PROBE_COMPILED=1``: every engine compiled, with vLLM's default CUDA graphs (as ``kvdiag paths`` runs vLLM),
+not eager.
 ``--fault NAME``: one of kvdiag's vLLM faults (``kvdiag.engines.vllm.faults``) patched in before the first ``LLM``,
 so that cold and path run in the faulty vLLM (a path fault must leave the cold runs alone); ``fired`` says how often
 its patched code ran.
@@ -61,7 +63,8 @@ def prompt_texts() -> list[str]:
 
 def base_args(model: str, kv_dtype: str, block: int) -> dict:
     args = dict(model=model, kv_cache_dtype=kv_dtype, dtype="bfloat16", block_size=block, seed=0,
-                max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=2048, enforce_eager=True,
+                max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=2048,
+                enforce_eager=os.environ.get("KVDIAG_PROBE_COMPILED", "0") != "1",
                 enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, disable_log_stats=False)
     from kvdiag.engines.vllm.compat import granite_layer_types
     from kvdiag.engines.vllm.source import vllm_source

@@ -137,6 +137,9 @@ def test_block_manager_prefix_cache_lru_and_reset():
 def test_preemption_recomputes_and_gives_the_cold_output(cold):
     e = _start({"preemption": 1}, num_blocks=14)  # four requests at their longest need 26 blocks
     assert _diff(_run(e), cold["greedy"]) <= ATOL and e.path_counters()["preemptions"] > 0
+    prompts = {tuple(e.encode(p)) for p in PROMPTS}  # each preemption's point: a prompt of the run, part-way
+    assert len(e.preempted_at()) == e.path_counters()["preemptions"]
+    assert all(p in prompts and 0 < k < N for p, k in e.preempted_at()), e.preempted_at()
     assert _diff(_run(e, greedy=False, seed=11), cold["seeded"]) <= ATOL  # each request's generator goes on
     assert e.blocks.num_free == 14
     _start({"preemption": 1}, prefix_caching=True, num_blocks=14, e=e)
@@ -200,3 +203,35 @@ def test_score_is_unchanged_with_prefix_caching_on(cold):
     for a, b in zip(plain, e.score(contexts, continuations, top_k=2)):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6) and a.is_greedy == b.is_greedy
     e.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_preemption_is_held_to_a_recompute_at_its_own_points(tmp_path):
+    """On an H100 in bf16 the builtin engine's cold path gave the same bits in every batch layout, yet its preemption
+    moved one request's logprobs by 0.017 from the point it was preempted at: its recompute, a prefill of 145 tokens,
+    which no cut of the floor's recomputes had (tests/support/builtin_preempt_probe.py). kvdiag's preemption case
+    measures a recompute at the points the engine preempted: the clean engine passes, with the probe's difference
+    in its floor, and the fault that resumes on freed blocks is still caught."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    probe = subprocess.run([sys.executable, "tests/support/builtin_preempt_probe.py", "--device", "cuda"], cwd=root,
+                           capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    truth = json.loads(probe.stdout.splitlines()[-1])["preemption"]
+    out = subprocess.run([sys.executable, "-m", "kvdiag", "paths", "--device", "cuda", "-d", "auto", "-p",
+                          "preemption", "-f", "json", "-q", "-o", str(tmp_path / "r")], cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (case,) = [c for c in json.loads(out.stdout)["cases"] if c["params"]["path"] == "preemption"]
+    m = case["metrics"]
+    assert m["max_dlogprob"] == pytest.approx(truth["max_dlogprob"], abs=1e-6)  # the same engine, the same run
+    assert sorted(map(tuple, m["preempted_at"])) == sorted(map(tuple, truth["preempted"]))
+    assert m["floor"]["max_dlogprob"] >= truth["max_dlogprob"] or truth["max_dlogprob"] == 0, m
+    caught = subprocess.run([sys.executable, "-m", "kvdiag", "selftest", "--device", "cuda", "-c", "paths", "--fault",
+                             "preempt_keeps_freed_blocks", "-q", "-o", str(tmp_path / "s")], cwd=root,
+                            capture_output=True, text=True, timeout=600)
+    assert caught.returncode == 0, caught.stdout[-2000:]

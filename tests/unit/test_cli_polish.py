@@ -168,3 +168,17 @@ def test_an_option_of_one_value_given_twice_is_bad_input_not_the_last_one_silent
     assert not (tmp_path / "r").exists()
     r = kvdiag("accuracy", "-d", "auto", "-d", "fp8", "--timeout", "1", "--timeout", "2")
     assert r.returncode == 2 and "--timeout given 2 times" in r.stderr, r.stderr
+
+
+def test_a_paths_case_judged_after_its_reference_is_said_as_ran_not_pass_until_judged(tmp_path):
+    """A path held to its reference case is judged once the run ends: its progress line must not promise a pass the
+    verdict may take back (the GPU self-test, killed mid-run, left such lines saying pass under a fault)."""
+    p = kvdiag("paths", "-d", "auto", "-p", "chunked-prefill", "--device", "cpu", "-o", str(tmp_path / "r"),
+               env={"CI": "1"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    done = [x for x in p.stderr.splitlines() if "done)" in x]
+    assert any("/chunked-prefill: ran (judged at the end)" in x for x in done), done
+    assert any("/cold: pass" in x for x in done), done
+    run = json.loads((tmp_path / "r" / "run.json").read_text())
+    status = {c["params"]["path"]: (c["status"], "judged_later" in c["metrics"]) for c in run["cases"]}
+    assert status == {"cold": ("pass", False), "chunked-prefill": ("pass", False)}, status

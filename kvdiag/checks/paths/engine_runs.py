@@ -78,6 +78,34 @@ def floor_runs(engine, prompts, cold, max_tokens: int, layouts: dict | None = No
     return floor
 
 
+def recompute_floor(engine, prompts, max_tokens: int, points, name: str | None) -> tuple[Floor, list] | None:
+    """How far a recompute at the engine's own preemption points moves its numerics: each preempted prompt decoded
+    alone, against it prefilled up to the point of its preemption (``points``: (prompt ids, tokens generated), as
+    ``engine.preempted_at()`` says) and decoded on, alone. In bf16 a prefill of one length need not give decode's
+    bits, and the floor's fixed cuts may miss the length a preemption chose. The pool holds any request alone, so
+    neither run preempts; None where one did (its counter ``name`` grew) or nothing was preempted.
+    Returns (the floor, the (request, point) pairs)."""
+    index = {tuple(p): i for i, p in enumerate(prompts)}
+    cuts = sorted({(index[p], k) for p, k in points if p in index and 0 < k < max_tokens})
+    if not cuts:
+        return None
+    before, floor, alone = counter(engine, name), Floor(), {}
+    for i, k in cuts:
+        if i not in alone:
+            reset(engine)
+            (alone[i],) = generate(engine, [prompts[i]], max_tokens, "a preempted prompt alone")
+        if len(alone[i].token_ids) <= k:  # it ended before that point alone: nothing after it to compare
+            continue
+        reset(engine)
+        fed = list(prompts[i]) + alone[i].token_ids[:k]
+        (again,) = generate(engine, [fed], max_tokens - k, "a preempted prompt recomputed alone")
+        floor.add(distance([part(alone[i], k)], [part(again, 0, len(alone[i].token_ids) - k)]))
+    after = counter(engine, name)
+    if floor.runs == 0 or (before is not None and after != before):
+        return None
+    return floor, cuts
+
+
 def part(c, start: int, stop: int | None = None):
     """Completion ``c``'s generated positions ``start`` to ``stop``."""
     cut = slice(start, stop)

@@ -30,6 +30,7 @@ from kvdiag.checks.paths.engine_runs import (
     counted_run,
     floor_runs,
     generate,
+    recompute_floor,
     reset,
 )
 from kvdiag.checks.paths.params import PathsParams
@@ -96,7 +97,8 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
         trial = PATH_RUNS.get(path.name, _plain)(engine, prompts, p.max_tokens, path)
         trial.notes.update(_graph_mode(engine, path.name))
         return case.result("pass", environment=env, metrics={
-            "path": path.name, "role": "path", "counter": path.counter, "counted": trial.counted, "need": need,
+            "path": path.name, "role": "path", "judged_later": True, "counter": path.counter,
+            "counted": trial.counted, "need": need,
             "path_config": {"spec": config.spec, "args": config.args}, **trial.notes,
             "completions": completions.to_json(trial.out)})
     ctx.stage(case, "cold runs and noise floor")
@@ -190,7 +192,22 @@ def _offload(engine, prompts, max_tokens, path) -> Trial:
     return Trial(None, out, counted, {"reset": done})
 
 
-PATH_RUNS = {"offload": _offload}
+def _preempt(engine, prompts, max_tokens, path) -> Trial:
+    """The prompts through the tight pool; then, where the engine says where it preempted (``preempted_at``), the
+    floor of a recompute at those points (``engine_runs.recompute_floor``), which the parent adds to the
+    reference's floor."""
+    where = getattr(engine, "preempted_at", None)
+    seen = len(where()) if where else 0
+    reset(engine)
+    out, counted = counted_run(engine, prompts, max_tokens, path.counter, "path run")
+    found = recompute_floor(engine, prompts, max_tokens, where()[seen:], path.counter) if where else None
+    if found is None:
+        return Trial(None, out, counted, {})
+    floor, cuts = found
+    return Trial(None, out, counted, {"recompute_floor": vars(floor), "preempted_at": cuts})
+
+
+PATH_RUNS = {"offload": _offload, "preemption": _preempt}
 
 
 def _graph_mode(engine, name: str) -> dict:

@@ -51,6 +51,7 @@ def analyze(run, p) -> None:
         if m.get("role") != "path" or "completions" not in m:
             continue
         rec.findings = [f for f in rec.findings if f.kind not in ANALYSIS_KINDS]
+        m.pop("judged_later", None)  # judged now (progress said "ran" until here)
         path = PATHS[m["path"]]
         ref = refs.get((rec.engine, rec.model, rec.kv_dtype, path.reference))
         if ref is None or ref.status != "pass" or "completions" not in ref.metrics:
@@ -60,6 +61,8 @@ def analyze(run, p) -> None:
                     f"is {said}: nothing to hold the path to")
         else:
             floor = Floor(**ref.metrics["floor"])
+            if m.get("recompute_floor"):  # a recompute at the path's own preemption points (engine_runs.py)
+                floor.merge(Floor(**m["recompute_floor"]))
             held, out, labels = layouts.pair(ref.metrics, m) if path.own_floor else (
                 completions.from_json(ref.metrics["completions"]), completions.from_json(m["completions"]), None)
             if m.get("own_floor") and Floor(**m["own_floor"]).max_dlogprob > p.floor_factor * max(

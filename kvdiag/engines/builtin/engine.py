@@ -61,6 +61,7 @@ class BuiltinEngine:
         self._weights_key = None
         self.graphs: cuda_graph.DecodeGraphs | None = None  # decode CUDA graphs, dropped with the cache
         self.counters = dict.fromkeys(PATH_COUNTERS, 0)  # path_counters()
+        self.preempted: list[tuple[tuple[int, ...], int]] = []  # preempted_at()
         self.fault_fired = dict.fromkeys(PATH_FAULTS, 0)  # how often each KV-path fault fired since start
 
     @staticmethod
@@ -102,6 +103,7 @@ class BuiltinEngine:
             self._release_kv()
         self.spec, self.faults = replace(spec, kv_cache_dtype=kv_dtype), faults
         self.counters, self.fault_fired = dict.fromkeys(PATH_COUNTERS, 0), dict.fromkeys(PATH_FAULTS, 0)
+        self.preempted = []
         self._allocate_kv()
         self.faults.on_start(self)  # memleak faults (faults.py); nothing when none is set
 
@@ -213,6 +215,10 @@ class BuiltinEngine:
         ``preemptions``, ``prefill_chunks`` (prefill entries of a prompt whose prefill spans several entries, every
         one of them counted) and ``cuda_graph_replays`` (decode steps replayed from a CUDA graph)."""
         return dict(self.counters)
+
+    def preempted_at(self) -> list[tuple[tuple[int, ...], int]]:
+        """Since ``start``, each preemption: (the request's prompt token ids, tokens it had generated then)."""
+        return list(self.preempted)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (as vLLM's ``reset_prefix_cache``): False, forgetting nothing, while a running

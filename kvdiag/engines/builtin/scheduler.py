@@ -184,6 +184,7 @@ class Scheduler:
 
     def _preempt(self, r: Seq) -> None:
         self.counters["preemptions"] += 1
+        self.engine.preempted.append((tuple(r.prompt), len(r.tokens) - len(r.prompt)))
         self.preempted = True
         if self.faults.preempt_keeps_freed_blocks:
             r.stale = list(r.table)

@@ -79,7 +79,7 @@ class VllmEngine:
         self._caps: Capabilities | None = None
         self._sleep = SleepState()
         self._hit_tokens = 0  # prompt tokens read from the prefix cache (RequestOutput.num_cached_tokens), summed
-        self._tallies = None  # paths.WindowFrees, PrefillChunks: wrapped at the first path_counters()
+        self._tallies = None  # paths.WindowFrees, PrefillChunks, Preemptions: wrapped at the first ask
 
     @staticmethod
     def supported_kv_dtypes() -> list[str]:
@@ -293,12 +293,22 @@ class VllmEngine:
     def path_counters(self) -> dict[str, int]:
         """Since start: prompt tokens read from the prefix cache, and vLLM's own counters where it keeps stats
         (``disable_log_stats=False``; ``engines/vllm/paths.py``)."""
-        from kvdiag.engines.vllm.paths import PrefillChunks, WindowFrees, counters
+        from kvdiag.engines.vllm.paths import counters
 
-        if self._tallies is None:  # wrapped at the first ask: a path run asks before it runs
-            self._tallies = (WindowFrees(self.llm), PrefillChunks(self.llm))
         return {"prefix_hit_tokens": self._hit_tokens, **counters(self.llm),
-                **{k: v for t in self._tallies for k, v in t.counters().items()}}
+                **{k: v for t in self._wrapped() for k, v in t.counters().items()}}
+
+    def preempted_at(self) -> list[tuple[tuple[int, ...], int]]:
+        """Since start, each preemption: (the request's prompt token ids, tokens it had generated then)."""
+        return list(self._wrapped()[2].points)
+
+    def _wrapped(self) -> tuple:
+        """The wraps of the in-process scheduler, made at the first ask (a path run asks before it runs)."""
+        from kvdiag.engines.vllm.paths import Preemptions, PrefillChunks, WindowFrees
+
+        if self._tallies is None:
+            self._tallies = (WindowFrees(self.llm), PrefillChunks(self.llm), Preemptions(self.llm))
+        return self._tallies
 
     @property
     def cudagraph_mode(self) -> str | None:

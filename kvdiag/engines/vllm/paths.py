@@ -134,3 +134,29 @@ class PrefillChunks:
 
     def counters(self) -> dict[str, int]:
         return {} if self.sched is None else {"prefill_chunks": self.chunks}
+
+
+class Preemptions:
+    """Where vLLM preempted: each request's prompt token ids and the tokens it had generated then (the point its
+    recompute prefills up to). vLLM keeps only a count: the in-process scheduler's ``_preempt_request`` is wrapped,
+    once (no scheduler in this process: nothing is recorded)."""
+
+    def __init__(self, llm):
+        from kvdiag.engines.vllm.kv import KVAccessError, engine_core
+
+        self.points: list[tuple[tuple[int, ...], int]] = []
+        try:
+            sched = engine_core(llm).scheduler
+            original = sched._preempt_request
+        except (KVAccessError, AttributeError):
+            return
+
+        def _preempt_request(request, *args, **kwargs):
+            self.points.append((tuple(request.prompt_token_ids or ()), int(request.num_output_tokens)))
+            return original(request, *args, **kwargs)
+
+        sched._preempt_request = _preempt_request
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
