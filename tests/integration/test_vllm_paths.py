@@ -64,6 +64,14 @@ def probe(path: str, fault: str = "") -> dict:
     return json.loads(lines[-1])
 
 
+def numeric_only(d: dict) -> bool:
+    """Whether the probe's path changed no greedy token, or only where the cold run's top two were within 4 x the
+    largest logprob move the path makes before any divergence (a near-tie its numerics can flip: on an H100 the
+    chunked probe flipped one token at position 11 with logprobs moved by 0.033)."""
+    tol = max(1e-4, 4 * d["max_dlogprob"])
+    return all(g is not None and g <= tol for g in d.get("gaps", [None] * d["diverged_requests"]))
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_each_path_gets_the_verdict_plain_vllm_shows(run, path):
     truth, case = probe(PATHS[path]), run[path]
@@ -73,7 +81,7 @@ def test_each_path_gets_the_verdict_plain_vllm_shows(run, path):
         return
     assert truth["reason"] == "", truth  # the probe's counter shows the path ran
     m = case["metrics"]
-    clean = truth["path_vs_cold"]["diverged_requests"] == 0
+    clean = numeric_only(truth["path_vs_cold"])
     assert (case["status"] == "pass") == clean, (truth, case["findings"])
     if path == "prefix-reset":
         assert m["counted"] == 0 == truth["counters"]["cached_tokens"]

@@ -1,8 +1,8 @@
 """Plain vLLM, no kvdiag engine: hold ONE path by which the KV cache reaches attention to the cold path (same 8
-prompts, greedy, 32 tokens, logprobs=1) and print one JSON line.
+prompts, greedy, 32 tokens, top-2 logprobs) and print one JSON line.
 
     python3 tests/support/vllm_paths_probe.py PATH [--model M] [--kv-dtype D] [--block-size B] [--split] [--json]
-                                               [--fault NAME]
+                                               [--fault NAME] [--prompt-tokens N]
 
 Cold = the base engine (prefix caching on, ``reset_prefix_cache()`` before each cold generate, ample pool, whole
 prefill in one step, eager), run twice (``cold_vs_cold``: the noise floor). Paths that change the engine's
@@ -125,15 +125,21 @@ def generate(llm, prompts: list[list[int]], chunks: ChunkCounter | None = None) 
 
     before, c0 = metrics(llm), chunks.chunks if chunks else 0
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True), use_tqdm=False)
+        max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2, ignore_eos=True), use_tqdm=False)
     after = metrics(llm)
     counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     counters["cached_tokens"] = sum(o.num_cached_tokens or 0 for o in outs)
     if chunks:
         counters["prefill_chunks"], counters["max_step_tokens"] = chunks.chunks - c0, chunks.max_step_tokens
         counters["preempted_prompts"] = [i for i, p in enumerate(prompts) if tuple(p) in chunks.preempted]
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs], counters
+    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+             [gap(lp) for lp in o.outputs[0].logprobs]) for o in outs], counters
+
+
+def gap(top: dict) -> float | None:
+    """The best logprob minus the second best at one position (None: fewer than two)."""
+    best = sorted((x.logprob for x in top.values()), reverse=True)
+    return round(best[0] - best[1], 6) if len(best) > 1 else None
 
 
 def cold(llm, prompts):
@@ -142,16 +148,18 @@ def cold(llm, prompts):
 
 
 def compare(a: list, b: list) -> dict:
-    diverged, first, per = 0, None, []
-    for (ta, la), (tb, lb) in zip(a, b):
+    """``b`` against ``a``; ``gaps``: at each request's first divergence, ``a``'s top two there (a near-tie: small)."""
+    diverged, first, per, gaps = 0, None, [], []
+    for (ta, la, *ga), (tb, lb, *_) in zip(a, b):
         n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
         if n is not None or len(ta) != len(tb):
             diverged += 1
             n = min(len(ta), len(tb)) if n is None else n
             first = n if first is None else min(first, n)
+            gaps.append(ga[0][n] if ga and n < len(ga[0]) else None)
         per.append(round(max((abs(x - y) for x, y in zip(la[:n], lb[:n])), default=0.0), 6))
     return {"diverged_requests": diverged, "first_divergence": first, "max_dlogprob": max(per, default=0.0),
-            "per_prompt_dlogprob": per}
+            "per_prompt_dlogprob": per, "gaps": gaps}
 
 
 def refusal(e: BaseException) -> str:
@@ -214,7 +222,7 @@ def cold_phase(a, base: dict):
 
     t = time.time()
     llm = LLM(**base)
-    res = {"llm_start_s": round(time.time() - t, 2), "prompts": [llm.get_tokenizer().encode(p) for p in prompt_texts()]}
+    res = {"llm_start_s": round(time.time() - t, 2), "prompts": encoded(llm)}
     res["cold"], counters = cold(llm, res["prompts"])
     res["cold_b"], _ = cold(llm, res["prompts"])
     return llm, {**res, "cold_cached_tokens": counters["cached_tokens"]}
@@ -232,15 +240,27 @@ def path_phase(a, base: dict, llm=None, prompts=None) -> dict:
     except Exception as e:  # noqa: BLE001 - vLLM refuses the path: its one line is the answer
         return {"supported": False, "reason": refusal(e), "counters": {"refused_after_s": round(time.time() - t, 2)}}
     start = round(time.time() - t, 2)
-    prompts = prompts or [llm.get_tokenizer().encode(p) for p in prompt_texts()]
+    prompts = prompts or encoded(llm)
     res = dict(zip(("outs", "counters", "supported", "reason"), run_engine_path(a.path, llm, prompts)))
     return {**res, "path_llm_start_s": start}
+
+
+def encoded(llm) -> list[list[int]]:
+    """The prompts' token ids; with ``--prompt-tokens N`` (PROMPT_TOKENS) each shorter one continued by its own tokens
+    after the first until it has N (a hybrid's blocks hold hundreds of tokens: a hit needs prompts past them)."""
+    out = [llm.get_tokenizer().encode(p) for p in prompt_texts()]
+    n = PROMPT_TOKENS[0]
+    return [(ids + ids[1:] * (n // max(1, len(ids) - 1) + 1))[:n] if n and len(ids) < n else ids for ids in out]
+
+
+PROMPT_TOKENS = [0]  # --prompt-tokens
 
 
 def child(a, role: str) -> dict:
     """``--split``: one engine per process (vLLM 0.24 on CUDA cannot start a second engine in a process)."""
     cmd = [sys.executable, __file__, a.path, "--model", a.model, "--kv-dtype", a.kv_dtype,
-           "--block-size", str(a.block_size), "--role", role, *(["--fault", a.fault] if a.fault else [])]
+           "--block-size", str(a.block_size), "--role", role, *(["--fault", a.fault] if a.fault else []),
+           "--prompt-tokens", str(a.prompt_tokens)]
     out = subprocess.run(cmd, capture_output=True, text=True).stdout.splitlines()
     line = next((x for x in reversed(out) if x.startswith("ROLE ")), None)
     return json.loads(line[5:]) if line else {"supported": False, "reason": f"{role} process printed nothing"}
@@ -256,7 +276,9 @@ def main() -> None:
     ap.add_argument("--role", choices=("cold", "path"), help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="accepted: the JSON line is always stdout's last line")
     ap.add_argument("--fault", help="a kvdiag vLLM fault to patch in before the first LLM")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="grow each prompt to this many tokens (0: as is)")
     a = ap.parse_args()
+    PROMPT_TOKENS[0] = a.prompt_tokens
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import vllm_window_probe as window
 
@@ -273,6 +295,8 @@ def main() -> None:
         return print(json.dumps({"path": a.path, "kv_dtype": a.kv_dtype, "fault": a.fault, **res,
                                  "seconds": round(time.time() - t0, 2)}), flush=True)
     base = base_args(a.model, a.kv_dtype, a.block_size)
+    if a.prompt_tokens:  # room for the grown prompts and the tokens generated after them
+        base["max_model_len"] = max(base["max_model_len"], -(-(a.prompt_tokens + MAX_TOKENS) // 256) * 256)
     if a.path.startswith("cudagraph-") and a.path != "cudagraph-NONE":
         base.update(path_args("cudagraph-NONE", a.block_size))
     if a.role:

