@@ -1,33 +1,62 @@
 """Verdicts of the accuracy check: one row per dtype x task metric, and the case status they give.
 
 A metric is ``ok``, ``regression`` (the drop exceeds ``max_drop`` and the paired test is
-significant at ``alpha``) or ``collapse`` (NaN, non-finite outputs, or below half of
-the baseline while dropping more than ``max_drop``). A dtype whose drift exceeds its
-family's limits gets ``drift``. Any of these makes the case ``fail``. KL that grows with the position
-(``drift.grows``) is a ``drift_grows`` warning: the case still passes.
+significant at ``alpha``), ``collapse`` (NaN, non-finite outputs, or below half of
+the baseline while dropping more than ``max_drop``, significantly) or ``inconclusive``: a drop beyond
+``max_drop`` that is not significant (its effect shown), or no drop beyond it where the run could not have seen
+one (the smallest drop its documents detect with power 0.8, ``power.py``, exceeds ``max_drop``); both name the
+documents that would settle it. A dtype whose drift exceeds its family's limits gets ``drift``. ``regression``,
+``collapse`` and ``drift`` make the case ``fail``; ``inconclusive`` is a warning, and fails the case only with
+``--strict``. KL that grows with the position (``drift.grows``) is a ``drift_grows`` warning: the case still
+passes.
 """
 
 from __future__ import annotations
 
 import math
 
-from kvdiag.checks import drift, stats
+from kvdiag.checks import drift, power, stats
 
 BAD = ("regression", "collapse", "drift")
-ORDER = ("ok", "drift", "regression", "collapse")  # a case's verdict is its worst row
+ORDER = ("ok", "inconclusive", "drift", "regression", "collapse")  # a case's verdict is its worst row
 
 
 def metric_verdict(base: float, score: float, delta: float, p_value: float, higher_is_better: bool, *,
-                   max_drop: float, alpha: float) -> str:
+                   max_drop: float, alpha: float, mdd: float | None = None) -> str:
+    """``mdd``: the smallest drop the comparison detects with power 0.8 (None: not known, not judged)."""
     if not _finite(score):
         return "collapse"
     drop = -delta if higher_is_better else delta
     if not _finite(drop) or drop <= max_drop:
-        return "ok"
+        return "inconclusive" if mdd is not None and not mdd <= max_drop else "ok"
+    significant = _finite(p_value) and p_value < alpha
     halved = score < base / 2 if higher_is_better else score > 2 * base
     if _finite(base) and base > 0 and halved:
-        return "collapse"
-    return "regression" if _finite(p_value) and p_value < alpha else "ok"
+        return "collapse" if significant else "inconclusive"
+    return "regression" if significant else "inconclusive"
+
+
+def power_of(base_vals: dict, vals: dict, alpha: float, max_drop: float) -> power.Power | None:
+    """What the paired comparison of these per-document values could have seen (``power.py``); None for
+    non-scalar values."""
+    _, a, b = stats.pair_by_doc(base_vals, vals)
+    if not a or not all(isinstance(x, (int, float)) for x in a + b):
+        return None
+    return power.of_pairs(a, b, alpha, max_drop or None, stats.is_binary(a) and stats.is_binary(b))
+
+
+def _inconclusive(task, metric, sc, bsc, delta, p, pw, paired, max_drop, alpha) -> str:
+    """Why a metric's verdict is inconclusive, and the documents that would settle it."""
+    n = pw.n_needed if pw else None
+    settle = f"; about {n:,} documents would detect a drop of {max_drop:g}" if n else ""
+    drop = -delta if sc["higher_is_better"] else delta
+    if _finite(drop) and drop > max_drop:
+        return (f"{task} {metric}: {sc['score']:.4g} vs baseline {bsc['score']:.4g} (Δ {delta:+.4g}) is beyond "
+                f"--max-drop {max_drop:g} but not significant (p={p:.3g} ≥ {alpha:g}): not evidence of a drop"
+                f"{settle}")
+    docs = f"its {paired.n:,} documents" if paired else "its documents"
+    return (f"{task} {metric}: could not have seen a drop of {max_drop:g}: {docs} detect a drop of "
+            f"{pw.mdd if pw else float('nan'):.3g} or more with power {power.POWER:g}{settle}")
 
 
 def compare_metric(base_vals: dict, vals: dict) -> stats.Paired | None:
@@ -39,8 +68,9 @@ def compare_metric(base_vals: dict, vals: dict) -> stats.Paired | None:
 
 
 def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift.Limits, *,
-               max_drop: float, alpha: float) -> list[dict]:
-    """Rows for one dtype; sets the case's status, verdict, findings and comparison metrics."""
+               max_drop: float, alpha: float, strict: bool = False) -> list[dict]:
+    """Rows for one dtype; sets the case's status, verdict, findings and comparison metrics. ``strict``: an
+    inconclusive metric fails the case."""
     rows = []
     for task, per in rec.metrics["scores"].items():
         for metric, sc in per.items():
@@ -48,16 +78,26 @@ def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift
             if bsc is None:
                 continue
             paired = compare_metric(base_samples[task][metric], samples[task][metric])
+            pw = power_of(base_samples[task][metric], samples[task][metric], alpha, max_drop)
             delta = paired.delta if paired else sc["score"] - bsc["score"]
             p = paired.p_value if paired else float("nan")
+            # computed bit for bit as the baseline (the drift probe identical, no document changed): no drop to
+            # miss, whatever the documents' number
+            same = bool(d.get("identical")) and delta == 0 and not (paired and any(paired.discordant or ()))
             v = metric_verdict(bsc["score"], sc["score"], delta, p, sc["higher_is_better"],
-                               max_drop=max_drop, alpha=alpha)
+                               max_drop=max_drop, alpha=alpha, mdd=pw.mdd if pw and not same else None)
             if not rec.metrics.get("finite", True):
                 v = "collapse"
-            rows.append(_row(rec.kv_dtype, task, metric, sc, bsc["score"], delta, paired, v, d))
+            rows.append({**_row(rec.kv_dtype, task, metric, sc, bsc["score"], delta, paired, v, d),
+                         **(pw.to_json() if pw else {"mdd": None, "n_needed": None, "psi": None})})
             if v in BAD:
                 rec.add("error", v, f"{task} {metric}: {sc['score']:.4g} vs baseline {bsc['score']:.4g} "
                         f"(Δ {delta:+.4g}, p={p:.3g})", task=task, metric=metric,
+                        comparison=paired.to_json() if paired else None)
+            elif v == "inconclusive":
+                rec.add("error" if strict else "warning", "inconclusive",
+                        _inconclusive(task, metric, sc, bsc, delta, p, pw, paired, max_drop, alpha), task=task,
+                        metric=metric, power=pw.to_json() if pw else None,
                         comparison=paired.to_json() if paired else None)
     problems = drift.judge(d, lim)
     if lim.identical and any(r["delta"] != 0 or (r["discordant"] and any(r["discordant"])) for r in rows):
@@ -70,7 +110,7 @@ def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift
     if problems:
         for r in rows:
             r["verdict"] = "drift" if r["verdict"] == "ok" else r["verdict"]
-    rec.status = "fail" if verdict in BAD else "pass"
+    rec.status = "fail" if verdict in BAD or (strict and verdict == "inconclusive") else "pass"
     rec.metrics.update(_drift_evidence(d), verdict=verdict, drift=d, drift_limits=lim.to_json(), comparisons=rows)
     return rows
 
@@ -114,8 +154,8 @@ def add_unchanged(rec, base, d: dict | None) -> None:
         rec.add("warning", kind, msg, **evidence)
 
 
-ANALYSIS_KINDS = ("regression", "collapse", "drift", "drift_grows", "drift_uncached", "no_baseline", "wrong",
-                  "not_quantized", "identical_to_baseline")
+ANALYSIS_KINDS = ("regression", "collapse", "inconclusive", "drift", "drift_grows", "drift_uncached", "no_baseline",
+                  "wrong", "not_quantized", "identical_to_baseline")
 
 
 def position_row(rec) -> dict | None:

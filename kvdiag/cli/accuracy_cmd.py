@@ -17,6 +17,7 @@ LimitOpt = o.field_option(A, "limit")
 FewshotOpt = o.field_option(A, "num_fewshot")
 MaxDropOpt = o.field_option(A, "max_drop")
 AlphaOpt = o.field_option(A, "alpha")
+StrictOpt = o.field_option(A, "strict")
 MaxKLOpt = o.field_option(A, "max_kl")
 MinTop1Opt = o.field_option(A, "min_top1")
 BatchOpt = o.field_option(A, "batch_size")
@@ -47,6 +48,7 @@ def accuracy(
     metadata: MetadataOpt = None,
     max_drop: MaxDropOpt = A.max_drop,
     alpha: AlphaOpt = A.alpha,
+    strict: StrictOpt = A.strict,
     max_kl: MaxKLOpt = None,
     min_top1: MinTop1Opt = None,
     isolate: o.IsolateOpt = o.Isolate.case,
@@ -64,8 +66,10 @@ def accuracy(
 
     Each dtype gets score ± stderr per task metric, the change against the baseline on the
     same documents (exact McNemar for 0/1 metrics, paired bootstrap otherwise) with a 95%
-    interval and p-value, and a verdict: ok, regression, collapse or drift. Exit code 1 when
-    any dtype regressed, collapsed, drifted or crashed.
+    interval and p-value, the smallest drop its documents detect with power 0.8, and a verdict: ok,
+    inconclusive (a drop that is not significant, or one the run could not have seen: with the documents that
+    would settle it), regression, collapse or drift. Exit code 1 when any dtype regressed, collapsed, drifted or
+    crashed (or, with --strict, was inconclusive).
 
     lm_eval's spellings work too: --model_args (= -a), --num_fewshot, --batch_size, --output_path (= -o),
     --gen_kwargs, --apply_chat_template, --fewshot_as_multiturn, --system_instruction, --include_path.
@@ -80,5 +84,5 @@ def accuracy(
                     baseline=baseline, limit=limit, num_fewshot=num_fewshot, seed=seed, batch_size=batch_size,
                     apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
                     system_instruction=system_instruction, gen_kwargs=gen_kwargs, metadata=metadata,
-                    max_drop=max_drop, alpha=alpha, max_kl=max_kl, min_top1=min_top1)
+                    max_drop=max_drop, alpha=alpha, max_kl=max_kl, min_top1=min_top1, strict=strict)
     raise typer.Exit(run.exit_code)

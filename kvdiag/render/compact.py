@@ -9,9 +9,9 @@ import math
 
 DRIFT_KEYS = ("mean_kl", "max_kl", "top1_agreement")
 # verdicts of a task's other metrics that the table leaves to report.md
-SHOWN_QUIET = ("baseline", "skipped", "unsupported", "ok")
+SHOWN_QUIET = ("baseline", "skipped", "unsupported", "ok", "inconclusive")
 # a group's verdict: its worst task's
-WORST = ("baseline", "skipped", "unsupported", "ok", "drift", "regression", "collapse")
+WORST = ("baseline", "skipped", "unsupported", "ok", "inconclusive", "drift", "regression", "collapse")
 
 
 def compact_rows(rows: list[dict], groups: dict | None = None) -> list[dict]:
@@ -53,7 +53,7 @@ def merge(name: str, rows: list[dict]) -> dict:
     verdict = max((r["verdict"] for r in rows), key=lambda v: WORST.index(v) if v in WORST else len(WORST))
     bad = sum(r["verdict"] == verdict for r in rows)
     out = {**rows[0], "task": f"{name} ({len(rows)} tasks)", "n": sum(n), "verdict": verdict,
-           "ci_low": None, "ci_high": None, "p_value": None, "discordant": None,
+           "ci_low": None, "ci_high": None, "p_value": None, "discordant": None, "mdd": None, "n_needed": None,
            "message": f"{bad} of {len(rows)} tasks" if verdict not in ("ok", "baseline") else None}
     for key in ("score", "baseline", "delta"):
         values = [r.get(key) for r in rows]

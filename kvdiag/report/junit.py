@@ -35,7 +35,11 @@ def _testcase(case) -> ET.Element:
     elif case.status in NOT_RUN_STATUSES:  # JUnit's word for a case that did not run; the message says why
         ET.SubElement(tc, "skipped", message=f"{case.status}: {message}", type=case.status)
     out = ET.SubElement(tc, "system-out")
-    out.text = json.dumps(case.metrics, default=str, indent=1)[:20000]
+    # a passing case's verdict and warnings first (accuracy's inconclusive: a pass that could not have seen
+    # --max-drop, with the documents that would), then its metrics
+    said = [f"verdict: {case.metrics['verdict']}"] if case.metrics.get("verdict") else []
+    said += [f"[warning] {f.kind}: {f.message}" for f in case.findings if f.severity == "warning"]
+    out.text = "\n".join(said + [json.dumps(case.metrics, default=str, indent=1)])[:20000]
     return tc
 
 

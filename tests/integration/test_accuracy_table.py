@@ -98,7 +98,9 @@ def test_report_write_holds_every_score_with_its_interval_and_change(run_dir):
 
     html = Cells()
     html.feed((run_dir / "report.html").read_text())
-    scored = [row for row in html.rows if len(row) == 12 and row[0] in DTYPES]
+    from kvdiag.checks.accuracy.tables import SCORES
+
+    scored = [row for row in html.rows if len(row) == len(SCORES) and row[0] in DTYPES]
     assert len(scored) == len(rows) and ["fp8_e5m2", "kv_recall_long", "acc_norm", "40", "0.4"] in [
         row[:5] for row in scored]
 

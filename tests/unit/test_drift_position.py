@@ -142,8 +142,10 @@ def test_accuracy_warns_drift_grows_passes_and_reports_the_buckets(tmp_path):
     run = accuracy_run(tmp_path, GROWING)
     fp8 = run.cases[1]
     assert fp8.status == "pass" and run.exit_code == 0  # a warning: the verdict is unchanged
-    assert [(f.severity, f.kind) for f in fp8.findings] == [("warning", "drift_grows")]
-    assert fp8.findings[0].evidence["section"] == "long"
+    # the fixture's few documents also make it an inconclusive pass (issue 48); the growth is the warning here
+    grown = [f for f in fp8.findings if f.kind != "inconclusive"]
+    assert [(f.severity, f.kind) for f in grown] == [("warning", "drift_grows")]
+    assert grown[0].evidence["section"] == "long"
     saved = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [b["from"] for b in saved[-1]["metrics"]["drift"]["by_position"]["long"]] == [1, 17, 33, 65]
     md = render_markdown(run)
@@ -154,7 +156,7 @@ def test_accuracy_warns_drift_grows_passes_and_reports_the_buckets(tmp_path):
     assert f"| {last['mean_kl']:.2g} / {last['top1_agreement']:.3f} |" in row
     assert row.endswith(f"| yes, {last['mean_kl'] / first['mean_kl']:.1f}x |")
     accuracy.analyze(run, baseline="auto", max_drop=0.02, alpha=0.05)  # analysed again (--resume): still one
-    assert [f.kind for f in run.cases[1].findings] == ["drift_grows"]
+    assert [f.kind for f in run.cases[1].findings if f.kind != "inconclusive"] == ["drift_grows"]
 
 
 def test_terminal_and_html_show_the_growth(tmp_path):
@@ -180,7 +182,7 @@ def test_a_constant_error_passes_without_a_warning(tmp_path):
     from kvdiag.report.markdown import render_markdown
 
     run = accuracy_run(tmp_path, CONSTANT)
-    assert run.cases[1].status == "pass" and run.cases[1].findings == []
+    assert run.cases[1].status == "pass" and [f for f in run.cases[1].findings if f.kind != "inconclusive"] == []
     row = next(line for line in render_markdown(run).splitlines() if line.startswith("| fp8 | long continuation |"))
     assert row.endswith("| no |")
 

@@ -102,3 +102,21 @@ def test_memleak_lines_of_equal_dtypes_stay_visible(tmp_path):
     assert len({d.split()[0] for d in lines.values()}) == len(dtypes)  # no line drawn on top of another
     for d in dtypes:  # every dtype's markers are there
         assert svg.count(f"<title>{d}: 100</title>") == len(snaps)
+
+
+def test_junit_says_an_inconclusive_pass_in_its_testcase(tmp_path):
+    """A CI log that reads only JUnit must see that a pass could not have seen --max-drop (issue 48)."""
+    etree = pytest.importorskip("lxml.etree")
+    from kvdiag.report.junit import render_junit
+
+    run = make_run(tmp_path)
+    ok = next(c for c in run.cases if c.status == "pass")
+    ok.metrics["verdict"] = "inconclusive"
+    ok.add("warning", "inconclusive", "kv_recall acc: could not have seen a drop of 0.02; about 391 documents would")
+    doc = etree.fromstring(render_junit(run).encode())
+    etree.XMLSchema(etree.parse(str(DATA / "junit.xsd"))).assertValid(doc)
+    tc = next(t for t in doc.iter("testcase") if t.get("name") == ok.id)
+    assert tc.find("failure") is None and tc.find("error") is None  # still a pass
+    head = tc.find("system-out").text.splitlines()[:2]
+    assert head == ["verdict: inconclusive", "[warning] inconclusive: kv_recall acc: could not have seen a drop of "
+                    "0.02; about 391 documents would"]

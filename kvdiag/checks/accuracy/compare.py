@@ -1,7 +1,9 @@
 """accuracy's rule in ``kvdiag compare``: per task and metric, the paired per-document test (McNemar / paired
 bootstrap, ``checks/stats.py``) when both sides kept their samples, else a z-test on the two stderrs. A drop larger
 than ``max_drop`` that is significant at ``alpha`` (or a collapse) regresses, judged by the same rule as
-`kvdiag accuracy` (``verdicts.metric_verdict``)."""
+`kvdiag accuracy` (``verdicts.metric_verdict``); a row the rule calls inconclusive (a drop that is not significant,
+or none the paired documents could have seen: ``mdd``, ``n_needed``) says so (``inconclusive``) and is no
+regression."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ def rows(o, n, settings: dict) -> list[dict]:
 
 
 def _scores(o, n, old_samples, new_samples, max_drop, alpha) -> list[dict]:
-    from kvdiag.checks.verdicts import compare_metric, metric_verdict
+    from kvdiag.checks.verdicts import compare_metric, metric_verdict, power_of
 
     rows = []
     for task, per in (n.metrics.get("scores") or {}).items():
@@ -38,12 +40,16 @@ def _scores(o, n, old_samples, new_samples, max_drop, alpha) -> list[dict]:
                 delta, p, lo, hi = _stderr_test(osc["score"], osc.get("stderr"), sc["score"], sc.get("stderr"))
                 test = "stderr"
             hib = sc.get("higher_is_better", True)
-            v = metric_verdict(osc["score"], sc["score"], delta, p, hib, max_drop=max_drop, alpha=alpha)
+            pw = power_of(old_samples[task][metric], new_samples[task][metric], alpha, max_drop) \
+                if paired is not None and paired.n > 0 else None
+            v = metric_verdict(osc["score"], sc["score"], delta, p, hib, max_drop=max_drop, alpha=alpha,
+                               mdd=pw.mdd if pw else None)
             gain = delta if hib else -delta
             verdict = ("regression" if v in ("regression", "collapse") else
                        "improvement" if finite(gain) and gain > max_drop and finite(p) and p < alpha else "ok")
             rows.append(row(n, f"{task} {metric}", osc["score"], sc["score"], verdict, delta=delta, test=test,
-                             p_value=p, ci_low=lo, ci_high=hi, n=paired.n if paired else sc.get("n")))
+                             p_value=p, ci_low=lo, ci_high=hi, n=paired.n if paired else sc.get("n"),
+                             inconclusive=v == "inconclusive", **(pw.to_json() if pw else {})))
     return rows
 
 

@@ -45,5 +45,9 @@ class AccuracyParams:
     max_drop: float = option(0.02, "--max-drop", min=0, help="A drop (in the metric's units, e.g. 0.02 = 2 points "
                              "of acc) larger than this and significant at --alpha is a regression.")
     alpha: float = option(0.05, "--alpha", min=0, max=1, help="Significance level of the paired test.")
+    strict: bool = option(False, "--strict", help="An inconclusive verdict fails (exit 1): a drop beyond --max-drop "
+                          "that is not significant, or a run whose documents could not have detected --max-drop "
+                          "(the smallest drop they detect with power 0.8 is shown per task). Default: it is a "
+                          "warning, with the documents that would settle it.")
     max_kl: float | None = drift_limit("max_kl")
     min_top1: float | None = drift_limit("min_top1")

@@ -12,7 +12,7 @@ from kvdiag.checks.stats import Z95
 from kvdiag.render.cells import fmt_value
 
 SCORES = ("kv dtype", "task", "metric", "n", "score", "stderr", "score 95% CI", "Δ vs baseline", "Δ 95% CI", "p",
-          "test", "verdict")
+          "test", "smallest drop seen (power 0.8)", "n to see max drop", "verdict")
 DRIFT = ("kv dtype", "KL mean", "KL max", "top-1 agreement")
 
 
@@ -53,7 +53,8 @@ def score_cells(r: dict) -> list[str]:
     return [r.get("kv_dtype", "-"), r.get("task", "-"), r.get("metric", "-"), fmt_value(r.get("n")),
             fmt_value(score), fmt_value(se), interval, "-" if not _num(delta) else f"{delta:+.4f}",
             "-" if not _num(r.get("ci_low")) else f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]",
-            fmt_value(r.get("p_value")), r.get("test") or "-", verdict]
+            fmt_value(r.get("p_value")), r.get("test") or "-", fmt_value(r.get("mdd")), fmt_value(r.get("n_needed")),
+            verdict]
 
 
 def _num(x) -> bool:

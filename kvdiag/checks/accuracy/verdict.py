@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvdiag.checks import drift
+from kvdiag.checks import drift, power
 
 
 def artifact_path(run, rec, kind: str) -> Path:
@@ -14,7 +14,7 @@ def artifact_path(run, rec, kind: str) -> Path:
 
 
 def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float | None = None,
-            min_top1: float | None = None) -> None:
+            min_top1: float | None = None, strict: bool = False) -> None:
     """Compare every dtype's case with the baseline case; set verdicts, statuses, findings, run.analysis."""
     from kvdiag.checks import verdicts
     from kvdiag.results import append_jsonl
@@ -52,13 +52,15 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
             d = drift.compare(base_probe, drift.load(artifact_path(run, rec, "drift")))
             lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"),
                                    compiled=drift.compiled_pair(rec, base), max_kl=max_kl, min_top1=min_top1)
-            rows += verdicts.judge_case(rec, base, base_samples, samples, d, lim, max_drop=max_drop, alpha=alpha)
+            rows += verdicts.judge_case(rec, base, base_samples, samples, d, lim, max_drop=max_drop, alpha=alpha,
+                                        strict=strict)
             verdicts.add_unchanged(rec, base, d)
             by_position += [r for r in [verdicts.position_row(rec)] if r]
             changed.append(rec)
     for rec in changed:
         append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
-    run.analysis["accuracy"] = {"baseline": baseline, "max_drop": max_drop, "alpha": alpha, "rows": rows,
+    run.analysis["accuracy"] = {"baseline": baseline, "max_drop": max_drop, "alpha": alpha, "strict": strict,
+                                "power": power.POWER, "rows": rows,
                                 "drift_by_position": by_position, "timings": total_timings(run.cases)}
 
 

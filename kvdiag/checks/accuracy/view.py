@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from kvdiag.render.cells import fmt_value, natural_width, warning_lines
 
-VERDICT_STYLE = {"ok": "green", "baseline": "cyan", "unsupported": "yellow", "skipped": "yellow"}
-NUMBERS = ("score ± se", "Δ", "95% CI", "p")  # se: lm_eval's stderr; the CI is Δ's (paired)
+VERDICT_STYLE = {"ok": "green", "baseline": "cyan", "unsupported": "yellow", "skipped": "yellow",
+                 "inconclusive": "yellow"}
+# se: lm_eval's stderr; the CI is Δ's (paired); sees: the smallest drop the documents detect with power 0.8
+NUMBERS = ("score ± se", "Δ", "95% CI", "p", "sees")
 
 
 def render(run, con) -> None:
@@ -18,10 +20,12 @@ def render(run, con) -> None:
     groups = {g: v for c in run.cases for g, v in ((c.metrics.get("lm_eval") or {}).get("groups") or {}).items()}
     rows = compact_rows(a.get("rows", []), groups)
     title = (f"accuracy vs baseline '{a.get('baseline', '?')}' (max drop {a.get('max_drop')}, "
-             f"alpha {a.get('alpha')})")
-    table = scores_table(rows, title, grouped=False)
-    if natural_width(con, table) > con.width:
-        table = scores_table(rows, title, grouped=True)
+             f"alpha {a.get('alpha')}; sees: the smallest drop detected with power {a.get('power', 0.8)}; n≈: the "
+             "documents that would settle an inconclusive)")
+    for grouped, sees in ((False, True), (False, False), (True, True), (True, False)):  # the first that fits
+        table = scores_table(rows, title, grouped=grouped, sees=sees)
+        if natural_width(con, table) <= con.width:
+            break
     con.print(table)
     drift = drift_table(rows, a.get("drift_by_position"))
     if drift is not None:
@@ -41,8 +45,9 @@ def render(run, con) -> None:
         con.print("time in workers (summed over dtypes): " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
 
 
-def scores_table(rows: list[dict], title: str, grouped: bool):
-    """grouped: the dtype on a row of its own above its tasks (the first column holds both names, never cut)."""
+def scores_table(rows: list[dict], title: str, grouped: bool, sees: bool = True):
+    """grouped: the dtype on a row of its own above its tasks (the first column holds both names, never cut);
+    sees: the column of the smallest drop each row's documents detect (left to report.md where it does not fit)."""
     from rich import box
     from rich.table import Table
 
@@ -54,14 +59,15 @@ def scores_table(rows: list[dict], title: str, grouped: bool):
     else:
         t.add_column("kv dtype", no_wrap=True)
         t.add_column("task", no_wrap=True)
-    for col in NUMBERS:
+    numbers = NUMBERS if sees else NUMBERS[:-1]
+    for col in numbers:
         t.add_column(col, justify="right", no_wrap=True)
     t.add_column("verdict", overflow="fold", min_width=10)  # "regression" whole
     last = None
     for r in rows:
         cells = [score_text(r), "-" if r.get("delta") is None else f"{r['delta']:+.3f}", ci_text(r),
-                 p_text(r.get("p_value")),
-                 verdict_text(r["verdict"], r.get("message"))]
+                 p_text(r.get("p_value")), *([sees_text(r)] if sees else []),
+                 verdict_text(r["verdict"], r.get("message") or settle_text(r))]
         if not grouped:
             t.add_row(r["kv_dtype"], _task(r), *cells)
             continue
@@ -86,6 +92,18 @@ def p_text(p) -> str:
     if p is None:
         return "-"
     return f"{p:.2g}" if p >= 0.01 or p == 0 else f"{p:.0e}"  # 0.049, 5e-04
+
+
+def sees_text(r: dict) -> str:
+    """The smallest drop the row's documents detect with power 0.8 (power.py), as a drop: "≥0.078"."""
+    mdd = r.get("mdd")
+    return "-" if mdd is None else "never" if mdd != mdd or mdd == float("inf") else f"≥{mdd:.3g}"
+
+
+def settle_text(r: dict) -> str | None:
+    """An inconclusive row's documents that would settle it."""
+    n = r.get("n_needed")
+    return f"n≈{n:,}" if r.get("verdict") == "inconclusive" and n else None
 
 
 def ci_text(r: dict) -> str:
