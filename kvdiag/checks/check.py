@@ -32,6 +32,8 @@ class Check:
     tables: str | None = None  # "module:function(run) -> [(title, header, rows)]": its tables in report.md/html
     cases: str | None = None  # "module:function(target, params) -> (cases, analyze)" when not one case per dtype and
     # variant (accuracy, dtypes: a sweep against a baseline dtype; kvdiag.checks.cases)
+    spread: str | None = None  # "module:function(case) -> case": a case as the scheduler must place it (paths: the
+    # engine args of a path that spans GPUs, or why it cannot run here), before any worker starts
     kv_dtypes: tuple[str, ...] | None = None  # its kv dtypes when the user names none (those the engine has);
     # None: the engine's whole sweep
     gpu_share: bool = False  # its builtin-engine cases may share a GPU (it measures no device memory; scheduling)

@@ -194,6 +194,7 @@ def check_cases(name: str, target, p) -> tuple:
             v = dict(v)
             suffix = v.pop("suffix")
             cid = f"{name}/{engine}/{model_label(model)}/{d}" + (f"/{suffix}" if suffix else "")
-            cases.append(Case(name, engine, model, d, check.target, params={**base, **v}, id=cid, group=group))
+            case = Case(name, engine, model, d, check.target, params={**base, **v}, id=cid, group=group)
+            cases.append(load(check.spread)(case) if check.spread else case)
     analyze = (lambda run: load(check.analyze)(run, p)) if check.analyze else None
     return cases, analyze

@@ -236,7 +236,7 @@ def wake(fault: str, model: str, args: dict, cuda: bool, level: int) -> tuple[bo
     out = greedy(llm)
     llm.llm_engine.engine_core.shutdown()
     same = [a[0] == b[0] for a, b in zip(ref, out)]
-    bad = sum(1 for _, lps in out for x in lps if not math.isfinite(x))
+    bad = sum(1 for _, lps, *_ in out for x in lps if not math.isfinite(x))
     return not all(same) or bad > 0, {"level": level, "same_tokens": same, "nonfinite_logprobs": bad,
                                       "tokens_before": [r[0] for r in ref], "tokens_after": [o[0] for o in out]}
 
@@ -263,7 +263,7 @@ def poison(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
         left = sum(int((~torch.isfinite(w)).sum()) for w in whole)
     llm.llm_engine.engine_core.shutdown()
     same = [a[0] == b[0] for a, b in zip(ref, out)]
-    bad = sum(1 for _, lps in out for x in lps if not math.isfinite(x))
+    bad = sum(1 for _, lps, *_ in out for x in lps if not math.isfinite(x))
     return not all(same) or bad > 0, {"tensors_filled": len(filled), "same_tokens": same, "nonfinite_logprobs": bad,
                                       "nonfinite_left": left}
 
@@ -288,7 +288,7 @@ def paths(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
     out, counters = generate(llm, prompts)
     llm.llm_engine.engine_core.shutdown()
     d = compare(ref, out)
-    bad = sum(1 for _, lps in out for x in lps if not math.isfinite(x))
+    bad = sum(1 for _, lps, *_ in out for x in lps if not math.isfinite(x))
     return d["diverged_requests"] > 0 or d["max_dlogprob"] > PATH_DLOGPROB or bad > 0, {
         "path": path, **{k: d[k] for k in ("diverged_requests", "first_divergence", "max_dlogprob")},
         "requests": len(out), "nonfinite_logprobs": bad,

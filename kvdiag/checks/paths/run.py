@@ -44,6 +44,8 @@ def run(case, ctx):
     from kvdiag.engines.base import engine_traits
 
     p = PathsParams.from_case(case)
+    if case.params.get("unsupported"):  # said when the case was placed (params.spread): a path spanning GPUs
+        return greedy.unsupported(case, case.params["unsupported"])
     path = None if p.path in REFERENCES else PATHS[p.path]
     traits = engine_traits(case.engine)
     base = engine_spec(case)
@@ -55,10 +57,11 @@ def run(case, ctx):
         need = sliding.need(case.model, p.num_prompts, _kv_block(traits, base), device)
         config = need if isinstance(need, str) else traits.path_config(p.path, need)
     else:
-        config = traits.path_config(p.path, workload.needs(rough, p.max_tokens, base.block_size, device))
+        rough_need = workload.needs(rough, p.max_tokens, base.block_size, device)
+        config = traits.path_config(p.path, _spanned(rough_need, p.path, device))
         if not isinstance(config, str):
             need = _need(case, traits, base, texts, p.max_tokens, device)
-            config = need if isinstance(need, str) else traits.path_config(p.path, need)
+            config = need if isinstance(need, str) else traits.path_config(p.path, _spanned(need, p.path, device))
     if isinstance(config, str):
         return greedy.unsupported(case, config)
     # every case's engine has the model length of the workload's longest request, not only the one whose tight pool
@@ -130,6 +133,17 @@ def _prefix_prompts(engine, spec, prompts, max_tokens: int) -> tuple[list, dict]
     if max(len(q) for q in prompts) >= want:
         return prompts, {}
     return workload.lengthened(prompts, want), {"prompts_grown_to": want, "engine_block_size": block}
+
+
+def _spanned(need: dict, path: str, device: str) -> dict:
+    """``need`` with the GPUs this worker sees and the GPUs the path spans (catalogue.SPAN), for a spanning path."""
+    from kvdiag.checks.paths.catalogue import SPAN
+
+    if path not in SPAN:
+        return need
+    from kvdiag.run.scheduling import visible_gpus
+
+    return {**need, "gpus": len(visible_gpus()) if device == "cuda" else 0, "span": SPAN[path]}
 
 
 def _kv_block(traits, base) -> int:

