@@ -51,11 +51,13 @@ def spread(case):
     gpus = SPAN.get(case.params.get("path"))
     if gpus is None:
         return case
-    from kvdiag.engines.base import engine_traits
-    from kvdiag.run.scheduling import on_gpu, visible_gpus
+    from kvdiag.engines.base import cpu_only, engine_traits
+    from kvdiag.gpus import visible_gpus
 
     seen = visible_gpus()
-    need = {"device": "cuda" if on_gpu(case, seen) else "cpu", "gpus": len(seen), "span": gpus}
+    device = str(case.params.get("device") or "auto")
+    gpu = not cpu_only(case.engine) and (device.startswith("cuda") or device == "auto" and bool(seen))  # as placed
+    need = {"device": "cuda" if gpu else "cpu", "gpus": len(seen), "span": gpus}
     config = engine_traits(case.engine).path_config(case.params["path"], need)
     if isinstance(config, str):
         return replace(case, params={**case.params, "unsupported": config})

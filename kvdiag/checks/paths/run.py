@@ -141,7 +141,7 @@ def _spanned(need: dict, path: str, device: str) -> dict:
 
     if path not in SPAN:
         return need
-    from kvdiag.run.scheduling import visible_gpus
+    from kvdiag.gpus import visible_gpus
 
     return {**need, "gpus": len(visible_gpus()) if device == "cuda" else 0, "span": SPAN[path]}
 
