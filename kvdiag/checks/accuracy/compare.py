@@ -19,7 +19,8 @@ def rows(o, n, settings: dict) -> list[dict]:
 
 
 def _scores(o, n, old_samples, new_samples, max_drop, alpha) -> list[dict]:
-    from kvdiag.checks.verdicts import compare_metric, metric_verdict, power_of
+    from kvdiag.checks.stats import paired_test
+    from kvdiag.checks.verdicts import metric_verdict, power_of, scalar_pairs
 
     rows = []
     for task, per in (n.metrics.get("scores") or {}).items():
@@ -28,20 +29,20 @@ def _scores(o, n, old_samples, new_samples, max_drop, alpha) -> list[dict]:
             numbers = isinstance(sc.get("score"), (int, float)) and isinstance((osc or {}).get("score"), (int, float))
             if not osc or not numbers:
                 continue
-            paired = None
+            pairs = paired = None
             try:
                 if old_samples and new_samples:
-                    paired = compare_metric(old_samples[task][metric], new_samples[task][metric])
+                    pairs = scalar_pairs(old_samples[task][metric], new_samples[task][metric])
+                    paired = paired_test(*pairs) if pairs else None
             except (KeyError, TypeError, ValueError):
-                paired = None
+                pairs = paired = None
             if paired is not None and paired.n > 0:
                 delta, p, lo, hi, test = paired.delta, paired.p_value, paired.ci_low, paired.ci_high, paired.test
             else:
                 delta, p, lo, hi = _stderr_test(osc["score"], osc.get("stderr"), sc["score"], sc.get("stderr"))
                 test = "stderr"
             hib = sc.get("higher_is_better", True)
-            pw = power_of(old_samples[task][metric], new_samples[task][metric], alpha, max_drop) \
-                if paired is not None and paired.n > 0 else None
+            pw = power_of(pairs, alpha, max_drop) if paired is not None and paired.n > 0 else None
             v = metric_verdict(osc["score"], sc["score"], delta, p, hib, max_drop=max_drop, alpha=alpha,
                                mdd=pw.mdd if pw else None)
             gain = delta if hib else -delta

@@ -46,23 +46,31 @@ def spread(case):
     the engine or the GPUs here cannot run it, the reason (``unsupported``), which its worker says in seconds."""
     from dataclasses import replace
 
-    from kvdiag.checks.paths.catalogue import SPAN
-
-    gpus = SPAN.get(case.params.get("path"))
-    if gpus is None:
-        return case
-    from kvdiag.engines.base import cpu_only, engine_traits
+    from kvdiag.engines.base import engine_traits, runs_on_gpu
     from kvdiag.gpus import visible_gpus
 
-    seen = visible_gpus()
-    device = str(case.params.get("device") or "auto")
-    gpu = not cpu_only(case.engine) and (device.startswith("cuda") or device == "auto" and bool(seen))  # as placed
-    need = {"device": "cuda" if gpu else "cpu", "gpus": len(seen), "span": gpus}
-    config = engine_traits(case.engine).path_config(case.params["path"], need)
+    path = case.params.get("path")
+    device = "cuda" if runs_on_gpu(case.engine, case.params.get("device"), visible_gpus()) else "cpu"
+    need = spanning(path, device)
+    if not need:
+        return case
+    config = engine_traits(case.engine).path_config(path, {"device": device, **need})
     if isinstance(config, str):
         return replace(case, params={**case.params, "unsupported": config})
     args = {**(case.params.get("engine_args") or {}), **config.args}
     return replace(case, params={**case.params, "engine_args": args})
+
+
+def spanning(path: str | None, device: str) -> dict:
+    """For a path whose engine spans GPUs (``catalogue.SPAN``): the GPUs seen here (none off the GPU) and those it
+    spans, as ``EngineTraits.path_config`` reads them; {} for any other path."""
+    from kvdiag.checks.paths.catalogue import SPAN
+
+    if path not in SPAN:
+        return {}
+    from kvdiag.gpus import visible_gpus
+
+    return {"gpus": len(visible_gpus()) if device == "cuda" else 0, "span": SPAN[path]}
 
 
 def with_references(items: list) -> list:

@@ -136,14 +136,10 @@ def _prefix_prompts(engine, spec, prompts, max_tokens: int) -> tuple[list, dict]
 
 
 def _spanned(need: dict, path: str, device: str) -> dict:
-    """``need`` with the GPUs this worker sees and the GPUs the path spans (catalogue.SPAN), for a spanning path."""
-    from kvdiag.checks.paths.catalogue import SPAN
+    """``need`` with the GPUs this worker sees and those the path spans, for a spanning path (params.spanning)."""
+    from kvdiag.checks.paths.params import spanning
 
-    if path not in SPAN:
-        return need
-    from kvdiag.gpus import visible_gpus
-
-    return {**need, "gpus": len(visible_gpus()) if device == "cuda" else 0, "span": SPAN[path]}
+    return {**need, **spanning(path, device)}
 
 
 def _kv_block(traits, base) -> int:
