@@ -212,7 +212,9 @@ class _Worker:
             tail = death.readable_tail(log, LOG_TAIL_CHARS)
             why, found = died_of(log)
             message += why
-            evidence = {**evidence, **found, "fired": fired_marks(_tail(self.log_path, start, None))}
+            evidence = {**evidence, **found}
+        if status in ("crashed", "timeout"):  # a self-test fault that ran before the worker died or hung says so
+            evidence = {**evidence, "fired": fired_marks(_tail(self.log_path, start, None))}
         recs = []
         for c in self.pending:
             if c in culprits:

@@ -92,6 +92,23 @@ def test_a_fault_whose_effect_kills_the_worker_counts_the_firing_its_log_said(tm
     assert builtin["fired"] is None  # the builtin engine records no firing: unknown, as before
 
 
+def test_a_fault_that_hangs_its_case_counts_the_firing_its_log_said_and_is_missed(tmp_path):
+    """On an H200, vLLM's chunk_boundary_token_skipped fired 13 times and its chunked-prefill case then hung to its
+    timeout; the self-test called it `did not fire`. The timeout's record now carries the log's fault marks: the
+    fault fired, and a hang is not the intended finding, so it is `missed`, with the timeout shown."""
+    from kvdiag.run.runner import Case, run_cases
+
+    chunk = VLLM.fault("chunk_boundary_token_skipped")
+    case = Case(check="paths", engine="none", model="m", kv_dtype="auto", target="case_fns:fires_then_hangs",
+                id="t/hangs", timeout=3)
+    (hung,) = run_cases([case], tmp_path, quiet=True)
+    assert hung.status == "timeout" and hung.findings[0].evidence["fired"] == {chunk.name: 1}
+    hung.engine, hung.params = "vllm", {"selftest": chunk.name, "faults": [chunk.name]}
+    row = selftest.fault_row(chunk, ["paths"], {(chunk.name, "paths"): [hung]})
+    assert row["fired"] == 1 and row["status"] == "missed"
+    assert "timeout: no result after 3s" in row["cells"]["paths"]["finding"]
+
+
 def test_a_clean_engine_with_only_a_warning_passes_the_selftest_and_shows_the_warning():
     """vLLM keeps a 64 KiB Triton buffer cache for the process's life: memleak warns of it on the clean engine,
     which still passed; the self-test shows the warning and does not fail on it (an error finding would)."""

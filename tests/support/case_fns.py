@@ -122,6 +122,15 @@ def fires_then_aborts(case, ctx):
     os.abort()
 
 
+def fires_then_hangs(case, ctx):
+    """As a vLLM worker whose re-introduced fault leaves the engine stuck (a chunked prefill on an H200): the fault
+    fires, then the case never returns."""
+    from kvdiag.engines.vllm.faults.patching import fire
+
+    fire("chunk_boundary_token_skipped")
+    time.sleep(60)
+
+
 def probe(seed: int, noise: float = 0.0, n: int = 3, t: int = 5, v: int = 11) -> dict:
     """A drift probe (``kvdiag.checks.drift.collect``'s shape, full distributions) from numpy alone: the same seed
     gives the same distributions, ``noise`` moves the dtype's logits away from them."""

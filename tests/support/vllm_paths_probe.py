@@ -13,6 +13,7 @@ time) is the control for ``preempt``: a tiny pool also changes the batches.
 that compiled engine (cold built with cudagraph_mode NONE), so that a graph's effect is not mixed with compile's.
 Counters are deltas of ``llm.get_metrics()`` (Prometheus, needs ``disable_log_stats=False``) over the path's
 generate, plus a wrap of the scheduler's ``schedule`` (internal) for prefill chunks.
+``tensor-parallel`` (``--split``, two GPUs): the engine at tensor_parallel_size 2 against the cold engine on one GPU.
 ``sliding-window`` (``--model zoo:gemma3``): tests/support/vllm_window_probe.py, which says how; its fault
 ``swa_frees_window_block`` is the probe's own.
 ``KVDIAG_PROBE_COMPILED=1``: every engine compiled, with vLLM's default CUDA graphs (as ``kvdiag paths`` runs vLLM),
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # kvdiag.models, f
 
 GRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
 PATHS = ("prefix-hit", "prefix-partial", "prefix-reset", "preempt", "serial", "chunked", "offload", "spec-ngram",
-         "sliding-window", *(f"cudagraph-{m}" for m in GRAPH_MODES))
+         "sliding-window", "tensor-parallel", *(f"cudagraph-{m}" for m in GRAPH_MODES))
 N_PROMPTS, MAX_TOKENS, MAX_MODEL_LEN, CHUNK = 8, 32, 256, 40
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 METRICS = {"vllm:prefix_cache_queries": "prefix_queries", "vllm:prefix_cache_hits": "prefix_hits",
@@ -87,6 +88,8 @@ def path_args(path: str, block: int) -> dict:
         return dict(speculative_config=dict(SPEC))
     if path.startswith("cudagraph-"):
         return dict(enforce_eager=False, compilation_config={"cudagraph_mode": path.split("-", 1)[1]})
+    if path == "tensor-parallel":  # vLLM's MultiprocExecutor: one worker process per GPU
+        return dict(tensor_parallel_size=2)
     return {}
 
 
@@ -202,6 +205,9 @@ def run_engine_path(path: str, llm, prompts: list[list[int]]) -> tuple[list, dic
         counters["reset_returned"] = reset_ok
     cc, counters["num_gpu_blocks"] = cfg.compilation_config, cfg.cache_config.num_gpu_blocks
     counters.update(cudagraph_mode=cc.cudagraph_mode.name, compilation_mode=cc.mode.name)
+    if path == "tensor-parallel":  # fewer KV heads than GPUs: vLLM replicates them (its get_num_kv_heads)
+        counters.update(kv_heads=cfg.model_config.get_total_num_kv_heads(),
+                        kv_heads_per_gpu=cfg.model_config.get_num_kv_heads(cfg.parallel_config))
     ok, reason = {  # the counter that proves the path ran
         "preempt": (counters.get("preemptions", 0) > 0, "no preemption happened"),
         "chunked": (counters["prefill_chunks"] > 0, "no prefill was chunked"),

@@ -197,13 +197,14 @@ def _worker_not_applicable(f, jobs: dict) -> str | None:
 
 def fired(f, recs) -> int | None:
     """How often the fault's patched code ran in these cases; None when no case recorded it (the engine does not
-    record firing). A case whose worker died has no record of its own: the fault marks in its log say instead
-    (``runner.fired_marks``, in the crash finding's evidence), for an engine that records firing."""
+    record firing). A case whose worker died or hung has no record of its own: the fault marks in its log say
+    instead (``runner.fired_marks``, in the crash or timeout finding's evidence), for an engine that records firing."""
     from kvdiag.checks.selftest.case import records_firing
 
     counts = [(r.metrics.get("faults") or {}).get("fired", {}).get(f.name) for r in recs]
-    counts += [x.evidence["fired"].get(f.name, 0) for r in recs if "faults" not in r.metrics
-               for x in r.findings if x.kind == "crashed" and "fired" in x.evidence and records_firing(r.engine)]
+    died = [r for r in recs if "faults" not in r.metrics and records_firing(r.engine)]
+    counts += [x.evidence["fired"].get(f.name, 0) for r in died for x in r.findings
+               if x.kind in ("crashed", "timeout") and "fired" in x.evidence]
     counts = [c for c in counts if c is not None]
     return sum(counts) if counts else None
 
