@@ -674,3 +674,47 @@ def test_cudagraph_paths_fail_exactly_where_plain_vllm_changes_a_batch_layout():
         moved = rows[mode]["vs_NONE_same_layout"].values()
         differs = any(x["diverged"] or x["max_dlogprob"] > max(0.01, 4 * spread) for x in moved)
         assert status[path] == ("fail" if differs else "pass"), (mode, rows[mode], status)
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+TWO_GPUS = pytest.mark.skipif(_visible_gpus() < 2, reason=f"needs 2 GPUs (tensor_parallel_size=2); "
+                              f"{_visible_gpus()} visible")
+TP2 = ("-a", "tensor_parallel_size=2", "-a", "enforce_eager=true", "-a", f"kv_cache_memory_bytes={256 << 20}")
+
+
+@TWO_GPUS
+def test_tp2_memleak_knows_the_kv_cache_inside_both_workers_as_vllm_sizes_it():
+    """Issue 47: at tensor_parallel_size 2 the KV cache is in vLLM's two worker processes. memleak asks them for its
+    storages (collective_rpc): each holds the 256 MiB vLLM was told to give it (the plain probe's workers say the
+    same), and after shutdown, as in the probe, no worker is alive and nothing survives."""
+    truth = plain_probe("vllm_tp_probe.py", "memleak")
+    assert [w["kv_mib"] for w in truth["workers"]] == [256.0, 256.0] and truth["alive_after_shutdown"] == []
+    code, run, _ = kvdiag("memleak-tp2", "memleak", "-e", "vllm", "-d", "auto", "-n", "2", *TP2)
+    (c,) = run["cases"]
+    m = c["metrics"]
+    assert m["kv_cache_processes"] == [2, 2] and m["kv_cache_mib"] == [512.0, 512.0], m
+    assert m["kv_survived_mib"] == [0, 0] and m["processes_after_shutdown"] == [0, 0], m
+    assert "kv_identity_unknown" not in [f["kind"] for f in c["findings"]]
+    assert c["status"] == "pass" and code == 0, c["findings"]
+
+
+@TWO_GPUS
+def test_tp2_wake_cycle_levels_1_and_2_free_and_restore_what_the_workers_hold():
+    """Issue 47: on two H200s the plain probe's workers, woken, held 66 MiB less each than before the sleep (the
+    caching allocator's free blocks, which the sleep hands back): kvdiag empties the workers' caches before it
+    measures, expects their KV cache and weights to leave, and passes where the probe's tokens are identical."""
+    truths = {level: plain_probe("vllm_tp_probe.py", "wake", "--level", str(level)) for level in (1, 2)}
+    code, run, _ = kvdiag("wake-tp2", "wake-cycle", "-e", "vllm", "-l", "1", "-l", "2", "-d", "auto", "-n", "2", *TP2)
+    for c in run["cases"]:
+        m = c["metrics"]
+        assert truths[m["level"]]["tokens_equal"], truths[m["level"]]
+        assert m["expected_kv_bytes"] == 2 * 256 << 20 and len(m["worker_processes"]) == 2, m
+        cycles = m["cycles"]
+        assert all(r["identical"] and r["restored"] and r["freed_ok"] for r in cycles), cycles
+        assert c["status"] == "pass", (c["id"], c["findings"])
+    assert code == 0 and len(run["cases"]) == 2

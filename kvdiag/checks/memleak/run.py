@@ -182,7 +182,7 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
     s = survivors(base, now)
     named = {id(engine): f"the engine object ({type(engine).__name__}) after shutdown()"}
     if kv is not None:
-        kv_identity.check(kv, now, named)
+        kv_identity.check(kv, now, named, snaps[-1].processes)
     scaled = kv_scaled.keys(s, now, kv)
     del now
     held = holders(s.keys, named) if s.keys and not detector_disabled("memleak.holders") else []

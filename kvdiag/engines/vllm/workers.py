@@ -1,0 +1,88 @@
+"""What vLLM's worker processes hold, asked inside them (tensor parallelism: one worker process per GPU).
+
+kvdiag's process holds the engine core (its scheduler and block pool); the model runners, their KV cache tensors and
+the model's weights live in the workers. ``collective_rpc`` (vLLM's ``LLM.collective_rpc``) sends a function to every
+worker and returns each one's answer; vLLM calls it with the worker (a ``WorkerWrapperBase``, which passes attribute
+reads to the worker), so the functions below read what a worker holds and answer with plain numbers, never tensors.
+They run in the workers: kvdiag must be importable there (vLLM's workers start from kvdiag's process).
+"""
+
+from __future__ import annotations
+
+import os
+
+RPC_TIMEOUT_S = 120.0  # a worker that does not answer by then is stuck: the check fails rather than hangs
+
+
+def _tensors(x):
+    """The tensors of a runner's ``kv_caches`` (a list per layer; a Mamba layer's is a list of state tensors)."""
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+    elif hasattr(x, "untyped_storage"):
+        yield x
+
+
+def state(worker) -> dict:
+    """In one worker: its pid and GPU, its KV cache storages ``(device, data_ptr, nbytes)`` (each counted once), the
+    bytes of the model's parameters, and torch's allocated and reserved bytes on its device."""
+    import torch
+
+    runner = worker.model_runner
+    kv = {}
+    for t in _tensors(getattr(runner, "kv_caches", None) or []):
+        s = t.untyped_storage()
+        if s.nbytes():
+            kv[(str(t.device), s.data_ptr())] = s.nbytes()
+    model = runner.get_model()
+    weights = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters() if p.numel()}
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return {"pid": os.getpid(), "rank": getattr(worker, "rank", None), "gpu": _gpu() if cuda else None,
+            "kv": [(dev, ptr, n) for (dev, ptr), n in sorted(kv.items())], "weight_bytes": sum(weights.values()),
+            "allocated": torch.cuda.memory_allocated() if cuda else None,
+            "reserved": torch.cuda.memory_reserved() if cuda else None}
+
+
+def _gpu() -> str:
+    """The CUDA_VISIBLE_DEVICES entry of torch's current device (its index where the variable is not set)."""
+    import torch
+
+    i, ids = torch.cuda.current_device(), [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x]
+    return ids[i] if i < len(ids) else str(i)
+
+
+def empty_cache(worker) -> int | None:
+    """In one worker: hand the caching allocator's unused blocks back to the driver (as kvdiag does in its own
+    process before it measures a sleep: vLLM's sleep empties the cache and its wake never refills it); torch's
+    reserved bytes after."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def remote(llm) -> bool:
+    """Whether the model runners are in worker processes of their own (vLLM's MultiprocExecutor or Ray), not here."""
+    from kvdiag.engines.vllm import kv
+
+    try:
+        executor = kv.engine_core(llm).model_executor
+    except kv.KVAccessError:
+        return False
+    return getattr(executor, "driver_worker", None) is None
+
+
+def ask(llm, fn) -> list | None:
+    """``fn`` in every worker process (``collective_rpc``), in rank order; None when the workers are in this process
+    (the engine's own views reach them) or the engine core is not here."""
+    if not remote(llm):
+        return None
+    return list(llm.collective_rpc(fn, timeout=RPC_TIMEOUT_S))
