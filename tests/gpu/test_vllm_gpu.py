@@ -718,3 +718,18 @@ def test_tp2_wake_cycle_levels_1_and_2_free_and_restore_what_the_workers_hold():
         assert all(r["identical"] and r["restored"] and r["freed_ok"] for r in cycles), cycles
         assert c["status"] == "pass", (c["id"], c["findings"])
     assert code == 0 and len(run["cases"]) == 2
+
+
+@TWO_GPUS
+def test_tp2_poison_says_what_one_gpu_says():
+    """Issue 47: poison fills and scans each worker's shard of the KV cache in the worker (collective_rpc). The same
+    blocks are poisoned and handed out as on one GPU, each written slot is scanned once per shard, and the verdict is
+    one GPU's."""
+    one_args = ("-a", "enforce_eager=true", "-a", f"kv_cache_memory_bytes={256 << 20}")
+    _, one, _ = kvdiag("poison-tp1", "poison", "-e", "vllm", "-d", "auto", *one_args)
+    code, two, _ = kvdiag("poison-tp2", "poison", "-e", "vllm", "-d", "auto", *TP2)
+    (a,), (b,) = one["cases"], two["cases"]
+    assert (a["metrics"]["kv_processes"], b["metrics"]["kv_processes"]) == (1, 2), (a["metrics"], b["metrics"])
+    assert b["metrics"]["poisoned_blocks"] == a["metrics"]["poisoned_blocks"] > 0
+    assert b["metrics"]["kv_slots_scanned"] == 2 * a["metrics"]["kv_slots_scanned"]
+    assert b["status"] == a["status"] and [f["kind"] for f in b["findings"]] == [f["kind"] for f in a["findings"]]

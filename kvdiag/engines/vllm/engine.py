@@ -230,6 +230,25 @@ class VllmEngine:
 
         return workers.ask(self.llm, workers.state)
 
+    def kv_in_workers(self) -> bool:
+        """Whether the KV cache is in vLLM's worker processes (tensor parallelism), reached by :meth:`on_kv`."""
+        from kvdiag.engines.vllm import workers
+
+        return self.llm is not None and workers.remote(self.llm)
+
+    def on_kv(self, fn, *args) -> list:
+        """``fn(view, *args)`` wherever the KV cache is: here (``[result]``, the view of ``kv_blocks()``), or in each
+        of vLLM's worker processes on its shard (one result per worker, ``workers.views_call``). Raises
+        EngineUnsupported when neither reaches it."""
+        from kvdiag.engines.vllm import workers
+
+        if self.llm is not None and not self._sleep.level and workers.remote(self.llm):
+            return workers.views_call(self.llm, fn, *args)
+        view = self.kv_blocks()
+        if view is None:
+            raise EngineUnsupported(self.capabilities.kv_access_reason or "the engine gives no access to its KV cache")
+        return [fn(view, *args)]
+
     def empty_worker_caches(self) -> None:
         """``torch.cuda.empty_cache()`` in each worker process (none when the workers are in this process)."""
         if self.llm is not None:

@@ -55,7 +55,11 @@ def attention_layers(llm) -> list:
 
 def named_attention_layers(llm) -> list[tuple[str, object]]:
     """``(name, module)`` of the attention layers that own a KV cache, in layer order."""
-    runner = model_runner(llm)
+    return runner_attention_layers(model_runner(llm))
+
+
+def runner_attention_layers(runner) -> list[tuple[str, object]]:
+    """:func:`named_attention_layers` of one model runner (in this process or in a worker process)."""
     ctx = runner.vllm_config.compilation_config.static_forward_context
     layers = [(name, m) for name, m in ctx.items()
               if hasattr(m, "kv_cache") and hasattr(m, "impl") and getattr(m, "kv_sharing_target_layer_name", None)
@@ -155,23 +159,30 @@ def block_view(llm) -> KVBlockView:
     :class:`KVState` tensors, and ``state_blocks`` the blocks last handed to a state group (hybrid.py says why)."""
     core = engine_core(llm)
     pool = block_pool(llm)
-    named = named_attention_layers(llm)
     cfg = core.scheduler.kv_cache_config
-    block_size = hybrid.attention_block_size(cfg, [n for n, _ in named])
-    runner = model_runner(llm)
-    model_dtype = runner.vllm_config.model_config.dtype
-    views = [layer_view(layer, pool.num_gpu_blocks, model_dtype) for _, layer in named]
-    if views[0].k.shape[1] != block_size:
-        raise KVAccessError(f"cache pages hold {views[0].k.shape[1]} slots but the attention group's blocks "
-                            f"{block_size} tokens")
-    ctx = runner.vllm_config.compilation_config.static_forward_context
-    states, state_groups = hybrid.state_layers(cfg, ctx, pool.num_gpu_blocks, {n for n, _ in named})
-    view = KVBlockView(block_size, pool.num_gpu_blocks, views, lambda: free_blocks(pool), lambda: used_blocks(pool))
+    view, states, state_groups = runner_view(model_runner(llm), cfg, pool.num_gpu_blocks, lambda: free_blocks(pool),
+                                             lambda: used_blocks(pool))
     if states:
         owners = hybrid.track_owners(core.scheduler.kv_cache_manager.coordinator)
         view.states = states
         view.state_blocks = lambda: {b for b, g in owners.items() if g in state_groups}
     return view
+
+
+def runner_view(runner, cfg, num_blocks: int, free, used) -> tuple[KVBlockView, list, set[int]]:
+    """One model runner's attention caches as a view over ``num_blocks`` blocks of the scheduler's KV cache config
+    ``cfg``, ``free``/``used`` giving the block pool's lists; and its state layers and their groups' ids (a hybrid:
+    the caller tracks which blocks hold states)."""
+    named = runner_attention_layers(runner)
+    block_size = hybrid.attention_block_size(cfg, [n for n, _ in named])
+    model_dtype = runner.vllm_config.model_config.dtype
+    views = [layer_view(layer, num_blocks, model_dtype) for _, layer in named]
+    if views[0].k.shape[1] != block_size:
+        raise KVAccessError(f"cache pages hold {views[0].k.shape[1]} slots but the attention group's blocks "
+                            f"{block_size} tokens")
+    ctx = runner.vllm_config.compilation_config.static_forward_context
+    states, state_groups = hybrid.state_layers(cfg, ctx, num_blocks, {n for n, _ in named})
+    return KVBlockView(block_size, num_blocks, views, free, used), states, state_groups
 
 
 def probe(llm) -> str | None:

@@ -69,6 +69,19 @@ def empty_cache(worker) -> int | None:
     return torch.cuda.memory_reserved()
 
 
+def on_view(worker, fn, cfg, num_blocks: int, free: list[int], used: list[int], args: tuple):
+    """In one worker: ``fn(view, *args)`` on its model runner's KV cache (its shard of the heads), the block pool's
+    ``free`` and ``used`` lists as the engine core had them when it asked. A hybrid's state blocks are tracked in the
+    engine core: not across processes yet."""
+    from kvdiag.engines.vllm import kv
+
+    view, states, _ = kv.runner_view(worker.model_runner, cfg, num_blocks, lambda: list(free), lambda: list(used))
+    if states:
+        raise kv.KVAccessError("a hybrid model's state blocks are tracked in the engine core, not in the worker "
+                               "processes: kvdiag reads its cache in one process only")
+    return fn(view, *args)
+
+
 def remote(llm) -> bool:
     """Whether the model runners are in worker processes of their own (vLLM's MultiprocExecutor or Ray), not here."""
     from kvdiag.engines.vllm import kv
@@ -80,9 +93,19 @@ def remote(llm) -> bool:
     return getattr(executor, "driver_worker", None) is None
 
 
-def ask(llm, fn) -> list | None:
-    """``fn`` in every worker process (``collective_rpc``), in rank order; None when the workers are in this process
-    (the engine's own views reach them) or the engine core is not here."""
+def ask(llm, fn, *args) -> list | None:
+    """``fn(worker, *args)`` in every worker process (``collective_rpc``), in rank order; None when the workers are in
+    this process (the engine's own views reach them) or the engine core is not here."""
     if not remote(llm):
         return None
-    return list(llm.collective_rpc(fn, timeout=RPC_TIMEOUT_S))
+    return list(llm.collective_rpc(fn, timeout=RPC_TIMEOUT_S, args=args))
+
+
+def views_call(llm, fn, *args) -> list:
+    """``fn(view, *args)`` on each worker's KV cache (:func:`on_view`), with the engine core's block pool now."""
+    from kvdiag.engines.vllm import kv
+
+    core = kv.engine_core(llm)
+    pool = core.scheduler.kv_cache_manager.block_pool
+    return ask(llm, on_view, fn, core.scheduler.kv_cache_config, pool.num_gpu_blocks, kv.free_blocks(pool),
+               kv.used_blocks(pool), args)

@@ -1,0 +1,65 @@
+"""poison's two steps on one KV view, run where the cache is: in the case's process, or in each of vLLM's worker
+processes on its shard of the heads (tensor parallelism; ``on_kv``). ``fill`` poisons the free blocks and keeps
+the cache's fingerprint in the process that filled it; ``scan`` compares with it after the wave and scans the
+slots the wave wrote. Both answer with plain numbers (a worker's answer crosses processes)."""
+
+from __future__ import annotations
+
+from kvdiag.checks import kv_tensors
+
+_MARKS: dict = {}  # the fingerprint ``fill`` took in this process, for the ``scan`` after the wave
+
+
+def on_kv(engine, fn, *args) -> list:
+    """``fn(view, *args)`` where the engine's KV cache is: one result per process that holds a part of it."""
+    if callable(getattr(engine, "on_kv", None)):
+        return engine.on_kv(fn, *args)
+    return [fn(engine.kv_blocks(), *args)]
+
+
+def reachable(engine) -> str | None:
+    """None when poison can reach the engine's KV cache (here or in its worker processes), else why not (a worker
+    that cannot view its cache says so in its error)."""
+    from kvdiag.errors import first_line
+
+    caps = engine.capabilities
+    in_workers = getattr(engine, "kv_in_workers", None)
+    if callable(in_workers) and in_workers():
+        try:
+            on_kv(engine, shape)
+        except Exception as e:  # noqa: BLE001 - vLLM wraps the worker's KVAccessError in a RuntimeError
+            return f"the worker processes cannot view their KV cache: {first_line(e)[:300]}"
+        return None
+    if not caps.kv_access or engine.kv_blocks() is None:
+        return caps.kv_access_reason or "the engine gives no access to its KV blocks"
+    return None
+
+
+def shape(view) -> tuple[int, int]:
+    return view.num_blocks, view.block_size
+
+
+def fill(view, value: str, seed: int) -> dict:
+    """Poison the free blocks with ``value``; the blocks, what the fill covers and the view's shape."""
+    free = view.free_blocks()
+    kv_tensors.fill_blocks(view, free, value, seed)
+    _MARKS["marks"] = kv_tensors.slot_fingerprint(view)
+    return {"free": list(free), "num_blocks": view.num_blocks, "block_size": view.block_size,
+            "poisoned": {"kv_layers": len(view.layers), "kv_tensors": len(kv_tensors.cache_tensors(view)),
+                         "state_layers": len(view.states),
+                         "state_tensors": [n for n, _ in kv_tensors.state_tensors(view)]}}
+
+
+def scan(view, free: list[int]) -> dict:
+    """After the wave: the poisoned blocks it was handed (written), and what the slots it wrote hold."""
+    import torch
+
+    changed = kv_tensors.slot_fingerprint(view) != _MARKS.pop("marks")
+    per_block = changed.view(view.num_blocks, view.block_size).any(1)
+    free_ids = torch.as_tensor(free, dtype=torch.long)
+    fresh = free_ids[per_block[free_ids]]
+    states = torch.as_tensor(sorted(view.state_blocks()), dtype=torch.long)
+    s = kv_tensors.scan_slots(view, changed.nonzero().flatten())
+    return {"fresh": fresh.tolist(), "fresh_state_blocks": int(torch.isin(fresh, states).sum()),
+            "kv_slots_scanned": s.slots, "kv_nonfinite": s.nonfinite, "kv_bad_scales": s.bad_scales,
+            "kv_state_nonfinite": s.state_nonfinite, "first": s.first}
