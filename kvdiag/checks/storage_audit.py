@@ -77,10 +77,26 @@ def cache_storage(engine) -> dict | None:
     layers = specs() if callable(specs) else None
     if layers is None and view is not None:
         layers = view_layers(view)
+    in_workers = getattr(engine, "kv_in_workers", None)
+    if view is None and callable(in_workers) and in_workers():  # tensor parallelism: each worker's shard
+        try:
+            parts = engine.on_kv(storage_summary)
+        except Exception:  # noqa: BLE001 - a worker that cannot view its cache (as kv_blocks() None in one process)
+            parts = None
+        return {**(whole_summary(parts) if parts else {}), "kinds": audit(layers or [])}
     if view is None and not layers:
         return None
     st = storage_summary(view) if view is not None else {}
     return {**st, "kinds": audit(layers or [])}
+
+
+def whole_summary(parts: list[dict]) -> dict:
+    """The engine's ``storage_summary`` from its worker processes' (each holds a shard of every layer's heads): the
+    bytes per token summed, the rest as each worker has it, and ``shards``."""
+    out = dict(parts[0], shards=len(parts))
+    for key in ("k_bytes_per_token", "v_bytes_per_token", "scale_bytes_per_token"):
+        out[key] = sum(p[key] for p in parts)
+    return out
 
 
 def storage_row(rec) -> dict:

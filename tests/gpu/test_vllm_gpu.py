@@ -733,3 +733,14 @@ def test_tp2_poison_says_what_one_gpu_says():
     assert b["metrics"]["poisoned_blocks"] == a["metrics"]["poisoned_blocks"] > 0
     assert b["metrics"]["kv_slots_scanned"] == 2 * a["metrics"]["kv_slots_scanned"]
     assert b["status"] == a["status"] and [f["kind"] for f in b["findings"]] == [f["kind"] for f in a["findings"]]
+
+
+@TWO_GPUS
+def test_tp2_storage_audit_sums_the_workers_shards_to_one_gpus_audit():
+    """Issue 47: the storage audit of tensor_parallel_size 2 (each worker's shard, summed) equals one GPU's."""
+    _, one, _ = kvdiag("audit-tp1", "dtypes", "--check", "-e", "vllm", "-d", "auto", "-d", "fp8", "-a",
+                       "enforce_eager=true")
+    _, two, _ = kvdiag("audit-tp2", "dtypes", "--check", "-e", "vllm", "-d", "auto", "-d", "fp8", *TP2)
+    for a, b in zip(one["cases"], two["cases"]):
+        st_a, st_b = a["metrics"]["storage"], b["metrics"]["storage"]
+        assert st_b.pop("shards") == 2 and st_b == st_a, (a["id"], st_a, st_b)

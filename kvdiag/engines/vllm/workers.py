@@ -82,6 +82,29 @@ def on_view(worker, fn, cfg, num_blocks: int, free: list[int], used: list[int], 
     return fn(view, *args)
 
 
+def layer_specs(worker) -> list[dict]:
+    """In one worker: its cache layers as the storage audit's dicts (``specs.layer_specs``), for its shard."""
+    from kvdiag.engines.vllm import specs
+
+    return specs.layer_specs(worker.model_runner)
+
+
+SHARD_BYTES = ("bytes_per_token", "bytes_per_sequence")  # what each worker holds a share of
+
+
+def whole_layers(per_worker: list[list[dict]]) -> list[dict]:
+    """The engine's layers from its workers' (the same layers in each): each layer's bytes summed over the workers,
+    with ``shards``, the number of workers that hold a part of it."""
+    out = []
+    for parts in zip(*per_worker):
+        row = dict(parts[0], shards=len(parts))
+        for key in SHARD_BYTES:
+            if row.get(key) is not None:
+                row[key] = sum(p[key] for p in parts)
+        out.append(row)
+    return out
+
+
 def remote(llm) -> bool:
     """Whether the model runners are in worker processes of their own (vLLM's MultiprocExecutor or Ray), not here."""
     from kvdiag.engines.vllm import kv
