@@ -40,10 +40,17 @@ class Installed:
 
 def build(tmp: Path) -> Installed:
     """Build the wheel (pip, no network: the setuptools the test extra installs) and install it into ``tmp/venv``."""
+    import fcntl
+    import tempfile
+
     dist = tmp / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "-w", str(dist), str(ROOT)], check=True, capture_output=True,
-                   timeout=600)
+    # one build at a time: setuptools builds in the checkout's build/ and *.egg-info, and two pytest-xdist workers
+    # building at once broke each other's wheel (a CI run: "Failed building wheel for kvdiag", 9 errors)
+    with open(Path(tempfile.gettempdir()) / "kvdiag-wheel-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                        "--disable-pip-version-check", "-w", str(dist), str(ROOT)], check=True, capture_output=True,
+                       timeout=600)
     (wheel,) = dist.glob("kvdiag-*.whl")
     prefix = tmp / "venv"
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(prefix)
