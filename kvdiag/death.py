@@ -123,13 +123,40 @@ def _fatal(text: str) -> tuple[str | None, str | None]:
     return found[0].strip(), pick and f"{pick[0]}:{pick[1]} ({pick[2]})"
 
 
+DUMP_SIGNAL = "SIGUSR1"  # the worker dumps every thread's stack into its log on it (faulthandler.register)
+HUNG_THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$", re.M)
+OWN_PACKAGE = "kvdiag"
+RUNNER = "kvdiag/run/"  # the worker's loop: below every case, so never where one hung
+
+
+def hung_at(dump: str) -> list[str]:
+    """Where a hung worker's main thread waits, from the all-threads stack dump its timeout asked faulthandler for
+    (``DUMP_SIGNAL``): its innermost kvdiag frame (what the check was doing; else the innermost frame outside the
+    standard library), then its innermost vLLM or torch frame (what it waits in), each ``path:line (function)``, the
+    same frame once. Python lists the main thread last."""
+    heads = list(HUNG_THREAD.finditer(dump))
+    if not heads:
+        return []
+    frames = []
+    for s in dump[heads[-1].end():].splitlines()[1:]:
+        m = FRAME.match(s)
+        if not m:
+            break
+        frames.append((_short(m[1]), m[2], m[3]))
+    mine = [f for f in frames if not f[0].startswith(RUNNER) and not _stdlib(f[0])]
+    own = next((f for f in mine if f[0].startswith(f"{OWN_PACKAGE}/")), mine[0] if mine else None)
+    engine = next((f for f in frames if f[0].split("/", 1)[0] in ENGINE_PACKAGES), None)
+    return list(dict.fromkeys(f"{f[0]}:{f[1]} ({f[2]})" for f in (own, engine) if f))
+
+
 def _short(path: str) -> str:
     """A frame's path as imported where the log shows it: from the installed packages' folder, or from a vllm/ or
     torch/ package folder of a source checkout (``vllm/v1/worker/gpu_model_runner.py``); else as written."""
     for folder in ("/site-packages/", "/dist-packages/"):
         if folder in path:
             return path.rsplit(folder, 1)[1]
-    at = max(path.rfind(f"/{p}/") for p in ENGINE_PACKAGES)
+    own = path.rfind(f"/{OWN_PACKAGE}/")  # kvdiag's own checkout first: its engines/vllm/ is not vLLM's
+    at = own if own >= 0 else max(path.rfind(f"/{p}/") for p in ENGINE_PACKAGES)
     return path[at + 1:] if at >= 0 else path
 
 

@@ -53,6 +53,16 @@ def _tail(path: Path, start: int = 0, chars: int | None = LOG_TAIL_CHARS) -> str
         return ""
 
 
+DUMP_WAIT_S = 3.0  # a hung worker's stack dump: written in milliseconds, unless the machine is swamped
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def _describe_exit(code: int | None) -> tuple[str, dict]:
     if code is not None and code < 0:
         try:
@@ -192,11 +202,23 @@ class _Worker:
                 return started + more_started, out + more
             out += self._fail_rest("crashed", *_describe_exit(self.proc.exitcode))
         elif late := self.overdue():
+            self._dump_stacks()
             self.proc.kill()
             self.proc.join()
             t = self._timeout(late[0])
             out += self._fail_rest("timeout", f"no result after {t:g}s; worker killed", {"timeout_s": t}, late)
         return started, out
+
+    def _dump_stacks(self) -> None:
+        """Before a hung worker is killed: its threads' stacks into its log (``death.DUMP_SIGNAL``), where the
+        timeout's record reads where it hung; waits until the log stops growing (at most ``DUMP_WAIT_S``)."""
+        try:
+            os.kill(self.proc.pid, getattr(signal, death.DUMP_SIGNAL))
+        except (OSError, TypeError):
+            return
+        size, end = -1, time.monotonic() + DUMP_WAIT_S
+        while time.monotonic() < end and size != (size := _size(self.log_path)):
+            time.sleep(0.2)
 
     def _fail_rest(self, status: str, message: str, evidence: dict, culprits: list[Case] | None = None
                    ) -> list[CaseResult]:
@@ -213,6 +235,9 @@ class _Worker:
             why, found = died_of(log)
             message += why
             evidence = {**evidence, **found}
+        if status == "timeout" and (where := death.hung_at(_tail(self.log_path, start, death.SCAN_BYTES))):
+            message += f"; hung at {' in '.join(where)}"
+            evidence = {**evidence, "hung_at": where}
         if status in ("crashed", "timeout"):  # a self-test fault that ran before the worker died or hung says so
             evidence = {**evidence, "fired": fired_marks(_tail(self.log_path, start, None))}
         recs = []

@@ -5,11 +5,13 @@ done. A case function that raises becomes that case's ``error`` record (``resour
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from kvdiag import death
 from kvdiag.case import (
     LOG_TAIL_CHARS,
     SHARE_CORES,
@@ -77,6 +79,7 @@ def worker_main(cases: list[dict], run_dir: str, log_path: str, conn, parent_pid
     import faulthandler
 
     faulthandler.enable()  # a segfault writes the Python stack into the log
+    faulthandler.register(getattr(signal, death.DUMP_SIGNAL), all_threads=True)  # a timeout asks where it hung
     os.environ.update(env)
     if "torch" in sys.modules and env.get("OMP_NUM_THREADS"):  # preloaded by a fork server: set what it read
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))

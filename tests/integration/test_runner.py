@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -39,7 +40,11 @@ def test_crashes_timeouts_and_errors_become_records(tmp_path, mixed):
     assert by["t/7-exits"].findings[0].evidence["exit_code"] == 7
     assert "planted error" in by["t/6-raises"].findings[0].message
     assert "RuntimeError" in by["t/6-raises"].log_tail
-    assert by["t/5-hang"].findings[0].kind == "timeout"
+    hung = by["t/5-hang"].findings[0]
+    assert hung.kind == "timeout"
+    # before the kill, the worker dumped its stacks: the record says where the case waited
+    assert re.fullmatch(r"\S*case_fns\.py:\d+ \(hang\)", hung.evidence["hung_at"][0]), hung.evidence
+    assert "; hung at " in hung.message and "most recent call first" in by["t/5-hang"].log_tail
     # each healthy case ran in its own process
     pids = {by[f"t/{n}-healthy"].metrics["pid"] for n in (0, 2, 4, 8)}
     assert len(pids) == 4

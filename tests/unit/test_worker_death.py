@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvdiag.death import SCAN_BYTES, cause
+from kvdiag.death import SCAN_BYTES, cause, hung_at
 from kvdiag.results import read_jsonl
 from kvdiag.run.runner import Case, run_cases
 
@@ -135,6 +135,32 @@ def test_a_plain_exception_is_the_line_ending_the_last_traceback():
     assert cause(prefixed).line == "AssertionError: shapes differ"
     cut_short = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nINFO 12:00 [core.py:1] step\n"
     assert cause(cut_short).line is None  # a log line after a traceback is not its exception
+
+
+HANG_DUMP = f"""\
+INFO 11-27 20:10:01 [multiproc_executor.py:580] all workers exited gracefully
+Thread 0x00007f54245846c0 (most recent call first):
+  File "/usr/lib/python3.12/threading.py", line 359 in wait
+  File "{SITE}/tqdm/_monitor.py", line 60 in run
+
+Current thread 0x00007f3b8c8a4740 (most recent call first):
+  File "/usr/lib/python3.12/threading.py", line 655 in wait
+  File "{SITE}/vllm/distributed/device_communicators/shm_broadcast.py", line 512 in acquire_read
+  File "{SITE}/vllm/v1/executor/multiproc_executor.py", line 301 in collective_rpc
+  File "/work/main/kvdiag/engines/vllm/workers.py", line 118 in ask
+  File "/work/main/kvdiag/checks/memleak/kv_identity.py", line 61 in in_workers
+  File "/work/main/kvdiag/run/worker.py", line 140 in _run_one
+"""
+
+
+def test_a_hung_worker_is_read_at_its_innermost_kvdiag_frame_then_the_engine_frame_it_waits_in():
+    """The all-threads dump a timeout asks for: the main thread (listed last) waits in vLLM's rpc, called by kvdiag's
+    workers.ask; the runner's own frames and the standard library's are never the answer."""
+    assert hung_at(HANG_DUMP) == ["kvdiag/engines/vllm/workers.py:118 (ask)",
+                                  "vllm/distributed/device_communicators/shm_broadcast.py:512 (acquire_read)"]
+    assert hung_at(SEGFAULT_DUMP.replace("Fatal Python error: Segmentation fault", "")) == [
+        "kvdiag/checks/wake_cycle.py:88 (run)", "vllm/v1/worker/gpu_model_runner.py:2254 (execute_model)"]
+    assert hung_at("INFO nothing dumped") == []
 
 
 def test_what_the_log_does_not_show_is_not_stated():
