@@ -140,6 +140,8 @@ def hung_at(dump: str) -> list[str]:
     frames = []
     for s in dump[heads[-1].end():].splitlines()[1:]:
         m = FRAME.match(s)
+        if not m and s.strip() in ("Garbage-collecting", "<no Python frame>"):  # faulthandler's notes between frames
+            continue
         if not m:
             break
         frames.append((_short(m[1]), m[2], m[3]))

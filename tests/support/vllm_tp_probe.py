@@ -4,6 +4,7 @@ with NVML, and inside the workers with ``collective_rpc``; one line ``PROBE {jso
 
     python3 tests/support/vllm_tp_probe.py memleak [--tp 2] [--model M] [--kv-dtype D]
     python3 tests/support/vllm_tp_probe.py wake --level 1|2 [--tp 2] [--model M] [--kv-dtype D]
+    python3 tests/support/vllm_tp_probe.py memleak --in-child 150   # in a forkserver child, as kvdiag's cases run
 
 memleak: NVML's used memory and compute processes per GPU before the start, with the engine up, and 3 s after
 shutdown as vLLM's tests do it (``engine_core.shutdown()``, ``del llm``, ``gc.collect()``); each worker's pid and KV
@@ -77,7 +78,33 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: kvdiag's shipped tiny model")
     ap.add_argument("--kv-dtype", default="auto")
     ap.add_argument("--level", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--in-child", type=float, default=0, metavar="S",
+                    help="run in a forkserver child, as kvdiag runs a case; a child not done in S seconds dumps its "
+                         "stacks and the probe says it hung")
     a = ap.parse_args()
+    if a.in_child:
+        import multiprocessing as mp
+
+        child = mp.get_context("forkserver").Process(target=_child, args=(a,))
+        child.start()
+        child.join(a.in_child + 10)
+        if child.is_alive():
+            child.kill()
+            print("PROBE " + json.dumps({"mode": a.mode, "tp": a.tp, "hung": True, "after_s": a.in_child}), flush=True)
+        return
+    probe(a)
+
+
+def _child(a) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(a.in_child, exit=True)
+    probe(a)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def probe(a) -> None:
     from vllm import LLM
 
     from kvdiag.assets import TINY_MODEL

@@ -161,6 +161,10 @@ def test_a_hung_worker_is_read_at_its_innermost_kvdiag_frame_then_the_engine_fra
     assert hung_at(SEGFAULT_DUMP.replace("Fatal Python error: Segmentation fault", "")) == [
         "kvdiag/checks/wake_cycle.py:88 (run)", "vllm/v1/worker/gpu_model_runner.py:2254 (execute_model)"]
     assert hung_at("INFO nothing dumped") == []
+    wait = '  File "/usr/lib/python3.12/threading.py", line 655 in wait\n'
+    term = f'  File "{SITE}/zmq/sugar/context.py", line 264 in term\n'
+    gc_hang = HANG_DUMP.replace(wait, "  Garbage-collecting\n" + term, 1)
+    assert hung_at(gc_hang)[0] == "kvdiag/engines/vllm/workers.py:118 (ask)"  # found past faulthandler's gc line
 
 
 def test_what_the_log_does_not_show_is_not_stated():

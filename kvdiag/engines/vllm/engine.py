@@ -170,14 +170,19 @@ class VllmEngine:
     def shutdown(self) -> None:
         """As vLLM's own tests: shut the engine core down (which tears down its distributed state),
         drop the LLM, ``gc.collect()``, empty the CUDA cache. Nothing else is cleared, so what vLLM
-        leaves behind stays visible to the memleak check."""
+        leaves behind stays visible to the memleak check; but the zmq contexts of the worker processes'
+        message queues are closed first (``queues.py``: their collection hung)."""
         if self.llm is None:
             return
         llm, self.llm, self.tokenizer, self._caps = self.llm, None, None, None
+        from kvdiag.engines.vllm import queues
+
+        contexts = queues.executor_contexts(llm)
         try:
             llm.llm_engine.engine_core.shutdown()
         finally:
-            del llm
+            queues.close(contexts)  # else the gc below may hang in zmq's term (queues.py)
+            del llm, contexts
             gc.collect()
             import torch
 
