@@ -91,8 +91,7 @@ def heatmaps(cases, suffix: str = "") -> list[str]:
     out = []
     for c in cases:
         for task, g in (c.metrics.get("needle") or {}).items():
-            if c is base and len(cases) > 1 and any((o.metrics.get("needle") or {}).get(task) for o in cases
-                                                    if o is not base):
+            if c is base and any((o.metrics.get("needle") or {}).get(task) for o in cases if o is not base):
                 continue  # drawn beside each dtype
             panels = [] if c is base else _panels(base, base_grids.get(task), g)
             panels.append({"name": c.kv_dtype + (" (baseline)" if c is base else ""), "values": g["score"],
