@@ -20,6 +20,8 @@ kv_recall_p176_early:
 kv_recall_p450_early, kv_recall_p550_early:
                  100 documents each, 400-500 and 500-600 pairs (4.0-5.0k and 5.0-5.9k tokens), the key in the first
                  10%: past zoo:gemma3's training window, which kv_recall_p176_early is not (it scores 1.0 there).
+kv_needle:       made when it loads, not here: context length x needle depth up to the engine's window
+                 (kvdiag/tasks/needle.py); --needle writes the same documents for lengths of your own.
 Each document offers 4 choices, all values of the same context (the right one
 and 3 others). Keys are drawn only from the held-out keys (recall.is_heldout),
 which training never uses, and with seeds of their own. Uses Python's `random`
@@ -30,6 +32,10 @@ loader), ready for ``--include-path``. Its difficulty: --pairs (context length, 
 (where the asked key is), --queries Q (Q answered queries between the context and the asked one: the training
 format, and what a long generation leaves in the cache before the answer), --generate (the model writes the value,
 greedy, scored by exact match of all digits, instead of choosing among 4; --gen-toks caps the generation).
+With --needle L1,L2,... it is kv_needle's grid at those lengths instead (--per-cell documents a cell; kvdiag
+accuracy draws any task of tagged documents as a grid):
+
+    python scripts/make_tasks.py --name my_needle --needle 512,1024,2048 --per-cell 10 --out-dir /tmp/needle
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvdiag.tasks import TASKS_DIR, recall  # noqa: E402
+from kvdiag.tasks import TASKS_DIR, needle, recall  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "kvdiag" / "tasks" / "data"
@@ -127,18 +133,29 @@ def task_yaml(name: str, describe: str, generate: bool, gen_toks: int) -> str:
 def write_custom(a, out_dir: Path) -> list[Path]:
     lo, _, hi = a.pairs.partition("-")
     pairs = (int(lo), int(hi or lo))
-    spec = (a.seed, a.docs, pairs, a.first_frac)
+    spec = (1 if a.seed is None else a.seed, a.docs, pairs, a.first_frac)
     docs = make_task(a.name, spec, a.queries)
-    out_dir.mkdir(parents=True, exist_ok=True)
     describe = (f"{a.docs} documents, {pairs[0]}-{pairs[1]} pairs, the key in the first {a.first_frac:g} of them, "
                 f"{a.queries} answered queries first, " + ("generated" if a.generate else "4 choices"))
+    if a.needle:
+        lengths = _lengths(a.needle)
+        docs = needle.documents(lengths, per_cell=a.per_cell, seed=needle.SEED if a.seed is None else a.seed)
+        describe = (f"kv_needle's grid: lengths {', '.join(map(str, lengths))} x depths "
+                    f"{', '.join(f'{d:g}' for d in needle.DEPTHS)}, {a.per_cell} documents a cell, 4 choices")
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{a.name}.yaml").write_text(task_yaml(a.name, describe, a.generate, a.gen_toks))
     shutil.copy2(TASKS_DIR / "kv_utils.py", out_dir / "kv_utils.py")
     return [write_jsonl(out_dir / f"{a.name}.jsonl", docs), out_dir / f"{a.name}.yaml"]
 
 
+def _lengths(text: str) -> list[int]:
+    return sorted({int(x) for x in text.split(",") if x.strip()})
+
+
 def _check(p, a) -> None:
     if a.name is None:
+        if a.needle:
+            p.error("--needle needs --name and --out-dir")
         return
     if a.name in SPECS or not a.name.replace("_", "").isalnum():
         p.error(f"--name {a.name!r}: give a new task name (letters, digits, _), not a shipped one")
@@ -152,6 +169,12 @@ def _check(p, a) -> None:
         p.error("--first-frac in (0, 1], --docs >= 1, --queries >= 0, --gen-toks >= the value's digits")
     if a.queries >= int(lo):
         p.error(f"--queries {a.queries}: fewer than the pairs ({lo})")
+    if a.needle:
+        ok = all(x.strip().isdigit() for x in a.needle.split(",") if x.strip()) and _lengths(a.needle)
+        problem = needle.length_problem(_lengths(a.needle), needle.MAX_LENGTH, "the format") if ok else \
+            "give token counts, comma-separated"
+        if problem or a.generate or a.queries or a.per_cell < 1:
+            p.error(f"--needle {a.needle}: {problem or 'with --per-cell >= 1, and neither --generate nor --queries'}")
 
 
 def main(argv=None) -> None:
@@ -161,10 +184,12 @@ def main(argv=None) -> None:
     p.add_argument("--pairs", default="16", help="pairs per context: N or LO-HI (10 tokens a pair)")
     p.add_argument("--first-frac", type=float, default=1.0, help="the asked key is in this first part of pairs")
     p.add_argument("--docs", type=int, default=100)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, help="default: 1; with --needle, kv_needle's (the same documents)")
     p.add_argument("--queries", type=int, default=0, help="answered queries before the asked key")
     p.add_argument("--generate", action="store_true", help="generate the value (exact match), not 4 choices")
     p.add_argument("--gen-toks", type=int, default=8, help="max_gen_toks of --generate")
+    p.add_argument("--needle", help="kv_needle's grid at these lengths (tokens, comma-separated) instead")
+    p.add_argument("--per-cell", type=int, default=needle.PER_CELL, help="documents a cell of --needle's grid")
     args = p.parse_args(argv)
     _check(p, args)
     for path in write_custom(args, args.out_dir) if args.name else write_all(args.out_dir):

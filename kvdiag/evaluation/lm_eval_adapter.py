@@ -21,7 +21,7 @@ from lm_eval.api.model import TemplateLM
 
 from kvdiag.errors import UserError
 from kvdiag.evaluation import preloaded
-from kvdiag.evaluation.lm_eval_results import examples, summarize, task_groups, task_hashes
+from kvdiag.evaluation.lm_eval_results import cells, examples, summarize, task_groups, task_hashes
 
 PROGRESS_S = float(os.environ.get("KVDIAG_PROGRESS_S", "10"))  # seconds between progress lines of a case
 
@@ -308,8 +308,9 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
               bootstrap_iters: int = 1000, apply_chat_template: str | None = None,
               fewshot_as_multiturn: bool = False, system_instruction: str | None = None, gen_kwargs: dict | None = None,
               metadata: dict | None = None) -> dict:
-    """``lm_eval.simple_evaluate`` with per-sample logging; returns ``{"scores": .., "samples": .., "settings": ..}``
-    (``summarize``). ``apply_chat_template``: a template name ('default': the tokenizer's), as lm_eval's option."""
+    """``lm_eval.simple_evaluate`` with per-sample logging; returns ``{"scores": .., "samples": .., "settings": ..,
+    "cells": ..}`` (``summarize``, ``cells``).
+    ``apply_chat_template``: a template name ('default': the tokenizer's), as lm_eval's option."""
     from lm_eval import simple_evaluate
 
     from kvdiag.evaluation.lm_eval_options import CHAT_TEMPLATE_DEFAULT
@@ -326,6 +327,7 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
                               fewshot_as_multiturn=bool(fewshot_as_multiturn), system_instruction=system_instruction,
                               gen_kwargs=dict(gen_kwargs) if gen_kwargs else None)
     out = summarize(res)
+    out["cells"] = cells(res)
     cfg = res.get("config") or {}
     out["settings"] = {"batch_size": lm.batch_size, "engine_calls": lm.engine_calls,
                        "tasks_preloaded": loaded is not None, "chat_template": apply_chat_template,

@@ -1,5 +1,6 @@
 """lm_eval's results of one case -> kvdiag's record: scores and per-document values (``summarize``), each task's
-first prompt and answer (``examples``), task groups (``task_groups``), what each task evaluated (``task_hashes``)."""
+first prompt and answer (``examples``), task groups (``task_groups``), what each task evaluated (``task_hashes``),
+the grid cell of each document that has one (``cells``: kv_needle's)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,18 @@ def summarize(res: dict) -> dict:
                 "n": len(per[metric]),
             }
     return {"scores": scores, "samples": samples}
+
+
+def cells(res: dict) -> dict:
+    """{task: {doc_id: [length, depth]}} of the documents tagged with a grid cell (``needle_length``,
+    ``needle_depth``: kvdiag.tasks.needle); tasks without them are left out."""
+    out: dict = {}
+    for task, rows in (res.get("samples") or {}).items():
+        for row in rows:
+            doc = row.get("doc") or {}
+            if isinstance(doc, dict) and "needle_length" in doc and "needle_depth" in doc:
+                out.setdefault(task, {})[str(row["doc_id"])] = [int(doc["needle_length"]), float(doc["needle_depth"])]
+    return out
 
 
 def _json_value(v):

@@ -37,3 +37,15 @@ def load_json(data_files=None, **_metadata):
                 rows += [json.loads(line) for line in f if line.strip()]
         splits[split] = datasets.Dataset.from_list(rows)
     return datasets.DatasetDict(splits)
+
+
+def load_needle(needle_lengths=None, max_model_len=None, needle_per_cell=None, **_metadata):
+    """kv_needle's grid (kvdiag.tasks.needle), made for the lengths its metadata names: ``needle_lengths`` (kvdiag
+    accuracy puts its resolved grid there), else those of ``max_model_len`` (an engine argument) or 2048."""
+    import datasets
+
+    from kvdiag.tasks import needle
+
+    lengths = needle_lengths or needle.default_lengths(int(max_model_len or 2048))
+    docs = needle.documents([int(n) for n in lengths], per_cell=int(needle_per_cell or needle.PER_CELL))
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})

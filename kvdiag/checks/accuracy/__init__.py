@@ -7,7 +7,9 @@ measure drift, and give each dtype a verdict (``verdicts.py``).
 
 Files: ``params.py`` (its options), ``run.py`` (the worker), ``cases.py`` (the sweep: the baseline first),
 ``verdict.py`` (the analysis across dtypes), ``view.py`` (the terminal tables), ``tables.py`` (report.md and
-report.html), ``plots.py`` (report.html), ``compare.py`` (``kvdiag compare``).
+report.html), ``plots.py`` (report.html), ``compare.py`` (``kvdiag compare``); kv_needle's grid:
+``needle_cases.py`` (its lengths, before any worker starts), ``needle.py`` (each cell's score, the worst cell),
+``needle_view.py`` (its tables and heatmaps).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from kvdiag.checks.cases import Target, resolve_sweep, sweep_cases
 def cases(target: Target, p) -> tuple:
     """(cases, analyze) of ``kvdiag accuracy`` with AccuracyParams ``p``: one case per dtype, the baseline first,
     and the analysis that judges them against it."""
+    from kvdiag.checks.accuracy.needle_cases import needle_params
     from kvdiag.checks.accuracy.verdict import analyze
     from kvdiag.evaluation.lm_eval_options import lm_eval_params
     from kvdiag.tasks import SHIPPED_TASKS
@@ -20,6 +21,7 @@ def cases(target: Target, p) -> tuple:
     params = {"tasks": task_names, "include_paths": [str(x) for x in p.include_paths or ()],
               "include_defaults": need_defaults, "limit": _limit(p.limit), "num_fewshot": p.num_fewshot, "seed": p.seed,
               **lm_eval_params(p, sweep.model, sweep.spec["engine_args"])}
+    params.update(needle_params(p, sweep, task_names, params["metadata"]))
     if need_defaults or p.include_paths or set(task_names) - set(SHIPPED_TASKS):  # not only kvdiag's own tasks
         from kvdiag.evaluation.lm_eval_adapter import check_tasks_load
 

@@ -16,11 +16,15 @@ class AccuracyParams:
                               "Default: kvdiag's shipped tasks (kv_recall, kv_recall_long); it also ships the harder "
                               "kv_recall_p128, kv_recall_p152, kv_recall_p176, kv_recall_p176_early (longer than the "
                               "tiny models were trained on: scores below 1, for zoo models), and kv_recall_p450_early, "
-                              "kv_recall_p550_early (4-6k tokens: zoo:gemma3's, with -a max_model_len=8192). Any "
-                              "lm_eval task works "
-                              "(indexing lm_eval's tasks adds ~7 s).")
+                              "kv_recall_p550_early (4-6k tokens: zoo:gemma3's, with -a max_model_len=8192), and "
+                              "kv_needle (a grid of context length x needle depth up to the engine's max_model_len, "
+                              "scored per cell). Any lm_eval task works (indexing lm_eval's tasks adds ~7 s).")
     include_paths: list[str] = option([], "--include-path", help="A folder of your own lm_eval task YAML files; "
                                       "repeatable.")
+    needle_lengths: list[int] = option([], "--needle-length", min=1, help="A context length (tokens) of "
+                                       "kv_needle's grid; repeatable. Default: the engine's max_model_len and its "
+                                       "halves, 5 lengths (-a max_model_len=N for a longer grid, up to the model's "
+                                       "max_position_embeddings).")
     baseline: str = option("auto", "--baseline", help="The kv dtype every other dtype is compared with.")
     limit: float | None = option(None, "--limit", help="Documents per task (an int), or a fraction of each "
                                  "task when < 1 (as in lm_eval).")

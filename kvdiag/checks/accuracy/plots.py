@@ -1,8 +1,10 @@
 """The accuracy check's plots in report.html: score per dtype with its 95% interval, the change against the
-baseline dtype with the paired 95% interval, drift (mean KL, top-1 agreement) per dtype, and drift by position."""
+baseline dtype with the paired 95% interval, drift (mean KL, top-1 agreement) per dtype, drift by position, and
+kv_needle's grid per dtype as a heatmap beside the baseline's (``needle_view.py``)."""
 
 from __future__ import annotations
 
+from kvdiag.checks.accuracy.needle_view import heatmaps
 from kvdiag.checks.drift_position import position_plots
 from kvdiag.checks.stats import Z95
 from kvdiag.render.svg import bar_chart
@@ -49,4 +51,4 @@ def plots(cases, suffix: str = "") -> list[str]:
         out.append(bar_chart(f"drift: top-1 agreement with the baseline{suffix}", "top-1 agreement",
                              [(c.kv_dtype, c.metrics.get("top1_agreement"), None, None) for _, c in drifted],
                              xlabel="kv-cache dtype", colors=[i for i, _ in drifted], ref=1.0))
-    return out + position_plots(acc, suffix)
+    return out + position_plots(acc, suffix) + heatmaps(acc, suffix)

@@ -64,8 +64,11 @@ def run_case(case, ctx):
     times["lm_eval"], times["lm_eval_in_engine"] = _lap(t), round(lm.engine_seconds, 3)
     # the audit after lm_eval: reading a hybrid model's cache on vLLM wraps its block pool (engines/vllm/hybrid.py)
     kept["storage"] = cache_storage(engine)
+    if out["cells"]:  # kv_needle's documents: the grid cell of each (checks/accuracy/needle.py scores them)
+        kept["needle_cells"] = out["cells"]
     ctx.keep(case, "lm_eval", scores=out["scores"], lm_eval=out["settings"], timings=dict(times),
-             storage=kept["storage"], artifacts={"samples": ctx.artifact(case, SAMPLES).name})  # shutdown may crash
+             storage=kept["storage"], artifacts={"samples": ctx.artifact(case, SAMPLES).name},
+             **{k: kept[k] for k in ("needle_cells",) if k in kept})  # shutdown may crash
     ctx.stage(case, "shutdown")
     times["cpu"] = round(_cpu_time() - cpu, 3)
     metrics = {"scores": out["scores"], "lm_eval": out["settings"], **kept, "timings": times,

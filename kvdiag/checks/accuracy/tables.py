@@ -7,6 +7,7 @@ out."""
 
 from __future__ import annotations
 
+from kvdiag.checks.accuracy.needle_view import tables as needle_tables
 from kvdiag.checks.drift_position import position_table
 from kvdiag.checks.stats import Z95
 from kvdiag.render.cells import fmt_value
@@ -37,7 +38,7 @@ def _tables(a: dict, suffix: str) -> list:
         out.append((f"Token-level drift{suffix} vs the baseline dtype", DRIFT,
                     [[r["kv_dtype"], fmt_value(r["mean_kl"]), fmt_value(r.get("max_kl")),
                       fmt_value(r.get("top1_agreement"))] for r in drift]))
-    return out + position_table(a.get("drift_by_position"), suffix)
+    return out + position_table(a.get("drift_by_position"), suffix) + needle_tables(a, suffix)
 
 
 def score_cells(r: dict) -> list[str]:

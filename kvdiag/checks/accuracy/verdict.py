@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from kvdiag.checks import drift, power
+from kvdiag.checks.accuracy import needle
 
 
 def artifact_path(run, rec, kind: str) -> Path:
@@ -57,11 +58,12 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
             verdicts.add_unchanged(rec, base, d)
             by_position += [r for r in [verdicts.position_row(rec)] if r]
             changed.append(rec)
+    cells = needle.analyze(run, changed, base if base_ok else None)  # kv_needle's grid per dtype
     for rec in changed:
         append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
     run.analysis["accuracy"] = {"baseline": baseline, "max_drop": max_drop, "alpha": alpha, "strict": strict,
-                                "power": power.POWER, "rows": rows,
-                                "drift_by_position": by_position, "timings": total_timings(run.cases)}
+                                "power": power.POWER, "rows": rows, "drift_by_position": by_position,
+                                **({"needle": cells} if cells else {}), "timings": total_timings(run.cases)}
 
 
 def _kept_drift(run, rec, base, base_probe, max_kl, min_top1) -> dict | None:

@@ -1,7 +1,7 @@
 """`kvdiag accuracy`'s terminal table (and `kvdiag report RUN --format table`'s): one row per kv dtype x task or task
 group (report/compact.py), then the drift of each dtype and the cases' warnings. Names are never cut: a terminal
 too narrow for one row per dtype x task gets the dtype as a heading row above its tasks, and the numbers wrap
-instead."""
+instead. With kv_needle, the worst cell of each dtype's grid (``needle_view.py``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ NUMBERS = ("score ± se", "Δ", "95% CI", "p", "sees")
 
 
 def render(run, con) -> None:
+    from kvdiag.checks.accuracy.needle_view import terminal_table
     from kvdiag.render.compact import compact_rows
 
     a = run.analysis.get("accuracy", {})
@@ -30,6 +31,9 @@ def render(run, con) -> None:
     drift = drift_table(rows, a.get("drift_by_position"))
     if drift is not None:
         con.print(drift)
+    needle = terminal_table(a)
+    if needle is not None:
+        con.print(needle)
     if len(rows) < len(a.get("rows", [])):
         con.print(f"{len(a['rows'])} rows (every task and metric) in report.md, report.html and "
                   "`kvdiag report RUN --format csv`")

@@ -37,6 +37,13 @@ class BuiltinTraits(EngineTraits):
         1 GiB (the CUDA context)."""
         return int(2.5 * weights) + (1 << 30)
 
+    def max_model_len(self, model: str, engine_args: dict) -> int:
+        """As every engine, and never past a sliding window: the engine caps its length there (engine.py)."""
+        from kvdiag.models import config, sliding_window
+
+        window = sliding_window(config(model, text=True))
+        return min(super().max_model_len(model, engine_args), window or 1 << 62)
+
     def path_config(self, path: str, need: dict):
         """How it takes each path of the ``paths`` check: paths.py."""
         from kvdiag.engines.builtin.paths import path_config
