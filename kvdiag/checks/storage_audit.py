@@ -66,6 +66,7 @@ def cache_storage(engine) -> dict | None:
     """What the engine's cache stores: ``kv_tensors.storage_summary`` of its tensors and, as ``kinds``, the storage
     audit of its layer kinds (``audit``: the engine's ``kv_layer_specs()``, else its tensors as full
     attention); None when neither is known."""
+    from kvdiag.checks import kv_where
     from kvdiag.checks.kv_tensors import storage_summary
     from kvdiag.errors import EngineUnsupported
 
@@ -77,10 +78,9 @@ def cache_storage(engine) -> dict | None:
     layers = specs() if callable(specs) else None
     if layers is None and view is not None:
         layers = view_layers(view)
-    in_workers = getattr(engine, "kv_in_workers", None)
-    if view is None and callable(in_workers) and in_workers():  # tensor parallelism: each worker's shard
+    if view is None and kv_where.in_workers(engine):  # tensor parallelism: each worker's shard
         try:
-            parts = engine.on_kv(storage_summary)
+            parts = kv_where.on_kv(engine, storage_summary)
         except Exception:  # noqa: BLE001 - a worker that cannot view its cache (as kv_blocks() None in one process)
             parts = None
         return {**(whole_summary(parts) if parts else {}), "kinds": audit(layers or [])}

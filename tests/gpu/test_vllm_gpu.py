@@ -716,6 +716,9 @@ def test_tp2_wake_cycle_levels_1_and_2_free_and_restore_what_the_workers_hold():
         assert m["expected_kv_bytes"] == 2 * 256 << 20 and len(m["worker_processes"]) == 2, m
         cycles = m["cycles"]
         assert all(r["identical"] and r["restored"] and r["freed_ok"] for r in cycles), cycles
+        # each worker scrubs its shard before the sleep and scans the slots the regeneration wrote after the wake
+        assert all(r["kv_slots_scanned"] > 0 and r["kv_nonfinite"] == 0 for r in cycles), cycles
+        assert "kv_not_scanned" not in [f["kind"] for f in c["findings"]], c["findings"]
         assert c["status"] == "pass", (c["id"], c["findings"])
     assert code == 0 and len(run["cases"]) == 2
 

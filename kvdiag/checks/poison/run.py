@@ -13,6 +13,7 @@ from kvdiag.checks.common import (
     spec_starter,
     start_or_record,
 )
+from kvdiag.checks.kv_where import on_kv
 from kvdiag.checks.poison import steps
 from kvdiag.checks.poison.params import PoisonParams
 
@@ -105,7 +106,7 @@ def run_waves(engine, waves: list[Wave], value: str, seed: int):
     outs, stats = [], {"poisoned_blocks": 0, "fresh_blocks": 0, "fresh_state_blocks": 0, "kv_slots_scanned": 0,
                        "kv_nonfinite": 0, "kv_bad_scales": 0, "kv_state_nonfinite": 0, "kv_first_bad": None}
     for n, wave in enumerate(waves):
-        filled = steps.on_kv(engine, steps.fill, value, seed + n)
+        filled = on_kv(engine, steps.fill, value, seed + n)
         free = filled[0]["free"]
         stats.update(poisoned=filled[0]["poisoned"], num_blocks=filled[0]["num_blocks"],
                      block_size=filled[0]["block_size"], kv_processes=len(filled))
@@ -113,7 +114,7 @@ def run_waves(engine, waves: list[Wave], value: str, seed: int):
             outs += engine.generate(wave.prompts, wave.max_tokens, greedy=True)
         except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record (run)
             raise WorkloadFailed(f"wave {n + 1}") from e
-        scans = steps.on_kv(engine, steps.scan, free)  # one per process; a block id is the same in each
+        scans = on_kv(engine, steps.scan, free)  # one per process; a block id is the same in each
         stats["poisoned_blocks"] += len(free)
         stats["fresh_blocks"] += len(set().union(*(s["fresh"] for s in scans)))
         stats["fresh_state_blocks"] += max(s["fresh_state_blocks"] for s in scans)

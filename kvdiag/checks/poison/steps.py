@@ -1,20 +1,14 @@
 """poison's two steps on one KV view, run where the cache is: in the case's process, or in each of vLLM's worker
-processes on its shard of the heads (tensor parallelism; ``on_kv``). ``fill`` poisons the free blocks and keeps
+processes on its shard of the heads (tensor parallelism; ``kv_where.on_kv``). ``fill`` poisons the free blocks and keeps
 the cache's fingerprint in the process that filled it; ``scan`` compares with it after the wave and scans the
 slots the wave wrote. Both answer with plain numbers (a worker's answer crosses processes)."""
 
 from __future__ import annotations
 
 from kvdiag.checks import kv_tensors
+from kvdiag.checks.kv_where import in_workers, on_kv
 
 _MARKS: dict = {}  # the fingerprint ``fill`` took in this process, for the ``scan`` after the wave
-
-
-def on_kv(engine, fn, *args) -> list:
-    """``fn(view, *args)`` where the engine's KV cache is: one result per process that holds a part of it."""
-    if callable(getattr(engine, "on_kv", None)):
-        return engine.on_kv(fn, *args)
-    return [fn(engine.kv_blocks(), *args)]
 
 
 def reachable(engine) -> str | None:
@@ -23,8 +17,7 @@ def reachable(engine) -> str | None:
     from kvdiag.errors import first_line
 
     caps = engine.capabilities
-    in_workers = getattr(engine, "kv_in_workers", None)
-    if callable(in_workers) and in_workers():
+    if in_workers(engine):
         try:
             on_kv(engine, shape)
         except Exception as e:  # noqa: BLE001 - vLLM wraps the worker's KVAccessError in a RuntimeError

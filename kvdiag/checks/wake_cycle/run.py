@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvdiag.checks import greedy, kv_tensors
+from kvdiag.checks import greedy, kv_tensors, kv_where
 from kvdiag.checks.common import (
     device_info,
     engine_failed,
@@ -11,7 +11,8 @@ from kvdiag.checks.common import (
     spec_starter,
     start_or_record,
 )
-from kvdiag.checks.wake_cycle import mem_probe
+from kvdiag.checks.kv_where import on_kv
+from kvdiag.checks.wake_cycle import kv_steps, mem_probe
 from kvdiag.checks.wake_cycle.params import WakeParams
 from kvdiag.errors import EngineUnsupported, first_line
 
@@ -65,11 +66,11 @@ def _run_cycles(case, engine, p: WakeParams):
     rec = case.result("pass", metrics={"level": p.level, "staged": p.staged, "prompts": len(prompts),
                                        "max_tokens": p.max_tokens, **expected, "cycles": []},
                       environment={**device_info(), **engine.versions()})
-    if expected["worker_processes"]:  # the cache lives in the engine's worker processes (vLLM with several GPUs)
+    unscanned = _unscanned(engine) if expected["worker_processes"] else None
+    if unscanned:  # the cache lives in the engine's worker processes (vLLM with several GPUs) and cannot be viewed
         rec.add("info", "kv_not_scanned", f"the KV cache is in {len(expected['worker_processes'])} worker processes "
-                f"({engine.capabilities.kv_access_reason}): its size is asked inside them, its slots are not "
-                "scanned; memory is judged on what the engine's processes hold on its GPUs (NVML), outputs token "
-                "for token")
+                f"and out of reach there ({unscanned}): its size is asked inside them, its slots are not scanned; "
+                "memory is judged on what the engine's processes hold on its GPUs (NVML), outputs token for token")
     elif expected["device"] is None:
         rec.add("info", "kv_not_scanned", f"the KV cache is out of reach ({engine.capabilities.kv_access_reason}): "
                 "its slots are not scanned and no size is expected; memory is judged on what the engine's "
@@ -115,6 +116,19 @@ def _expected_bytes(engine, level: int) -> dict:
             "worker_processes": [{k: w[k] for k in ("pid", "gpu")} for w in workers] if workers else None}
 
 
+def _unscanned(engine) -> str | None:
+    """Why the KV cache in the engine's worker processes cannot be viewed there (a hybrid's state blocks), or None."""
+    try:
+        on_kv(engine, _blocks)
+    except Exception as e:  # noqa: BLE001 - vLLM wraps the worker's KVAccessError in a RuntimeError
+        return first_line(e)[:300]
+    return None
+
+
+def _blocks(view) -> int:
+    return view.num_blocks
+
+
 def _worker_states(engine) -> list | None:
     ask = getattr(engine, "worker_states", None)
     return ask() if callable(ask) else None
@@ -137,11 +151,10 @@ def _cycle(engine, n: int, p: WakeParams, prompts, base, expected: int | None) -
         engine.wake_up(tags)
     awake = mem_probe.measure(device, "awake", n)
     mem = mem_probe.judge(device, before, asleep, awake, expected, FREED_MIN, RESTORE_TOL)
-    view = engine.kv_blocks()
-    marks = kv_tensors.slot_fingerprint(view) if view is not None else None
+    scanned = _reachable(engine, kv_steps.mark)
     out = engine.generate(prompts, p.max_tokens, greedy=True)
     diff = greedy.compare(base, out)
-    scan = _scan_written(view, marks) or kv_tensors.SlotScan()
+    scan = kv_steps.merged(on_kv(engine, kv_steps.scan_written)) if scanned else kv_tensors.SlotScan()
     problems = mem.problems + _output_problems(diff, scan, p, prompts, engine)
     row = {"cycle": n, "level": p.level, "staged": p.staged, **mem.row(), "identical": diff.identical,
            "max_dlogprob": diff.max_dlogprob, "nonfinite_logprobs": diff.nonfinite, "kv_slots_scanned": scan.slots,
@@ -166,28 +179,27 @@ def _output_problems(diff, scan, p: WakeParams, prompts, engine) -> list:
 
 
 def _scrub(engine):
-    """Zero the free blocks of the cache about to be dropped (a correct engine never reads them
-    again); returns the cache's device."""
+    """Zero the free blocks of the cache about to be dropped, where it is (``kv_steps.scrub``); returns the cache's
+    device (where it is out of reach, the case's: a GPU where one is visible, unless it says cpu)."""
     import torch
 
-    view = engine.kv_blocks()
-    if view is None:  # out of reach: the case's device (a GPU where one is visible, unless it says cpu)
-        spec = getattr(engine, "spec", None)
-        cuda = torch.cuda.is_available() and getattr(spec, "device", "auto") != "cpu"
-        return torch.device("cuda" if cuda else "cpu")
-    kv_tensors.fill_blocks(view, view.free_blocks(), "zero")
-    return view.layers[0].k.device
+    devices = _reachable(engine, kv_steps.scrub)
+    if devices:
+        return torch.device(devices[0].split(":")[0] if len(devices) > 1 else devices[0])
+    spec = getattr(engine, "spec", None)
+    return torch.device("cuda" if torch.cuda.is_available() and getattr(spec, "device", "auto") != "cpu" else "cpu")
 
 
-def _scan_written(view, marks):
-    """Scan the slots the regeneration wrote (fingerprint changed) and those of blocks still held."""
-    if view is None:
+def _reachable(engine, step) -> list | None:
+    """``step`` run where the KV cache is (one result per process holding a part of it); None when out of reach."""
+    try:
+        return on_kv(engine, step)
+    except EngineUnsupported:
         return None
-    import torch
-
-    changed = (kv_tensors.slot_fingerprint(view) != marks).nonzero().flatten()
-    held = kv_tensors.block_slots(view.used_blocks(), view.block_size)
-    return kv_tensors.scan_slots(view, torch.unique(torch.cat([changed, held])))
+    except RuntimeError:  # a worker that cannot view its cache (a hybrid's state blocks): kv_not_scanned says so
+        if kv_where.in_workers(engine):
+            return None
+        raise
 
 
 def _add_once(rec, kind: str, message: str, cycle: int) -> None:

@@ -245,17 +245,14 @@ class VllmEngine:
         return self.llm is not None and workers.remote(self.llm)
 
     def on_kv(self, fn, *args) -> list:
-        """``fn(view, *args)`` wherever the KV cache is: here (``[result]``, the view of ``kv_blocks()``), or in each
-        of vLLM's worker processes on its shard (one result per worker, ``workers.views_call``). Raises
-        EngineUnsupported when neither reaches it."""
+        """``fn(view, *args)`` in each of vLLM's worker processes on its shard of the KV cache (one result per
+        worker, ``workers.views_call``); where the cache is in this process, ``checks/kv_where.on_kv`` runs it on
+        ``kv_blocks()``."""
         from kvdiag.engines.vllm import workers
 
-        if self.llm is not None and not self._sleep.level and workers.remote(self.llm):
-            return workers.views_call(self.llm, fn, *args)
-        view = self.kv_blocks()
-        if view is None:
-            raise EngineUnsupported(self.capabilities.kv_access_reason or "the engine gives no access to its KV cache")
-        return [fn(view, *args)]
+        if not self.kv_in_workers() or self._sleep.level:
+            raise EngineUnsupported("the KV cache is not in worker processes (or the engine is asleep)")
+        return workers.views_call(self.llm, fn, *args)
 
     def empty_worker_caches(self) -> None:
         """``torch.cuda.empty_cache()`` in each worker process (none when the workers are in this process)."""
