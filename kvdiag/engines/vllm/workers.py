@@ -31,6 +31,8 @@ def state(worker) -> dict:
     bytes of the model's parameters, and torch's allocated and reserved bytes on its device."""
     import torch
 
+    from kvdiag.measure.memory import current_gpu
+
     runner = worker.model_runner
     kv = {}
     for t in _tensors(getattr(runner, "kv_caches", None) or []):
@@ -40,18 +42,10 @@ def state(worker) -> dict:
     model = runner.get_model()
     weights = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters() if p.numel()}
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return {"pid": os.getpid(), "rank": getattr(worker, "rank", None), "gpu": _gpu() if cuda else None,
+    return {"pid": os.getpid(), "rank": getattr(worker, "rank", None), "gpu": current_gpu() if cuda else None,
             "kv": [(dev, ptr, n) for (dev, ptr), n in sorted(kv.items())], "weight_bytes": sum(weights.values()),
             "allocated": torch.cuda.memory_allocated() if cuda else None,
             "reserved": torch.cuda.memory_reserved() if cuda else None}
-
-
-def _gpu() -> str:
-    """The CUDA_VISIBLE_DEVICES entry of torch's current device (its index where the variable is not set)."""
-    import torch
-
-    i, ids = torch.cuda.current_device(), [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x]
-    return ids[i] if i < len(ids) else str(i)
 
 
 def empty_cache(worker) -> int | None:
