@@ -13,13 +13,15 @@ def cases(target: Target, p) -> tuple:
     and the analysis that judges them against it."""
     from kvdiag.checks.accuracy.verdict import analyze
     from kvdiag.evaluation.lm_eval_options import lm_eval_params
-    from kvdiag.tasks import SHIPPED_TASKS
+    from kvdiag.tasks import CONVERSATION_TASKS, SHIPPED_TASKS
 
     sweep = resolve_sweep(target, p.baseline)
     task_names, need_defaults = _tasks(p.tasks, p.include_paths)
     params = {"tasks": task_names, "include_paths": [str(x) for x in p.include_paths or ()],
               "include_defaults": need_defaults, "limit": _limit(p.limit), "num_fewshot": p.num_fewshot, "seed": p.seed,
               **lm_eval_params(p, sweep.model, sweep.spec["engine_args"])}
+    if set(task_names) & set(CONVERSATION_TASKS):  # each turn reads the turns before back from the prefix cache
+        params["prefix_caching"] = True
     if need_defaults or p.include_paths or set(task_names) - set(SHIPPED_TASKS):  # not only kvdiag's own tasks
         from kvdiag.evaluation.lm_eval_adapter import check_tasks_load
 

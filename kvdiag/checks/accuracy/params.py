@@ -16,8 +16,9 @@ class AccuracyParams:
                               "Default: kvdiag's shipped tasks (kv_recall, kv_recall_long); it also ships the harder "
                               "kv_recall_p128, kv_recall_p152, kv_recall_p176, kv_recall_p176_early (longer than the "
                               "tiny models were trained on: scores below 1, for zoo models), and kv_recall_p450_early, "
-                              "kv_recall_p550_early (4-6k tokens: zoo:gemma3's, with -a max_model_len=8192). Any "
-                              "lm_eval task works "
+                              "kv_recall_p550_early (4-6k tokens: zoo:gemma3's, with -a max_model_len=8192), and the "
+                              "generated conversations kv_decode (chains of 1-16 pairs) and kv_multiturn (12 turns). "
+                              "Any lm_eval task works "
                               "(indexing lm_eval's tasks adds ~7 s).")
     include_paths: list[str] = option([], "--include-path", help="A folder of your own lm_eval task YAML files; "
                                       "repeatable.")
