@@ -20,6 +20,8 @@ def cases(target: Target, p) -> tuple:
     params = {"tasks": task_names, "include_paths": [str(x) for x in p.include_paths or ()],
               "include_defaults": need_defaults, "limit": _limit(p.limit), "num_fewshot": p.num_fewshot, "seed": p.seed,
               **lm_eval_params(p, sweep.model, sweep.spec["engine_args"])}
+    if p.drift_decoded:  # each dtype's worker scores its decoded continuations under the baseline dtype too
+        params.update(drift_decoded=p.drift_decoded, baseline=sweep.baseline)
     if set(task_names) & set(CONVERSATION_TASKS):  # each turn reads the turns before back from the prefix cache
         params["prefix_caching"] = True
     if need_defaults or p.include_paths or set(task_names) - set(SHIPPED_TASKS):  # not only kvdiag's own tasks

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvdiag.checks.check import option
 from kvdiag.checks.drift import drift_limit
+from kvdiag.checks.drift_decoded import MAX_TOKENS
 from kvdiag.evaluation.lm_eval_options import AUTO_BATCH
 
 
@@ -52,3 +53,8 @@ class AccuracyParams:
                           "warning, with the documents that would settle it.")
     max_kl: float | None = drift_limit("max_kl")
     min_top1: float | None = drift_limit("min_top1")
+    drift_decoded: int = option(0, "--drift-decoded", min=0, max=MAX_TOKENS, help="Decoded drift: each dtype "
+                                "decodes this many tokens greedily from every drift prompt, the baseline dtype "
+                                "scores them teacher-forced, and the drift shows KL by position along each dtype's "
+                                "own continuation and where it first leaves what the baseline would write (0: off; "
+                                "e.g. 128).")
