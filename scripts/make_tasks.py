@@ -22,6 +22,12 @@ kv_recall_p450_early, kv_recall_p550_early:
                  10%: past zoo:gemma3's training window, which kv_recall_p176_early is not (it scores 1.0 there).
 kv_needle:       made when it loads, not here: context length x needle depth up to the engine's window
                  (kvdiag/tasks/needle.py); --needle writes the same documents for lengths of your own.
+kv_decode:       100 documents, 48-64 pairs, a conversation (kvdiag/tasks/kv_turns.py): the model writes a chain of
+                 1, 2, 4, 8 or 16 pairs of the context (the lengths in turn), each from its key's first letter, which
+                 no other key of the context has; exact match of the whole chain.
+kv_multiturn:    100 documents, 32-48 pairs, a conversation of 12 turns, each asking a key; exact match of every
+                 turn's value. Both are generated (CONVERSATIONS), and tuned so that the auto baselines of the tiny
+                 model and zoo:qwen3 score between 0.6 and 0.95 (docs/zoo.md).
 Each document offers 4 choices, all values of the same context (the right one
 and 3 others). Keys are drawn only from the held-out keys (recall.is_heldout),
 which training never uses, and with seeds of their own. Uses Python's `random`
@@ -51,6 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvdiag.tasks import TASKS_DIR, needle, recall  # noqa: E402
+from kvdiag.tasks.kv_turns import TURN  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "kvdiag" / "tasks" / "data"
@@ -68,6 +75,16 @@ SPECS = {
     "kv_recall_p450_early": (3, 100, (400, 500), 0.1),
     "kv_recall_p550_early": (3, 100, (500, 600), 0.1),
 }
+
+# Conversation tasks (kvdiag/tasks/kv_turns.py): name: (seed, documents, (min pairs, max pairs), fraction of the
+# context the keys are asked from, lengths taken in turn by the documents, kind). "chain": the model writes N pairs,
+# each from its key's first letter, which no other key of the context has; "turns": N turns, each asks a key and
+# the model answers its value.
+CONVERSATIONS = {
+    "kv_decode": (20260201, 100, (48, 64), 1.0, (1, 2, 4, 8, 16), "chain"),
+    "kv_multiturn": (20260202, 100, (32, 48), 1.0, (12,), "turns"),
+}
+CHAIN_TOKENS = recall.KEY_LEN + recall.VALUE_LEN  # a chain's answer: the key's last 3 letters, "=", the value
 
 
 def make_doc(rng: random.Random, keys: list[int], idx: int, n_pairs: int, first_frac: float,
@@ -102,6 +119,55 @@ def make_task(name: str, spec: tuple | None = None, queries: int = 0) -> list[di
     return [make_doc(rng, keys, i, rng.randint(lo, hi), first_frac, queries) for i in range(n_docs)]
 
 
+def make_conversation(name: str) -> list[dict]:
+    seed, n_docs, (lo, hi), first_frac, lengths, kind = CONVERSATIONS[name]
+    rng = random.Random(seed)
+    keys = [k for k in range(recall.N_KEYS) if recall.is_heldout(k)]
+    if kind == "chain":
+        by_letter = {letter: [k for k in keys if recall.key_text(k)[0] == letter] for letter in recall.LETTERS}
+        return [chain_doc(rng, by_letter, i, rng.randint(lo, hi), first_frac, lengths[i % len(lengths)])
+                for i in range(n_docs)]
+    return [turns_doc(rng, keys, i, rng.randint(lo, hi), first_frac, lengths[i % len(lengths)])
+            for i in range(n_docs)]
+
+
+def _asked(rng: random.Random, n_pairs: int, first_frac: float, n: int) -> list[int]:
+    """The context positions of ``n`` asked keys, in the order they are asked, within the first ``first_frac``."""
+    return rng.sample(range(max(n, math.ceil(first_frac * n_pairs))), n)
+
+
+def chain_doc(rng: random.Random, by_letter: dict[str, list[int]], idx: int, n_pairs: int, first_frac: float,
+              length: int) -> dict:
+    """The model writes ``length`` pairs of the context in a row; each turn gives the next key's first letter only,
+    and no other key of the context starts with it, so the pair to write is known. ``by_letter``: the held-out keys
+    by first letter."""
+    letters = rng.sample(recall.LETTERS, length)
+    key_ids = rng.sample([k for c in recall.LETTERS if c not in letters for k in by_letter[c]], n_pairs - length)
+    asked = _asked(rng, n_pairs, first_frac, length)
+    for pos, letter in sorted(zip(asked, letters)):
+        key_ids.insert(pos, rng.choice(by_letter[letter]))
+    pairs = [(recall.key_text(k), recall.value_text(v)) for k, v in zip(key_ids, rng.sample(range(recall.N_VALUES),
+                                                                                           n_pairs))]
+    texts = [recall.context_text(pairs) + " " + pairs[asked[0]][0][0]] + [" " + pairs[p][0][0] for p in asked[1:]]
+    answers = [pairs[p][0][1:] + "=" + pairs[p][1] for p in asked]
+    return _conversation(idx, pairs, asked, texts, answers)
+
+
+def turns_doc(rng: random.Random, keys: list[int], idx: int, n_pairs: int, first_frac: float, turns: int) -> dict:
+    """``turns`` turns over one context: each asks a key (`` key=``) and the model answers its value."""
+    pairs = [(recall.key_text(k), recall.value_text(v))
+             for k, v in zip(rng.sample(keys, n_pairs), rng.sample(range(recall.N_VALUES), n_pairs))]
+    asked = _asked(rng, n_pairs, first_frac, turns)
+    texts = [recall.prompt(pairs, pairs[asked[0]][0])]
+    texts += [recall.question_text(pairs[p][0]) for p in asked[1:]]
+    return _conversation(idx, pairs, asked, texts, [pairs[p][1] for p in asked])
+
+
+def _conversation(idx: int, pairs, asked: list[int], texts: list[str], answers: list[str]) -> dict:
+    return {"id": idx, "context": TURN.join(texts), "answers": answers, "target": TURN.join(answers),
+            "keys": [pairs[p][0] for p in asked], "positions": asked, "n_pairs": len(pairs)}
+
+
 def write_jsonl(path: Path, docs: list[dict]) -> Path:
     path.write_text("\n".join(json.dumps(doc, ensure_ascii=True) for doc in docs) + "\n", encoding="ascii")
     return path
@@ -109,7 +175,8 @@ def write_jsonl(path: Path, docs: list[dict]) -> Path:
 
 def write_all(out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [write_jsonl(out_dir / f"{name}.jsonl", make_task(name)) for name in SPECS]
+    return ([write_jsonl(out_dir / f"{name}.jsonl", make_task(name)) for name in SPECS]
+            + [write_jsonl(out_dir / f"{name}.jsonl", make_conversation(name)) for name in CONVERSATIONS])
 
 
 def task_yaml(name: str, describe: str, generate: bool, gen_toks: int) -> str:
@@ -157,7 +224,7 @@ def _check(p, a) -> None:
         if a.needle:
             p.error("--needle needs --name and --out-dir")
         return
-    if a.name in SPECS or not a.name.replace("_", "").isalnum():
+    if a.name in SPECS or a.name in CONVERSATIONS or not a.name.replace("_", "").isalnum():
         p.error(f"--name {a.name!r}: give a new task name (letters, digits, _), not a shipped one")
     if a.out_dir == DEFAULT_OUT:
         p.error("--name needs --out-dir (a folder to pass to kvdiag accuracy --include-path)")

@@ -103,20 +103,37 @@ def finite(data: dict) -> bool:
 
 def save(data: dict, path) -> None:
     """numpy's .npz (no pickle): the distributions as float32 arrays (``distI``), the long continuations' tokens'
-    logprobs and top-k token ids and logprobs as arrays (``longchI``, ``longidI``, ``longlpI``), everything else as
-    one JSON string. The parent that compares the dtypes then needs numpy only, not torch (~1.8 s of import)."""
+    logprobs and top-k token ids and logprobs as arrays (``longchI``, ``longidI``, ``longlpI``), the decoded
+    continuations' tokens (``dectokI``) and their two scorings the same way (``dec...``: the dtype's, ``decb...``: the
+    baseline's; drift_decoded.py), everything else as one JSON string. The parent that compares the dtypes then needs
+    numpy only, not torch (~1.8 s of import)."""
     import numpy as np
 
-    meta = {k: v for k, v in data.items() if k != "dists"}
+    meta = {k: v for k, v in data.items() if k not in ("dists", "decoded")}
     arrays = {f"dist{i}": np.asarray(d, dtype=np.float32) for i, d in enumerate(data.get("dists", []))}
     if "long" in data:
-        long = _long_top(data["long"])
         meta["long"] = {"over": "top-k"}
-        for i, (chosen, rows) in enumerate(zip(long["chosen"], long["top"])):
-            arrays[f"longch{i}"] = np.asarray(chosen, dtype=np.float32)
-            arrays[f"longid{i}"], arrays[f"longlp{i}"] = _pack(rows)
+        arrays.update(_section_arrays("long", _long_top(data["long"])))
+    if "decoded" in data:
+        dec = data["decoded"]
+        meta["decoded"] = {"base": "base" in dec}
+        arrays.update({f"dectok{i}": np.asarray(t, dtype=np.int32) for i, t in enumerate(dec["tokens"])})
+        arrays.update(_section_arrays("dec", dec))
+        if "base" in dec:
+            arrays.update(_section_arrays("decb", dec["base"]))
     with open(path, "wb") as f:
         np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+
+
+def _section_arrays(prefix: str, section: dict) -> dict:
+    """A scored section's per-prompt arrays: the tokens' logprobs (``PREFIXchI``), top-k ids and logprobs."""
+    import numpy as np
+
+    out = {}
+    for i, (chosen, rows) in enumerate(zip(section["chosen"], section["top"])):
+        out[f"{prefix}ch{i}"] = np.asarray(chosen, dtype=np.float32)
+        out[f"{prefix}id{i}"], out[f"{prefix}lp{i}"] = _pack(rows)
+    return out
 
 
 def _long_top(section: dict) -> dict:
@@ -149,16 +166,26 @@ def load(path) -> dict:
         import torch
 
         return torch.load(path, weights_only=True)
+    prefixes = [f"{s}{kind}" for s in ("long", "dec", "decb") for kind in ("ch", "id", "lp")]
     with np.load(path, allow_pickle=False) as z:
         data = json.loads(str(z["meta"]))
         arrays = {prefix: [a for _, a in sorted((int(k[len(prefix):]), z[k]) for k in z.files
                                                 if k.startswith(prefix) and k[len(prefix):].isdigit())]
-                  for prefix in ("dist", "longch", "longid", "longlp")}
+                  for prefix in ("dist", "dectok", *prefixes)}
     _restore(data, arrays["dist"])
     if "long" in data:
-        data["long"]["chosen"] = [a.tolist() for a in arrays["longch"]]
-        data["long"]["top"] = [_unpack(i, lp) for i, lp in zip(arrays["longid"], arrays["longlp"])]
+        data["long"].update(_section(arrays, "long"))
+    if "decoded" in data:
+        has_base = data["decoded"].pop("base")
+        data["decoded"] = {"tokens": [a.tolist() for a in arrays["dectok"]], **_section(arrays, "dec")}
+        if has_base:
+            data["decoded"]["base"] = _section(arrays, "decb")
     return data
+
+
+def _section(arrays: dict, prefix: str) -> dict:
+    return {"chosen": [a.tolist() for a in arrays[f"{prefix}ch"]],
+            "top": [_unpack(i, lp) for i, lp in zip(arrays[f"{prefix}id"], arrays[f"{prefix}lp"])]}
 
 
 def _restore(data: dict, dists: list) -> None:
@@ -406,7 +433,8 @@ def warnings(d: dict, lim: Limits) -> list[tuple[str, str, dict]]:
 
 MIN_FROM_CACHE = 0.5  # a drift whose prompts read their context back from the cache less often than this is warned
 UNQUANTIZED_FAMILIES = ("identical", "recompiled", "unquantized")
-SECTION_WORDS = {"prompts": "prompts' continuations", "long": f"long continuations ({LONG_TOKENS} tokens)"}
+SECTION_WORDS = {"prompts": "prompts' continuations", "long": f"long continuations ({LONG_TOKENS} tokens)",
+                 "decoded": "decoded continuations"}
 
 
 DRIFT = ".drift.npz"

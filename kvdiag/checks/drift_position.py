@@ -69,7 +69,8 @@ def label(row: dict) -> str:
     return f"{row['from']}-{row['to']}"
 
 
-SECTION_TITLES = {"prompts": "the prompts' continuations", "long": "the long continuations"}
+SECTION_TITLES = {"prompts": "the prompts' continuations", "long": "the long continuations",
+                  "decoded": "each dtype's decoded continuations"}
 
 
 def position_plots(cases, suffix: str = "") -> list[str]:
@@ -97,7 +98,7 @@ def position_plots(cases, suffix: str = "") -> list[str]:
     return out
 
 
-SECTION_NAMES = {"prompts": "prompts", "long": "long continuation"}
+SECTION_NAMES = {"prompts": "prompts", "long": "long continuation", "decoded": "decoded continuation"}
 
 
 def position_table(rows: list[dict] | None, suffix: str) -> list:

@@ -166,7 +166,7 @@ def position_row(rec) -> dict | None:
     d = rec.metrics.get("drift") or {}
     if not d.get("by_position"):
         return None
-    return {"kv_dtype": rec.kv_dtype, "by_position": d["by_position"],
+    return {"kv_dtype": rec.kv_dtype, "by_position": d["by_position"], "decoded": d.get("decoded"),
             "grows": {f.evidence.get("section"): f.evidence for f in rec.findings if f.kind == "drift_grows"}}
 
 

@@ -20,6 +20,7 @@ AlphaOpt = o.field_option(A, "alpha")
 StrictOpt = o.field_option(A, "strict")
 MaxKLOpt = o.field_option(A, "max_kl")
 MinTop1Opt = o.field_option(A, "min_top1")
+DecodedOpt = o.field_option(A, "drift_decoded")
 BatchOpt = o.field_option(A, "batch_size")
 ChatOpt = o.field_option(A, "apply_chat_template")
 MultiturnOpt = o.field_option(A, "fewshot_as_multiturn")
@@ -53,6 +54,7 @@ def accuracy(
     strict: StrictOpt = A.strict,
     max_kl: MaxKLOpt = None,
     min_top1: MinTop1Opt = None,
+    drift_decoded: DecodedOpt = A.drift_decoded,
     isolate: o.IsolateOpt = o.Isolate.case,
     jobs: o.SweepJobsOpt = None,
     device: o.DeviceOpt = "auto",
@@ -86,5 +88,6 @@ def accuracy(
                     baseline=baseline, limit=limit, num_fewshot=num_fewshot, seed=seed, batch_size=batch_size,
                     apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
                     system_instruction=system_instruction, gen_kwargs=gen_kwargs, metadata=metadata,
-                    max_drop=max_drop, alpha=alpha, max_kl=max_kl, min_top1=min_top1, strict=strict)
+                    max_drop=max_drop, alpha=alpha, max_kl=max_kl, min_top1=min_top1, strict=strict,
+                    drift_decoded=drift_decoded)
     raise typer.Exit(run.exit_code)

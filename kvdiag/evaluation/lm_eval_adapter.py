@@ -181,6 +181,8 @@ class EngineLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from lm_eval.models.utils import normalize_gen_kwargs
 
+        from kvdiag.evaluation import conversation
+
         self._begin(requests)
         jobs = []
         for req in requests:
@@ -189,27 +191,38 @@ class EngineLM(TemplateLM):
             until = kw.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             jobs.append((context, tuple(until), int(kw["max_gen_toks"]), bool(kw.get("do_sample"))))
+        talks = [i for i, job in enumerate(jobs) if conversation.is_conversation(job[0])]
         out: list = [None] * len(jobs)
         finished = 0
-        order = sorted(range(len(jobs)), key=lambda i: jobs[i][1:])
-        for (until, max_toks, sample), idx in groupby(order, key=lambda i: jobs[i][1:]):
+        order = sorted(set(range(len(jobs))) - set(talks), key=lambda i: jobs[i][1:])
+        for kwargs, idx in groupby(order, key=lambda i: jobs[i][1:]):
             idx = list(idx)
-            keep = max(1, self.max_length - max_toks)
-            prompts = [self.tok_encode(jobs[i][0]) for i in idx]
-            for p in prompts:
-                self._count(len(p), keep)
-            prompts = [p[-keep:] for p in prompts]
             for start in range(0, len(idx), self.batch_size):
                 chunk = idx[start:start + self.batch_size]
-                with self._timed():
-                    done = self.engine.generate(prompts[start:start + self.batch_size], max_toks, greedy=not sample,
-                                                seed=self.seed if sample else None, stop=until)
-                for i, c in zip(chunk, done):
-                    out[i] = cut_at_stop(c.text or self.engine.decode(c.token_ids), until)
-                    self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
+                for i, text in zip(chunk, self.complete([jobs[i][0] for i in chunk], *kwargs)):
+                    out[i] = text
                 finished += len(chunk)
                 self._advance(finished, len(jobs))
+        if talks:  # run turn by turn (conversation.py)
+            answers = conversation.run(self, [jobs[i] for i in talks],
+                                       lambda done: self._advance(finished + done, len(jobs)))
+            for i, text in zip(talks, answers):
+                out[i] = text
+        for req, text in zip(requests, out):
+            self.cache_hook.add_partial("generate_until", req.args, text)
         return out
+
+    def complete(self, texts: list[str], until: tuple[str, ...], max_toks: int, sample: bool) -> list[str]:
+        """One engine call: each text's completion up to its first stop string. A prompt longer than the engine's
+        max length less ``max_toks`` loses its start (counted: ``truncation``)."""
+        keep = max(1, self.max_length - max_toks)
+        prompts = [self.tok_encode(t) for t in texts]
+        for p in prompts:
+            self._count(len(p), keep)
+        with self._timed():
+            done = self.engine.generate([p[-keep:] for p in prompts], max_toks, greedy=not sample,
+                                        seed=self.seed if sample else None, stop=until)
+        return [cut_at_stop(c.text or self.engine.decode(c.token_ids), until) for c in done]
 
 
 def cut_at_stop(text: str, until) -> str:

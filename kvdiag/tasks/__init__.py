@@ -1,9 +1,10 @@
 """lm_eval tasks shipped with kvdiag: ``kv_recall`` and ``kv_recall_long`` (tag ``kvdiag``, the default), and the
 harder ``kv_recall_p128``, ``kv_recall_p152``, ``kv_recall_p176`` and ``kv_recall_p176_early`` (tag
 ``kvdiag_hard``: longer than the tiny models were trained on), and ``kv_recall_p450_early``, ``kv_recall_p550_early``
-(tag ``kvdiag_long``: 4-6k tokens, for zoo:gemma3 with ``-a max_model_len=8192``), and ``kv_needle`` (tag
+(tag ``kvdiag_long``: 4-6k tokens, for zoo:gemma3 with ``-a max_model_len=8192``), ``kv_needle`` (tag
 ``kvdiag_needle``): a grid of context length x needle depth made when it loads, up to the engine's window
-(``needle.py``).
+(``needle.py``), and the conversations ``kv_decode`` and ``kv_multiturn`` (tag ``kvdiag_decode``: generated answers,
+run turn by turn by kvdiag's lm_eval model, ``kv_turns.py``).
 
 Data: ``data/*.jsonl``, written by ``scripts/make_tasks.py``; format: ``recall.py``.
 """
@@ -19,7 +20,8 @@ TASKS_DIR = Path(__file__).resolve().parent
 DEFAULT_TASKS = ["kv_recall", "kv_recall_long"]
 # known without lm_eval's task index
 SHIPPED_TASKS = [*DEFAULT_TASKS, "kv_recall_p128", "kv_recall_p152", "kv_recall_p176", "kv_recall_p176_early",
-                 "kv_recall_p450_early", "kv_recall_p550_early", "kv_needle"]
+                 "kv_recall_p450_early", "kv_recall_p550_early", "kv_needle", "kv_decode", "kv_multiturn"]
+CONVERSATION_TASKS = ["kv_decode", "kv_multiturn"]  # their engines start with a prefix cache (the turns read it)
 
 
 def task_manager(include_paths=(), include_defaults: bool = True, metadata: dict | None = None):

@@ -13,7 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kvdiag.assets import TINY_MODEL  # noqa: E402
-from kvdiag.tasks import DEFAULT_TASKS, TASKS_DIR, recall  # noqa: E402
+from kvdiag.tasks import DEFAULT_TASKS, SHIPPED_TASKS, TASKS_DIR, recall  # noqa: E402
+from kvdiag.tasks.kv_turns import TURN  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,8 +26,42 @@ def _docs(name):
 def test_task_data_is_what_make_tasks_generates(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tasks.py"), "--out-dir", str(tmp_path)],
                    check=True, capture_output=True)
-    for name in DEFAULT_TASKS:
-        assert (tmp_path / f"{name}.jsonl").read_bytes() == (TASKS_DIR / "data" / f"{name}.jsonl").read_bytes()
+    shipped = sorted(p.name for p in (TASKS_DIR / "data").iterdir())
+    assert shipped == sorted(f"{name}.jsonl" for name in SHIPPED_TASKS)  # every task's data, and only theirs
+    for name in shipped:
+        assert (tmp_path / name).read_bytes() == (TASKS_DIR / "data" / name).read_bytes(), name
+
+
+def _pairs(doc):
+    """The context's pairs, read from its text (the first turn: the context and the first question)."""
+    body = doc["context"].split(TURN)[0].partition(" ;")[0]
+    return dict(p.split("=") for p in body.split(" "))
+
+
+def test_decode_documents_are_chains_whose_every_pair_is_known_from_its_first_letter():
+    docs = _docs("kv_decode")
+    assert len(docs) == 100 and [len(d["answers"]) for d in docs[:5]] == [1, 2, 4, 8, 16]  # interleaved: --limit
+    for doc in docs:
+        pairs, turns = _pairs(doc), doc["context"].split(TURN)
+        assert 48 <= len(pairs) == doc["n_pairs"] <= 64 and all(recall.is_heldout(_key_id(k)) for k in pairs)
+        assert turns[0].endswith(" ; " + doc["keys"][0][0]) and all(t == " " + k[0] for t, k in
+                                                                   zip(turns[1:], doc["keys"][1:]))
+        assert len(turns) == len(doc["answers"]) == len(set(doc["keys"]))
+        for key, answer in zip(doc["keys"], doc["answers"]):
+            assert [k for k in pairs if k[0] == key[0]] == [key]  # no other key of the context starts so
+            assert answer == key[1:] + "=" + pairs[key]
+        assert doc["target"] == TURN.join(doc["answers"])
+
+
+def test_multiturn_documents_ask_a_key_of_the_context_each_turn():
+    docs = _docs("kv_multiturn")
+    assert len(docs) == 100
+    for doc in docs:
+        pairs, turns = _pairs(doc), doc["context"].split(TURN)
+        assert 32 <= len(pairs) == doc["n_pairs"] <= 48 and all(recall.is_heldout(_key_id(k)) for k in pairs)
+        assert len(turns) == 12 and turns[0].endswith(f" ; {doc['keys'][0]}=")
+        assert all(t == f" {k}=" for t, k in zip(turns[1:], doc["keys"][1:])) and len(set(doc["keys"])) == 12
+        assert doc["answers"] == [pairs[k] for k in doc["keys"]]
 
 
 @pytest.mark.parametrize("name, n_docs, pairs, first_frac", [("kv_recall", 200, (16, 16), 1.0),
@@ -201,7 +236,7 @@ def test_make_tasks_generate_variant_is_a_generation_task_scored_by_exact_match(
     assert list(regex.apply([["0932"], [" 0932 ; ab"], ["93"]], [doc] * 3)) == [["0932"], ["0932"], ["[invalid]"]]
 
 
-@pytest.mark.parametrize("args", [["--name", "kv_recall"], ["--name", "kv_y", "--pairs", "2"],
+@pytest.mark.parametrize("args", [["--name", "kv_recall"], ["--name", "kv_decode"], ["--name", "kv_y", "--pairs", "2"],
                                   ["--name", "kv_y", "--pairs", "8", "--queries", "8"], ["--name", "kv y"]])
 def test_make_tasks_bad_knobs_exit_2_without_writing(tmp_path, args):
     r = _make_task(tmp_path / "out", *args)

@@ -27,6 +27,7 @@ def run_cli(capsys, *args) -> tuple[int, str]:
     ('kv_dtypes = ["fp9"]\n[memleak]\ncycles = 1\n', 1, ["unknown kv-cache dtype 'fp9'"]),
     ('speed = 3\n[memleak]\n', 1, ["unknown key 'speed'", "kv_dtypes"]),
     ('kv_dtypes = ["auto"]\n[accuracy]\nlimit = 5\nbaseline = "fp9"\n', 4, ["--baseline: unknown kv-cache dtype"]),
+    ('kv_dtypes = ["auto"]\n[accuracy]\ndrift_decoded = -8\n', 3, ["'drift_decoded'", "an integer >= 0"]),
     ('output_dir = "out/x"\n[memleak]\ncycles = 1\n', 1, ["output directory", "not writable"]),
     ('kv_dtypes = ["auto"]\n', None, ["no check to run"]),
 ])

@@ -128,7 +128,7 @@ def test_unknown_task_is_a_user_error():
         resolve_tasks(["no_such_task_xyz"])
     recall = [t for t in SHIPPED_TASKS if t.startswith("kv_recall")]
     assert resolve_tasks(["kv_recall*"]) == (recall, False)  # every shipped recall task, from kvdiag's folder alone
-    assert sorted(resolve_tasks(["kv_*"])[0]) == sorted(SHIPPED_TASKS)
+    assert resolve_tasks(["kv_*"]) == (sorted(SHIPPED_TASKS), False)  # the conversations too
 
 
 def test_run_tasks_on_a_shipped_task_gives_per_document_values(engine):

@@ -14,7 +14,7 @@ def cases(target: Target, p) -> tuple:
     from kvdiag.checks.accuracy.needle_cases import needle_params
     from kvdiag.checks.accuracy.verdict import analyze
     from kvdiag.evaluation.lm_eval_options import lm_eval_params
-    from kvdiag.tasks import SHIPPED_TASKS
+    from kvdiag.tasks import CONVERSATION_TASKS, SHIPPED_TASKS
 
     sweep = resolve_sweep(target, p.baseline)
     task_names, need_defaults = _tasks(p.tasks, p.include_paths)
@@ -22,6 +22,10 @@ def cases(target: Target, p) -> tuple:
               "include_defaults": need_defaults, "limit": _limit(p.limit), "num_fewshot": p.num_fewshot, "seed": p.seed,
               **lm_eval_params(p, sweep.model, sweep.spec["engine_args"])}
     params.update(needle_params(p, sweep, task_names, params["metadata"]))
+    if p.drift_decoded:  # each dtype's worker scores its decoded continuations under the baseline dtype too
+        params.update(drift_decoded=p.drift_decoded, baseline=sweep.baseline)
+    if set(task_names) & set(CONVERSATION_TASKS):  # each turn reads the turns before back from the prefix cache
+        params["prefix_caching"] = True
     if need_defaults or p.include_paths or set(task_names) - set(SHIPPED_TASKS):  # not only kvdiag's own tasks
         from kvdiag.evaluation.lm_eval_adapter import check_tasks_load
 

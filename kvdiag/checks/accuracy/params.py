@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvdiag.checks.check import option
 from kvdiag.checks.drift import drift_limit
+from kvdiag.checks.drift_decoded import MAX_TOKENS
 from kvdiag.evaluation.lm_eval_options import AUTO_BATCH
 
 
@@ -16,9 +17,11 @@ class AccuracyParams:
                               "Default: kvdiag's shipped tasks (kv_recall, kv_recall_long); it also ships the harder "
                               "kv_recall_p128, kv_recall_p152, kv_recall_p176, kv_recall_p176_early (longer than the "
                               "tiny models were trained on: scores below 1, for zoo models), and kv_recall_p450_early, "
-                              "kv_recall_p550_early (4-6k tokens: zoo:gemma3's, with -a max_model_len=8192), and "
+                              "kv_recall_p550_early (4-6k tokens: zoo:gemma3's, with -a max_model_len=8192), "
                               "kv_needle (a grid of context length x needle depth up to the engine's max_model_len, "
-                              "scored per cell). Any lm_eval task works (indexing lm_eval's tasks adds ~7 s).")
+                              "scored per cell), and the generated conversations kv_decode (chains of 1-16 pairs) "
+                              "and kv_multiturn (12 turns). Any lm_eval task works (indexing lm_eval's tasks adds "
+                              "~7 s).")
     include_paths: list[str] = option([], "--include-path", help="A folder of your own lm_eval task YAML files; "
                                       "repeatable.")
     needle_lengths: list[int] = option([], "--needle-length", min=1, help="A context length (tokens) of "
@@ -55,3 +58,8 @@ class AccuracyParams:
                           "warning, with the documents that would settle it.")
     max_kl: float | None = drift_limit("max_kl")
     min_top1: float | None = drift_limit("min_top1")
+    drift_decoded: int = option(0, "--drift-decoded", min=0, max=MAX_TOKENS, help="Decoded drift: each dtype "
+                                "decodes this many tokens greedily from every drift prompt, the baseline dtype "
+                                "scores them teacher-forced, and the drift shows KL by position along each dtype's "
+                                "own continuation and where it first leaves what the baseline would write (0: off; "
+                                "e.g. 128).")

@@ -6,7 +6,7 @@ import json
 import threading
 import time
 
-from kvdiag.checks import drift
+from kvdiag.checks import drift, drift_decoded
 from kvdiag.checks.common import compiled, engine_failed, model_dtype, start_or_record
 from kvdiag.checks.drift import DRIFT
 from kvdiag.checks.engine_use import acquire_engine, release_engine, startup_once
@@ -36,7 +36,10 @@ def run_case(case, ctx):
     try:
         ctx.stage(case, stage)
         t = time.perf_counter()
-        probe = drift.collect(engine, case_prompts(case))
+        prompts = case_prompts(case)
+        probe = drift.collect(engine, prompts)
+        if p.get("drift_decoded") and p.get("role") != "baseline":
+            probe["decoded"] = drift_decoded.collect(engine, prompts, p["drift_decoded"])
         drift.save(probe, ctx.artifact(case, DRIFT))
         times["drift"] = _lap(t)
         # kept at once: lm_eval's requests may kill the worker (a segfault in the engine) and take the drift with it
@@ -69,13 +72,28 @@ def run_case(case, ctx):
     ctx.keep(case, "lm_eval", scores=out["scores"], lm_eval=out["settings"], timings=dict(times),
              storage=kept["storage"], artifacts={"samples": ctx.artifact(case, SAMPLES).name},
              **{k: kept[k] for k in ("needle_cells",) if k in kept})  # shutdown may crash
+    released, decoded_error = False, None
+    if p.get("drift_decoded") and p.get("role") != "baseline":
+        ctx.stage(case, "decoded drift")
+        t, released = time.perf_counter(), not hasattr(engine, "share_weights")  # else shut down for the baseline's
+        try:
+            drift_decoded.rescore(case, engine, probe, prompts)
+            drift.save(probe, ctx.artifact(case, DRIFT))
+        except Exception as e:  # noqa: BLE001 - the baseline dtype's engine failed here: the scores stand
+            from kvdiag.errors import first_line
+
+            decoded_error = f"decoded drift: the baseline dtype's engine failed: {type(e).__name__}: {first_line(e)}"
+        times["drift_decoded"] = _lap(t)
     ctx.stage(case, "shutdown")
     times["cpu"] = round(_cpu_time() - cpu, 3)
     metrics = {"scores": out["scores"], "lm_eval": out["settings"], **kept, "timings": times,
                "worker": _worker_info(engine), **documents(out["scores"], times["lm_eval"]), "peak_mib": peak_mib(),
                "artifacts": {"samples": ctx.artifact(case, SAMPLES).name, "drift": ctx.artifact(case, DRIFT).name}}
-    release_engine(case, engine)
+    if not released:
+        release_engine(case, engine)
     rec = case.result("pass", metrics=metrics)
+    if decoded_error:
+        rec.add("warning", "decoded_drift", decoded_error[:500])
     cut = lm.truncation()
     if cut["truncated"]:
         rec.add("warning", "truncated", f"{cut['truncated']} of {cut['requests']} lm_eval requests were longer than "

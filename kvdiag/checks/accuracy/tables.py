@@ -8,6 +8,7 @@ out."""
 from __future__ import annotations
 
 from kvdiag.checks.accuracy.needle_view import tables as needle_tables
+from kvdiag.checks.drift import TIE_NATS
 from kvdiag.checks.drift_position import position_table
 from kvdiag.checks.stats import Z95
 from kvdiag.render.cells import fmt_value
@@ -15,6 +16,8 @@ from kvdiag.render.cells import fmt_value
 SCORES = ("kv dtype", "task", "metric", "n", "score", "stderr", "score 95% CI", "Δ vs baseline", "Δ 95% CI", "p",
           "test", "smallest drop seen (power 0.8)", "n to see max drop", "verdict")
 DRIFT = ("kv dtype", "KL mean", "KL max", "top-1 agreement")
+DECODED = ("kv dtype", "tokens", "positions", "KL mean", "KL max", "top-1 agreement", "first divergence",
+           "prompts diverged")
 
 
 def tables(run) -> list[tuple[str, tuple[str, ...], list[list[str]]]]:
@@ -38,7 +41,26 @@ def _tables(a: dict, suffix: str) -> list:
         out.append((f"Token-level drift{suffix} vs the baseline dtype", DRIFT,
                     [[r["kv_dtype"], fmt_value(r["mean_kl"]), fmt_value(r.get("max_kl")),
                       fmt_value(r.get("top1_agreement"))] for r in drift]))
-    return out + position_table(a.get("drift_by_position"), suffix) + needle_tables(a, suffix)
+    return out + decoded_table(a.get("drift_by_position"), suffix) + \
+        position_table(a.get("drift_by_position"), suffix) + needle_tables(a, suffix)
+
+
+def decoded_table(rows: list[dict] | None, suffix: str) -> list:
+    """The decoded drift (--drift-decoded; checks/drift_decoded.py) of each dtype, as a one-element list; [] when the
+    run has none."""
+    rows = [r for r in rows or () if r.get("decoded")]
+    if not rows:
+        return []
+    body = []
+    for r in rows:
+        d, first = r["decoded"], r["decoded"].get("first_divergence")
+        body.append([r["kv_dtype"], fmt_value(d.get("tokens")), fmt_value(d.get("positions")),
+                     fmt_value(d.get("mean_kl")), fmt_value(d.get("max_kl")), fmt_value(d.get("top1_agreement")),
+                     "none" if first is None else f"prompt {first['prompt']}, token {first['position']}",
+                     fmt_value(d.get("diverged"))])
+    return [(f"Decoded drift{suffix}: each dtype's own greedy continuation, scored teacher-forced by it and by the "
+             f"baseline dtype (first divergence: the first token the baseline ranks more than {TIE_NATS:g} nats "
+             "below its top)", DECODED, body)]
 
 
 def score_cells(r: dict) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvdiag.checks import drift, power
+from kvdiag.checks import drift, drift_decoded, power
 from kvdiag.checks.accuracy import needle
 
 
@@ -50,7 +50,9 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
             changed.append(rec)
         else:
             samples = json.loads(artifact_path(run, rec, "samples").read_text())
-            d = drift.compare(base_probe, drift.load(artifact_path(run, rec, "drift")))
+            probe = drift.load(artifact_path(run, rec, "drift"))
+            d = drift.compare(base_probe, probe)
+            drift_decoded.add(d, probe)
             lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"),
                                    compiled=drift.compiled_pair(rec, base), max_kl=max_kl, min_top1=min_top1)
             rows += verdicts.judge_case(rec, base, base_samples, samples, d, lim, max_drop=max_drop, alpha=alpha,
@@ -75,7 +77,9 @@ def _kept_drift(run, rec, base, base_probe, max_kl, min_top1) -> dict | None:
     path = Path(run.run_dir) / "artifacts" / name if name else None
     if base_probe is None or path is None or not path.exists():
         return None
-    d = drift.compare(base_probe, drift.load(path))
+    probe = drift.load(path)
+    d = drift.compare(base_probe, probe)
+    drift_decoded.add(d, probe)
     lim = drift.limits_for(rec.kv_dtype, base.metrics.get("model_dtype"), compiled=drift.compiled_pair(rec, base),
                            max_kl=max_kl, min_top1=min_top1)
     verdicts.judge_kept(rec, d, lim)

@@ -123,31 +123,34 @@ def verdict_text(v: str, message: str | None = None) -> str:
 
 def drift_table(rows: list[dict], by_position: list[dict] | None = None):
     """Each dtype's drift against the baseline dtype (on its first row of the analysis), and its mean KL by position
-    bucket along the long continuation (the prompts' where there is none) as a sparkline, marked where it grows."""
+    bucket along the long continuation (the prompts' where there is none) as a sparkline, marked where it grows; with
+    --drift-decoded, the same along each dtype's own decoded continuation and its first divergence."""
     from rich.table import Table
 
     shown = [r for r in rows if r.get("mean_kl") is not None]
     if not shown:
         return None
     spark = {r["kv_dtype"]: position_text(r) for r in by_position or ()}
+    decoded = {r["kv_dtype"]: decoded_text(r) for r in by_position or () if r.get("decoded")}
     t = Table(title="token-level drift vs the baseline dtype", title_justify="left")
-    cols = ("kv dtype", "KL mean / max", "top-1") + (("KL by position",) if spark else ())
+    cols = ("kv dtype", "KL mean / max", "top-1") + (("KL by position",) if spark else ()) + \
+        (("decoded: KL mean, by position, first divergence",) if decoded else ())
     for col in cols:
-        t.add_column(col, no_wrap=col == "kv dtype", justify="left" if col in ("kv dtype", "KL by position")
-                     else "right")
+        t.add_column(col, no_wrap=col == "kv dtype", justify="right" if col in ("KL mean / max", "top-1") else "left")
     for r in shown:
         t.add_row(r["kv_dtype"], f"{fmt_value(r['mean_kl'])} / {fmt_value(r['max_kl'])}",
-                  fmt_value(r.get("top1_agreement")), *([spark.get(r["kv_dtype"], "-")] if spark else []))
+                  fmt_value(r.get("top1_agreement")), *([spark.get(r["kv_dtype"], "-")] if spark else []),
+                  *([decoded.get(r["kv_dtype"], "-")] if decoded else []))
     return t
 
 
 BARS = "▁▂▃▄▅▆▇█"
 
 
-def position_text(row: dict) -> str:
+def position_text(row: dict, section: str | None = None) -> str:
     """A dtype's mean KL per position bucket as a sparkline (scaled to its own largest), and ``grows Nx`` in red
-    where it grows (``drift_grows``); of the long continuation, else of the prompts."""
-    section = "long" if "long" in row["by_position"] else next(iter(row["by_position"]), None)
+    where it grows (``drift_grows``); of ``section``, else of the long continuation, else of the prompts."""
+    section = section or ("long" if "long" in row["by_position"] else next(iter(row["by_position"]), None))
     kls = [b["mean_kl"] for b in row["by_position"].get(section) or () if b.get("positions")]
     top = max((k for k in kls if k == k), default=0.0)
     line = "".join("?" if k != k else BARS[min(len(BARS) - 1, int(k / top * len(BARS)))] if top > 0 else BARS[0]
@@ -156,3 +159,12 @@ def position_text(row: dict) -> str:
     if g:
         line += " [bold red]grows " + (f"{g['ratio']:.1f}x" if g.get("ratio") is not None else "from 0") + "[/]"
     return line
+
+
+def decoded_text(row: dict) -> str:
+    """The decoded drift of a dtype: its mean KL, the sparkline of its buckets, and where it first left what the
+    baseline would write (``prompt P @ T``: token T, 0-based, of prompt P's continuation) or ``none``."""
+    d = row["decoded"]
+    first = d.get("first_divergence")
+    where = "none" if first is None else f"prompt {first['prompt']} @ {first['position']}"
+    return f"{fmt_value(d.get('mean_kl'))} {position_text(row, 'decoded')} {where}"
