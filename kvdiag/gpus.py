@@ -39,3 +39,12 @@ def visible_gpus() -> list[str]:
             break
         out.append(entry)
     return out[:n]
+
+
+def current_gpu() -> str | None:
+    """The CUDA_VISIBLE_DEVICES entry of torch's current device (its index when the variable is not set), for a
+    process that already uses CUDA (a case's worker, one of vLLM's workers): the one function here that asks torch."""
+    import torch
+
+    i, ids = torch.cuda.current_device(), visible_gpus()
+    return ids[i] if i < len(ids) else None

@@ -17,6 +17,7 @@ import gc
 import os
 from dataclasses import asdict, dataclass, field
 
+from kvdiag.gpus import current_gpu
 from kvdiag.measure.processes import children, gpu_view
 
 MiB = 1 << 20
@@ -217,16 +218,6 @@ def snapshot(stage: str, cycle: int, cuda: bool = False, census: Census | None =
             snap.gpus = {g: {"used_mib": round(n / MiB, 2), "engine_mib": round(view.engine.get(g, 0) / MiB, 2)}
                          for g, n in view.used.items()}
     return snap
-
-
-def current_gpu() -> str | None:
-    """The CUDA_VISIBLE_DEVICES entry of torch's current device (its index when the variable is not set)."""
-    import torch
-
-    from kvdiag.gpus import visible_gpus
-
-    i, ids = torch.cuda.current_device(), visible_gpus()
-    return ids[i] if i < len(ids) else None
 
 
 def release_cublas_workspaces() -> int | None:

@@ -31,7 +31,7 @@ def state(worker) -> dict:
     bytes of the model's parameters, and torch's allocated and reserved bytes on its device."""
     import torch
 
-    from kvdiag.measure.memory import current_gpu
+    from kvdiag.gpus import current_gpu
 
     runner = worker.model_runner
     kv = {}
