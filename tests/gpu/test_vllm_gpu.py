@@ -47,11 +47,12 @@ WAKE_DTYPES = ("auto", "bfloat16", "fp8", "int8_per_token_head", "fp8_per_token_
 HERE = Path(__file__).resolve().parents[1] / "support"  # the probes
 
 
-def kvdiag(name: str, *args: str, timeout: float = 1500) -> tuple[int, dict, str]:
-    """``kvdiag ARGS --format json -o $KVDIAG_GPU_OUT/NAME``: (exit code, run record, stderr); logged."""
+def kvdiag(name: str, *args: str, timeout: float = 1500, env: dict | None = None) -> tuple[int, dict, str]:
+    """``kvdiag ARGS --format json -o $KVDIAG_GPU_OUT/NAME``: (exit code, run record, stderr); logged. ``env``: added
+    to this process's environment."""
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "kvdiag", *args, "--format", "json", "-o", str(OUT / name)],
-                       capture_output=True, text=True, timeout=timeout)
+                       capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     assert p.returncode in (0, 1), p.stderr[-3000:]
     run = json.loads(p.stdout)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -768,3 +769,49 @@ def test_conversation_tasks_score_what_a_plain_vllm_chat_loop_scores(model, dtyp
         mine = [float(v) for _, v in sorted(per_doc[task]["exact_match"].items(), key=lambda kv: int(kv[0]))]
         differ = [i for i, (a, b) in enumerate(zip(mine, t["right"])) if a != b]
         assert len(mine) == t["n"] == 100 and len(differ) <= 3, (task, t["exact_match"], sum(mine) / 100, differ)
+
+
+FOUR_GPUS = pytest.mark.skipif(_visible_gpus() < 4, reason=f"needs 4 GPUs; {_visible_gpus()} visible")
+
+
+@FOUR_GPUS
+def test_tp4_with_two_kv_heads_holds_each_head_on_two_gpus_and_scores_as_one_gpu():
+    """Issue 47: tiny-llama has 2 KV heads, fewer than tensor_parallel_size 4. vLLM gives each of its 4 workers one
+    head (``max(1, kv_heads // tp)``), each head on two GPUs: the storage audit of the 4 shards sums to twice one
+    GPU's bytes a token, and the scores are one GPU's."""
+    args = ("accuracy", "-e", "vllm", "-d", "auto", "-d", "fp8", "--limit", "50", "-a", "enforce_eager=true", "-a",
+            f"kv_cache_memory_bytes={256 << 20}")
+    _, one, _ = kvdiag("acc-tp1-for-tp4", *args, env={"CUDA_VISIBLE_DEVICES": "0"})
+    _, four, _ = kvdiag("acc-tp4", *args, "-a", "tensor_parallel_size=4")
+    for a, b in zip(one["cases"], four["cases"]):
+        st_a, st_b = a["metrics"]["storage"], b["metrics"]["storage"]
+        assert st_b["shards"] == 4 and st_b["k_bytes_per_token"] == 2 * st_a["k_bytes_per_token"], (st_a, st_b)
+        assert {t: m["acc"]["score"] for t, m in a["metrics"]["scores"].items()} == \
+            {t: m["acc"]["score"] for t, m in b["metrics"]["scores"].items()}, (a["id"], b["id"])
+    code, run, _ = kvdiag("memleak-tp4", "memleak", "-e", "vllm", "-d", "auto", "-n", "2", "-a",
+                          "tensor_parallel_size=4", *args[-4:])
+    (c,) = run["cases"]
+    assert c["metrics"]["kv_cache_processes"] == [4, 4] and c["status"] == "pass" and code == 0, c["findings"]
+
+
+@FOUR_GPUS
+def test_a_sweep_of_an_8b_model_over_four_gpus_takes_at_most_half_of_one_gpus_time(tmp_path):
+    """Issue 47: kvdiag accuracy -e vllm spreads its cases over the visible GPUs. A random-weight model of
+    Llama-3.1-8B's shapes (16 GB of weights) and every cache dtype vLLM has: one GPU holds a few engines at once
+    (as many as 80% of its memory holds), four hold four times as many. The same scores, in at most half the time
+    (the ratio is logged in commands.jsonl)."""
+    model = tmp_path / "llama-3.1-8b"
+    subprocess.run([sys.executable, "-m", "kvdiag.models.gen", "llama-3.1-8b", str(model), "--device", "cuda"],
+                   check=True, timeout=900)
+    args = ("accuracy", "-e", "vllm", "-m", str(model), "-t", "kv_recall", "--limit", "20", "-a", "enforce_eager=true")
+    t = time.perf_counter()
+    _, one, _ = kvdiag("sweep-8b-1gpu", *args, env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=3000)
+    t_one, t = time.perf_counter() - t, time.perf_counter()
+    _, four, _ = kvdiag("sweep-8b-4gpu", *args, timeout=3000)
+    t_four = time.perf_counter() - t
+    with open(OUT / "commands.jsonl", "a") as f:
+        f.write(json.dumps({"name": "sweep-8b-ratio", "one_gpu_s": round(t_one, 1), "four_gpus_s": round(t_four, 1),
+                            "ratio": round(t_four / t_one, 3), "cases": len(one["cases"])}) + "\n")
+    status = {c["kv_dtype"]: c["status"] for c in one["cases"]}
+    assert status == {c["kv_dtype"]: c["status"] for c in four["cases"]}
+    assert t_four <= 0.5 * t_one, (t_one, t_four)
