@@ -815,3 +815,39 @@ def test_a_sweep_of_an_8b_model_over_four_gpus_takes_at_most_half_of_one_gpus_ti
     status = {c["kv_dtype"]: c["status"] for c in one["cases"]}
     assert status == {c["kv_dtype"]: c["status"] for c in four["cases"]}
     assert t_four <= 0.5 * t_one, (t_one, t_four)
+
+
+NEEDLE = [("tiny", []), ("zoo:qwen3", []), ("zoo:gemma3", ["max_model_len=8192"])]
+
+
+@pytest.mark.parametrize("model,engine_args", NEEDLE, ids=[m for m, _ in NEEDLE])
+def test_the_needle_grid_scores_what_lm_evals_own_vllm_backend_scores(model, engine_args):
+    """Issue 48: kv_needle (the grid up to the engine's window) through kvdiag against lm_eval's own vLLM backend on
+    the same documents (tests/support/vllm_case_probe.py, metadata needle_lengths = kvdiag's grid), for auto, fp8 and
+    int8_per_token_head: the same task score to one document in a hundred (lm_eval scores a context in one prefill,
+    kvdiag reads it back from the prefix cache); both times logged side by side."""
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.engines.vllm.sizing import kv_cache_bytes
+    from kvdiag.models.zoo import resolve
+
+    path = str(resolve(model)) if model.startswith("zoo:") else None
+    m = ["-m", model] if path else []
+    args = [x for a in ("enforce_eager=true", *engine_args) for x in ("-a", a)]
+    t = time.perf_counter()
+    _, run, _ = kvdiag(f"needle-{model.replace(':', '-')}", "accuracy", "-e", "vllm", *m, "-t", "kv_needle", "-d",
+                       "auto", "-d", "fp8", "-d", "int8_per_token_head", *args)
+    ours_s = time.perf_counter() - t
+    lengths = run["cases"][0]["params"]["needle"]["lengths"]
+    length = int(dict(a.split("=", 1) for a in engine_args).get("max_model_len", 2048))
+    target = path or str(TINY_MODEL)
+    for case in run["cases"]:
+        d = case["kv_dtype"]
+        plain = plain_probe("vllm_case_probe.py", target, d, "enforce_eager=true", *engine_args,
+                            f"kv_cache_memory_bytes={kv_cache_bytes(target, max_model_len=length)}",
+                            "gpu_memory_utilization=0.05", "tasks=kv_needle",
+                            "metadata=" + json.dumps({"needle_lengths": lengths}), timeout=1500)
+        ours = case["metrics"]["scores"]["kv_needle"]["acc"]["score"]
+        with open(OUT / "commands.jsonl", "a") as f:
+            f.write(json.dumps({"name": f"needle-probe-{model}-{d}", "ours": ours, "kvdiag_run_s": round(ours_s, 1),
+                                "probe": plain}) + "\n")
+        assert abs(ours - plain["scores"]["kv_needle"]["acc,none"]) <= 0.01 + 1e-9, (model, d, ours, plain)

