@@ -23,3 +23,19 @@ def on_kv(engine, fn, *args) -> list:
 
         raise EngineUnsupported(engine.capabilities.kv_access_reason or "the engine gives no access to its KV cache")
     return [fn(view, *args)]
+
+
+def workers_problem(engine) -> str | None:
+    """None when each of the engine's worker processes can view its shard of the KV cache, else why not (vLLM wraps
+    a worker's KVAccessError in a RuntimeError: its first line)."""
+    from kvdiag.errors import first_line
+
+    try:
+        on_kv(engine, _blocks)
+    except Exception as e:  # noqa: BLE001 - whatever a worker raised is the reason
+        return first_line(e)[:300]
+    return None
+
+
+def _blocks(view) -> int:
+    return view.num_blocks

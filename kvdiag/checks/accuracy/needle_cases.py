@@ -22,26 +22,17 @@ def needle_params(p, sweep, task_names: list[str], metadata: dict) -> dict:
         return {}
     model = sweep.model
     window = engine_traits(sweep.engine).max_model_len(model, sweep.spec["engine_args"])
+    top = config(model, text=True).get("max_position_embeddings")
+    top = top if isinstance(top, int) else None
     lengths = _asked(p.needle_lengths or metadata.get("needle_lengths")) or needle.default_lengths(window)
     where = f"the engine's max_model_len for {label(model)}"
     problem = needle.length_problem(lengths, window, where) if lengths else \
         f"{needle.TASK}: the engine's max_model_len for {label(model)} ({window}) holds no grid (at least " \
         f"{needle.MIN_LENGTH} tokens)"
     if problem:
-        raise UserError(problem + _hint(window, model))
-    top = config(model, text=True).get("max_position_embeddings")
+        raise UserError(problem + (f"; the model takes {top}: -a max_model_len={top}" if top and top > window else ""))
     return {"metadata": {**metadata, "needle_lengths": lengths},
-            "needle": {"lengths": lengths, "depths": list(needle.DEPTHS), "window": window,
-                       "model_positions": top if isinstance(top, int) else None}}
-
-
-def _hint(window: int, model: str) -> str:
-    from kvdiag.models import config
-
-    top = config(model, text=True).get("max_position_embeddings")
-    if isinstance(top, int) and top > window:
-        return f"; the model takes {top}: -a max_model_len={top}"
-    return ""
+            "needle": {"lengths": lengths, "depths": list(needle.DEPTHS), "window": window, "model_positions": top}}
 
 
 def _asked(lengths) -> list[int]:

@@ -6,7 +6,7 @@ slots the wave wrote. Both answer with plain numbers (a worker's answer crosses 
 from __future__ import annotations
 
 from kvdiag.checks import kv_tensors
-from kvdiag.checks.kv_where import in_workers, on_kv
+from kvdiag.checks.kv_where import in_workers, workers_problem
 
 _MARKS: dict = {}  # the fingerprint ``fill`` took in this process, for the ``scan`` after the wave
 
@@ -14,22 +14,13 @@ _MARKS: dict = {}  # the fingerprint ``fill`` took in this process, for the ``sc
 def reachable(engine) -> str | None:
     """None when poison can reach the engine's KV cache (here or in its worker processes), else why not (a worker
     that cannot view its cache says so in its error)."""
-    from kvdiag.errors import first_line
-
     caps = engine.capabilities
     if in_workers(engine):
-        try:
-            on_kv(engine, shape)
-        except Exception as e:  # noqa: BLE001 - vLLM wraps the worker's KVAccessError in a RuntimeError
-            return f"the worker processes cannot view their KV cache: {first_line(e)[:300]}"
-        return None
+        problem = workers_problem(engine)
+        return problem and f"the worker processes cannot view their KV cache: {problem}"
     if not caps.kv_access or engine.kv_blocks() is None:
         return caps.kv_access_reason or "the engine gives no access to its KV blocks"
     return None
-
-
-def shape(view) -> tuple[int, int]:
-    return view.num_blocks, view.block_size
 
 
 def fill(view, value: str, seed: int) -> dict:

@@ -66,7 +66,7 @@ def _run_cycles(case, engine, p: WakeParams):
     rec = case.result("pass", metrics={"level": p.level, "staged": p.staged, "prompts": len(prompts),
                                        "max_tokens": p.max_tokens, **expected, "cycles": []},
                       environment={**device_info(), **engine.versions()})
-    unscanned = _unscanned(engine) if expected["worker_processes"] else None
+    unscanned = kv_where.workers_problem(engine) if expected["worker_processes"] else None
     if unscanned:  # the cache lives in the engine's worker processes (vLLM with several GPUs) and cannot be viewed
         rec.add("info", "kv_not_scanned", f"the KV cache is in {len(expected['worker_processes'])} worker processes "
                 f"and out of reach there ({unscanned}): its size is asked inside them, its slots are not scanned; "
@@ -114,20 +114,6 @@ def _expected_bytes(engine, level: int) -> dict:
             "expected_weight_bytes": weights, "weights_leave_device": weights_leave,
             "expected_bytes": None if None in parts else sum(parts),
             "worker_processes": [{k: w[k] for k in ("pid", "gpu")} for w in workers] if workers else None}
-
-
-def _unscanned(engine) -> str | None:
-    """Why the KV cache in the engine's worker processes cannot be viewed there (a layout kvdiag does not know), or
-    None."""
-    try:
-        on_kv(engine, _blocks)
-    except Exception as e:  # noqa: BLE001 - vLLM wraps the worker's KVAccessError in a RuntimeError
-        return first_line(e)[:300]
-    return None
-
-
-def _blocks(view) -> int:
-    return view.num_blocks
 
 
 def _worker_states(engine) -> list | None:

@@ -3,7 +3,8 @@
 vLLM's MultiprocExecutor talks to its worker processes through ``MessageQueue``s (``shm_broadcast.py``), each with a
 zmq context of its own. Its ``shutdown()`` stops the workers and drops the queues without closing their sockets, so
 the contexts are destroyed by the garbage collector, and zmq's ``term()`` waits for every unsent message (LINGER -1)
-to reach a peer: in kvdiag's worker the ``gc.collect()`` after shutdown hung there (docs/vllm-findings.md). vLLM's
+to reach a peer: in kvdiag's worker the ``gc.collect()`` after shutdown hung there (docs/vllm-gpu-results.md,
+"Eighteenth session"). vLLM's
 engine-core client closes its own sockets explicitly for this reason; kvdiag does the same for the executor's queues,
 with LINGER 0, after vLLM's shutdown ran.
 """
@@ -37,11 +38,8 @@ def executor_contexts(llm) -> list:
     return list(contexts.values())
 
 
-def close(contexts: list) -> int:
-    """Close each context's sockets with LINGER 0 and terminate it; how many were still open."""
-    n = 0
+def close(contexts: list) -> None:
+    """Close each context's sockets with LINGER 0 and terminate it."""
     for ctx in contexts:
         if not ctx.closed:
             ctx.destroy(linger=0)
-            n += 1
-    return n
