@@ -248,6 +248,20 @@ def test_selftest_catches_every_fault_on_cuda():
     assert code == 0
 
 
+def test_the_chunk_and_draft_faults_are_caught_on_their_paths_in_a_minute():
+    """Issue 46: at the workload's own model length both faults hung their path cases to the timeout on two H200s
+    (vLLM's scheduler skips, for ever, a request whose count ran ahead to max_model_len - 1); their paths' engines
+    now leave room (kvdiag/engines/vllm/paths.py ROOM): the skipped chunk token diverges, the kept drafts crash
+    vLLM's sampler, and the clean engine's chunked and draft paths pass (34 s there)."""
+    t = time.perf_counter()
+    faults = ("chunk_boundary_token_skipped", "spec_rejected_tokens_kept")
+    code, run, _ = kvdiag("selftest-chunk-spec", "selftest", "-e", "vllm", "-c", "paths", "--fault", ",".join(faults),
+                          "--timeout", "120", timeout=600)
+    rows = {r["fault"]: r for r in run["analysis"]["selftest"]["faults"]}
+    assert all(rows[f]["status"] == "caught" for f in faults), rows
+    assert code == 0 and time.perf_counter() - t < 120
+
+
 def test_the_default_sweep_says_unsupported_up_front_and_crashed_with_the_stage():
     """Issue 26: the main job as a user runs it, `kvdiag accuracy -e vllm` (every dtype vLLM lists, vLLM's defaults:
     torch.compile and CUDA graphs): a dtype no attention backend takes is unsupported in vLLM's words within
@@ -765,6 +779,12 @@ def test_conversation_tasks_score_what_a_plain_vllm_chat_loop_scores(model, dtyp
                        f"kv_cache_memory_bytes={1 << 30}")
     case = next(c for c in run["cases"] if c["kv_dtype"] == dtype)
     per_doc = json.loads((Path(run["run_dir"]) / "artifacts" / case["metrics"]["artifacts"]["samples"]).read_text())
+    with open(OUT / "commands.jsonl", "a") as f:
+        f.write(json.dumps({"name": f"turns-probe-{model}-{dtype}", "ours": {t: m["exact_match"]["score"] for t, m in
+                                                                          case["metrics"]["scores"].items()},
+                            "probe": {k: v for k, v in truth.items() if k != "tasks"} | {
+                                t: v["exact_match"] for t, v in truth["tasks"].items()}}) + "
+")
     for task, t in truth["tasks"].items():
         mine = [float(v) for _, v in sorted(per_doc[task]["exact_match"].items(), key=lambda kv: int(kv[0]))]
         differ = [i for i, (a, b) in enumerate(zip(mine, t["right"])) if a != b]

@@ -213,3 +213,24 @@ def test_vllm_counts_the_prefill_chunks_that_leave_a_request_mid_prompt():
         sched.schedule(40)
     assert chunks.counters() == {"prefill_chunks": 3}
     assert PrefillChunks(NS(llm_engine=NS(engine_core=NS()))).counters() == {}
+
+
+def test_the_paths_whose_faults_run_a_count_ahead_leave_vllm_room_to_schedule_it():
+    """vLLM 0.24's scheduler clamps a step to ``max_model_len - num_computed_tokens - 1`` and skips a request left
+    with 0, unfinished, for ever (``Scheduler.schedule``). A chunk's end or a draft's rollback lost runs the count
+    ahead of the tokens: by a token a chunk boundary (and a step without a sample on the GPU runner), by up to the
+    drafts of every step. On two H200s, at the workload's own length, both self-test faults hung their cases to the
+    timeout; the chunked and draft paths' engines leave that room. The other paths keep the workload's length."""
+    from kvdiag.checks.paths import workload
+    from kvdiag.engines.vllm.paths import NGRAM, path_config
+
+    prompts, max_tokens = [[1] * n for n in (40, 57, 66, 80)], 32
+    need = workload.needs(prompts, max_tokens, 16, "cuda")
+    longest = 80 + max_tokens
+    chunk = path_config("chunked-prefill", need, cpu=False)
+    boundaries = -(-80 // need["chunk_tokens"])
+    assert chunk.spec["max_model_len"] - 1 >= longest + 2 * boundaries
+    drafts = path_config("spec-ngram", need, cpu=False)
+    assert drafts.spec["max_model_len"] - 1 >= longest + NGRAM["num_speculative_tokens"] * max_tokens
+    for other in ("cold", "preemption", "prefix-hit", "offload"):
+        assert "max_model_len" not in path_config(other, need, cpu=False).spec, other

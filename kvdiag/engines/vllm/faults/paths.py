@@ -103,7 +103,9 @@ def chunk_boundary_token_skipped(kv_cache_dtype: str | None = None) -> list[str]
     to schedule).
 
     Intended check: ``paths``, ``chunked-prefill`` (finding ``divergence`` or ``logprob_drift``); the other paths
-    run whole prefills and pass.
+    run whole prefills and pass. The path's engine leaves room past the longest request (``engines.vllm.paths.ROOM``):
+    at the request's own length, vLLM's scheduler stops scheduling a request whose count ran ahead to the end, and
+    the case hung to its timeout (docs/vllm-gpu-results.md).
 
     Outside kvdiag: ``apply(["chunk_boundary_token_skipped"])`` before ``vllm.LLM(..., enable_chunked_prefill=True,
     max_num_batched_tokens=N)`` with N below the prompts' length.

