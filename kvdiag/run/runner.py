@@ -211,14 +211,20 @@ class _Worker:
 
     def _dump_stacks(self) -> None:
         """Before a hung worker is killed: its threads' stacks into its log (``death.DUMP_SIGNAL``), where the
-        timeout's record reads where it hung; waits until the log stops growing (at most ``DUMP_WAIT_S``)."""
+        timeout's record reads where it hung. Waits for the log to grow, then to stop growing (at most
+        ``DUMP_WAIT_S``): a dump that began late was lost to the kill (two vLLM hangs on the GPU)."""
+        before = _size(self.log_path)
         try:
             os.kill(self.proc.pid, getattr(signal, death.DUMP_SIGNAL))
         except (OSError, TypeError):
             return
-        size, end = -1, time.monotonic() + DUMP_WAIT_S
-        while time.monotonic() < end and size != (size := _size(self.log_path)):
+        last, end = before, time.monotonic() + DUMP_WAIT_S
+        while time.monotonic() < end:
             time.sleep(0.2)
+            now = _size(self.log_path)
+            if last != before and now == last:  # it grew, then stopped
+                return
+            last = now
 
     def _fail_rest(self, status: str, message: str, evidence: dict, culprits: list[Case] | None = None
                    ) -> list[CaseResult]:

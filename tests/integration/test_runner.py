@@ -195,6 +195,15 @@ def test_a_hung_thread_times_out_alone_and_the_cases_before_it_keep_their_result
     assert recs[3].findings[0].message.startswith("was cut short")  # running beside it when the worker was killed
 
 
+def test_a_hung_case_whose_stack_dump_begins_late_still_says_where_it_hung(tmp_path):
+    """The runner waits for the dump to begin before it kills the worker (two vLLM hangs on the GPU lost theirs)."""
+    (rec,) = run_cases([Case("t", "e", "m", "d", "case_fns:hang_dumping_late", id="t/late")], tmp_path, quiet=True,
+                       timeout=4)
+    f = rec.findings[0]
+    assert rec.status == "timeout" and "tests/support/case_fns.py:" in f.evidence.get("hung_at", [""])[0], f.message
+    assert "; hung at " in f.message
+
+
 def test_a_worker_that_dies_after_a_cuda_error_names_the_error_line_and_the_stage(tmp_path):
     """SIGABRT after a CUDA error: the finding says which stage the case was in and CUDA's own line, not only the
     signal (issue 26)."""

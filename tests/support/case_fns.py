@@ -49,6 +49,20 @@ def hang(case, ctx):
     time.sleep(3600)
 
 
+def hang_dumping_late(case, ctx):
+    """Hangs; its stack dump begins 0.6 s after the runner asks for it (as it did in vLLM cases on the GPU)."""
+    import faulthandler
+
+    def late(signum, frame):
+        time.sleep(0.6)
+        faulthandler.dump_traceback(all_threads=True)
+
+    faulthandler.unregister(signal.SIGUSR1)
+    signal.signal(signal.SIGUSR1, late)
+    print("about to hang", flush=True)
+    time.sleep(3600)
+
+
 def raises(case, ctx):
     raise RuntimeError("planted error in the case")
 
