@@ -783,8 +783,7 @@ def test_conversation_tasks_score_what_a_plain_vllm_chat_loop_scores(model, dtyp
         f.write(json.dumps({"name": f"turns-probe-{model}-{dtype}", "ours": {t: m["exact_match"]["score"] for t, m in
                                                                           case["metrics"]["scores"].items()},
                             "probe": {k: v for k, v in truth.items() if k != "tasks"} | {
-                                t: v["exact_match"] for t, v in truth["tasks"].items()}}) + "
-")
+                                t: v["exact_match"] for t, v in truth["tasks"].items()}}) + "\n")
     for task, t in truth["tasks"].items():
         mine = [float(v) for _, v in sorted(per_doc[task]["exact_match"].items(), key=lambda kv: int(kv[0]))]
         differ = [i for i, (a, b) in enumerate(zip(mine, t["right"])) if a != b]
