@@ -108,19 +108,39 @@ def _fatal(text: str) -> tuple[str | None, str | None]:
         pass
     if found is None:
         return None, None
-    frames: list[tuple[str, str, str]] = []
     lines = text[found.end():].splitlines()
     # The crashing thread's block: "Current thread 0x... (most recent call first):" (all threads dumped, the
     # others as "Thread 0x..."), or "Stack (most recent call first):" when only the one was.
     head = next((i for i, s in enumerate(lines) if s.startswith(("Current thread", "Stack (most recent"))), None)
-    for s in lines[head + 1:] if head is not None else ():
+    frames = _frames(lines[head + 1:]) if head is not None else []
+    pick = _engine_frame(frames) or next((f for f in frames if not _stdlib(f[0])), None) or \
+        (frames[0] if frames else None)
+    return found[0].strip(), pick and _where(pick)
+
+
+Frame = tuple[str, str, str]  # (path as imported, line, function)
+
+
+def _frames(lines: list[str]) -> list[Frame]:
+    """One thread's frames from the lines under its header in a faulthandler dump (innermost first), up to the first
+    line that is no frame; faulthandler's notes between frames skipped."""
+    frames = []
+    for s in lines:
         m = FRAME.match(s)
+        if not m and s.strip() in ("Garbage-collecting", "<no Python frame>"):
+            continue
         if not m:
             break
         frames.append((_short(m[1]), m[2], m[3]))
-    pick = next((f for f in frames if f[0].split("/", 1)[0] in ENGINE_PACKAGES), None) \
-        or next((f for f in frames if not _stdlib(f[0])), None) or (frames[0] if frames else None)
-    return found[0].strip(), pick and f"{pick[0]}:{pick[1]} ({pick[2]})"
+    return frames
+
+
+def _engine_frame(frames: list[Frame]) -> Frame | None:
+    return next((f for f in frames if f[0].split("/", 1)[0] in ENGINE_PACKAGES), None)
+
+
+def _where(frame: Frame) -> str:
+    return f"{frame[0]}:{frame[1]} ({frame[2]})"
 
 
 DUMP_SIGNAL = "SIGUSR1"  # the worker dumps every thread's stack into its log on it (faulthandler.register)
@@ -137,18 +157,10 @@ def hung_at(dump: str) -> list[str]:
     heads = list(HUNG_THREAD.finditer(dump))
     if not heads:
         return []
-    frames = []
-    for s in dump[heads[-1].end():].splitlines()[1:]:
-        m = FRAME.match(s)
-        if not m and s.strip() in ("Garbage-collecting", "<no Python frame>"):  # faulthandler's notes between frames
-            continue
-        if not m:
-            break
-        frames.append((_short(m[1]), m[2], m[3]))
+    frames = _frames(dump[heads[-1].end():].splitlines()[1:])
     mine = [f for f in frames if not f[0].startswith(RUNNER) and not _stdlib(f[0])]
     own = next((f for f in mine if f[0].startswith(f"{OWN_PACKAGE}/")), mine[0] if mine else None)
-    engine = next((f for f in frames if f[0].split("/", 1)[0] in ENGINE_PACKAGES), None)
-    return list(dict.fromkeys(f"{f[0]}:{f[1]} ({f[2]})" for f in (own, engine) if f))
+    return list(dict.fromkeys(_where(f) for f in (own, _engine_frame(frames)) if f))
 
 
 def _short(path: str) -> str:

@@ -205,6 +205,17 @@ class SlotScan:
     def ok(self) -> bool:
         return self.nonfinite == 0 and self.bad_scales == 0 and self.state_nonfinite == 0
 
+    @classmethod
+    def merged(cls, scans: list[dict]) -> SlotScan:
+        """One scan of the whole cache from its processes' (each its shard, as a dict: slots count once per shard),
+        with the first bad slot any of them found."""
+        out = cls()
+        for s in scans:
+            for key in ("slots", "nonfinite", "bad_scales", "state_blocks", "state_nonfinite"):
+                setattr(out, key, getattr(out, key) + s[key])
+            out.first = out.first or s["first"]
+        return out
+
 
 def scan_slots(view, slots) -> SlotScan:
     """NaN/Inf in k/v and bad scale values, over ``slots`` (an int64 tensor); a slot counts once

@@ -1,5 +1,6 @@
 """wake-cycle's scan of a KV cache split over worker processes (tensor parallelism): each process scans its shard,
-and the case's scan is their sum, the first bad slot any of them found (kvdiag/checks/wake_cycle/kv_steps.py)."""
+and the case's scan is their sum, the first bad slot any of them found (kv_tensors.SlotScan.merged,
+poison's too)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ def test_the_shards_scans_sum_to_the_whole_cache_and_keep_the_first_bad_slot():
     from dataclasses import asdict
 
     from kvdiag.checks.kv_tensors import SlotScan
-    from kvdiag.checks.wake_cycle.kv_steps import merged
+
+    merged = SlotScan.merged
 
     clean = SlotScan(slots=40)
     bad = SlotScan(slots=40, nonfinite=3, bad_scales=1, first={"tensor": "k", "block": 7, "offset": 2})

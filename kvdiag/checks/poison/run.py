@@ -13,6 +13,7 @@ from kvdiag.checks.common import (
     spec_starter,
     start_or_record,
 )
+from kvdiag.checks.kv_tensors import SlotScan
 from kvdiag.checks.kv_where import on_kv
 from kvdiag.checks.poison import steps
 from kvdiag.checks.poison.params import PoisonParams
@@ -118,10 +119,11 @@ def run_waves(engine, waves: list[Wave], value: str, seed: int):
         stats["poisoned_blocks"] += len(free)
         stats["fresh_blocks"] += len(set().union(*(s["fresh"] for s in scans)))
         stats["fresh_state_blocks"] += max(s["fresh_state_blocks"] for s in scans)
-        for key in ("kv_slots_scanned", "kv_nonfinite", "kv_bad_scales", "kv_state_nonfinite"):
-            stats[key] += sum(s[key] for s in scans)
-        first = next((s["first"] for s in scans if s["first"]), None)
-        stats["kv_first_bad"] = stats["kv_first_bad"] or (dict(first, wave=n) if first else None)
+        scan = SlotScan.merged([s["scan"] for s in scans])
+        for key, n_bad in (("kv_slots_scanned", scan.slots), ("kv_nonfinite", scan.nonfinite),
+                           ("kv_bad_scales", scan.bad_scales), ("kv_state_nonfinite", scan.state_nonfinite)):
+            stats[key] += n_bad
+        stats["kv_first_bad"] = stats["kv_first_bad"] or (dict(scan.first, wave=n) if scan.first else None)
     return outs, stats
 
 

@@ -5,6 +5,8 @@ slots the wave wrote. Both answer with plain numbers (a worker's answer crosses 
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from kvdiag.checks import kv_tensors
 from kvdiag.checks.kv_where import in_workers, workers_problem
 
@@ -44,6 +46,4 @@ def scan(view, free: list[int]) -> dict:
     fresh = free_ids[per_block[free_ids]]
     states = torch.as_tensor(sorted(view.state_blocks()), dtype=torch.long)
     s = kv_tensors.scan_slots(view, changed.nonzero().flatten())
-    return {"fresh": fresh.tolist(), "fresh_state_blocks": int(torch.isin(fresh, states).sum()),
-            "kv_slots_scanned": s.slots, "kv_nonfinite": s.nonfinite, "kv_bad_scales": s.bad_scales,
-            "kv_state_nonfinite": s.state_nonfinite, "first": s.first}
+    return {"fresh": fresh.tolist(), "fresh_state_blocks": int(torch.isin(fresh, states).sum()), "scan": asdict(s)}

@@ -24,19 +24,9 @@ def mark(view) -> None:
 
 def scan_written(view) -> dict:
     """The slots whose fingerprint changed since ``mark`` and those of the blocks still held, scanned
-    (``kv_tensors.SlotScan`` as a dict)."""
+    (``kv_tensors.SlotScan`` as a dict; the shards' dicts merge with ``SlotScan.merged``)."""
     import torch
 
     changed = (kv_tensors.slot_fingerprint(view) != _MARKS.pop("marks")).nonzero().flatten()
     held = kv_tensors.block_slots(view.used_blocks(), view.block_size)
     return asdict(kv_tensors.scan_slots(view, torch.unique(torch.cat([changed, held]))))
-
-
-def merged(scans: list[dict]) -> kv_tensors.SlotScan:
-    """One scan of the whole cache from its processes' (each scanned its shard: slots count once per shard)."""
-    out = kv_tensors.SlotScan()
-    for s in scans:
-        for key in ("slots", "nonfinite", "bad_scales", "state_blocks", "state_nonfinite"):
-            setattr(out, key, getattr(out, key) + s[key])
-        out.first = out.first or s["first"]
-    return out

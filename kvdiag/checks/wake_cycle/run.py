@@ -141,7 +141,7 @@ def _cycle(engine, n: int, p: WakeParams, prompts, base, expected: int | None) -
     scanned = _reachable(engine, kv_steps.mark)
     out = engine.generate(prompts, p.max_tokens, greedy=True)
     diff = greedy.compare(base, out)
-    scan = kv_steps.merged(on_kv(engine, kv_steps.scan_written)) if scanned else kv_tensors.SlotScan()
+    scan = kv_tensors.SlotScan.merged(on_kv(engine, kv_steps.scan_written)) if scanned else kv_tensors.SlotScan()
     problems = mem.problems + _output_problems(diff, scan, p, prompts, engine)
     row = {"cycle": n, "level": p.level, "staged": p.staged, **mem.row(), "identical": diff.identical,
            "max_dlogprob": diff.max_dlogprob, "nonfinite_logprobs": diff.nonfinite, "kv_slots_scanned": scan.slots,
