@@ -61,6 +61,19 @@ def test_logprob_shift_is_held_to_floor_times_factor(shift, floor_d, expect_fail
     assert floor.tolerance(1e-4, 4.0) == pytest.approx(max(1e-4, 4 * floor_d))
 
 
+def test_a_drift_names_the_kind_of_floor_run_that_set_its_floor_and_survives_the_record():
+    """On gemma3 on the GPU the window fault's 0.22 sat under 4 x a floor of 0.066 that a probe of one of its runs put
+    at 0.017: the floor keeps each kind of run's largest difference, and a drift says which one set it."""
+    floor, other = Floor(), Floor()
+    floor.add(distance(COLD, [comp([5, 6, 7, 8], [-0.1, -0.21, -0.3, -0.4]), COLD[1]]), "second cold run")
+    other.add(distance(COLD, [comp([5, 6, 7, 8], [-0.1, -0.2, -0.35, -0.4]), COLD[1]]), "reordered batches")
+    floor.merge(other)
+    assert floor.parts == pytest.approx({"second cold run": 0.01, "reordered batches": 0.05})
+    run = [comp([5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.7]), COLD[1]]
+    (found,) = judge(distance(COLD, run), Floor(**vars(floor)), 1e-4, 4.0)  # as the reference case's record
+    assert found[1] == "logprob_drift" and "(floor 0.05, set by the reordered batches, x 4," in found[2], found[2]
+
+
 def test_nonfinite_logprobs_fail():
     run = [comp([5, 6, 7, 8], [-0.1, math.nan, -0.3, -0.4]), COLD[1]]
     assert ("error", "nan_output") in codes(judge(distance(COLD, run), Floor(), 1e-4, 4.0))

@@ -52,13 +52,13 @@ def floor_runs(engine, prompts, cold, max_tokens: int, layouts: dict | None = No
     reference engine's runs of the same layout (``layouts.pair``)."""
     floor = Floor()
     reset(engine)
-    floor.add(distance(cold, generate(engine, prompts, max_tokens, "second cold run")))
+    floor.add(distance(cold, generate(engine, prompts, max_tokens, "second cold run")), "second cold run")
     back: list = [None] * len(prompts)
     for ix, batch in workload.reordered(prompts, "all_but_one"):
         reset(engine)
         for i, c in zip(ix, generate(engine, batch, max_tokens, "reordered cold runs")):
             back[i] = c
-    floor.add(distance(cold, back))
+    floor.add(distance(cold, back), "reordered batches")
     if layouts is not None:
         layouts["all_but_one"] = back
     # a part of each output fed back as prompt, in the reordered batches: K/V a prefill computed where decode
@@ -72,7 +72,7 @@ def floor_runs(engine, prompts, cold, max_tokens: int, layouts: dict | None = No
             for i, c in zip(ix, generate(engine, batch, max_tokens - min(cuts[j] for j in ix), "recomputed runs")):
                 again[i] = c
         parts = [part(a, 0, len(c.token_ids) - k) for a, c, k in zip(again, cold, cuts)]
-        floor.add(distance([part(c, k) for c, k in zip(cold, cuts)], parts))
+        floor.add(distance([part(c, k) for c, k in zip(cold, cuts)], parts), "recomputed halves")
         if layouts is not None:
             layouts["recomputed"] = (cuts, parts)
     return floor
@@ -99,7 +99,8 @@ def recompute_floor(engine, prompts, max_tokens: int, points, name: str | None) 
         reset(engine)
         fed = list(prompts[i]) + alone[i].token_ids[:k]
         (again,) = generate(engine, [fed], max_tokens - k, "a preempted prompt recomputed alone")
-        floor.add(distance([part(alone[i], k)], [part(again, 0, len(alone[i].token_ids) - k)]))
+        floor.add(distance([part(alone[i], k)], [part(again, 0, len(alone[i].token_ids) - k)]),
+                  "recompute at its preemption point")
     after = counter(engine, name)
     if floor.runs == 0 or (before is not None and after != before):
         return None

@@ -85,19 +85,28 @@ class Floor:
     max_dlogprob: float = 0.0
     diverged: int = 0  # requests that diverged in some floor run
     runs: int = 0
+    parts: dict = field(default_factory=dict)  # the largest |Δ logprob| of each kind of floor run: which set it
 
-    def add(self, d: Distance) -> None:
-        self.max_dlogprob = max(self.max_dlogprob, d.max_dlogprob) if math.isfinite(d.max_dlogprob) else math.inf
+    def add(self, d: Distance, name: str = "floor run") -> None:
+        dl = d.max_dlogprob if math.isfinite(d.max_dlogprob) else math.inf
+        self.max_dlogprob = max(self.max_dlogprob, dl)
         self.diverged = max(self.diverged, len(d.divergences))
         self.runs += 1
+        self.parts[name] = max(self.parts.get(name, 0.0), dl)
 
     def merge(self, other: "Floor") -> None:
         self.max_dlogprob = max(self.max_dlogprob, other.max_dlogprob)
         self.diverged = max(self.diverged, other.diverged)
         self.runs += other.runs
+        for name, dl in other.parts.items():
+            self.parts[name] = max(self.parts.get(name, 0.0), dl)
 
     def tolerance(self, logprob_tol: float, factor: float) -> float:
         return max(logprob_tol, factor * self.max_dlogprob)
+
+    def set_by(self) -> str:
+        """", set by <the kind of floor run whose difference is the floor>", where the parts are known."""
+        return f", set by the {max(self.parts, key=self.parts.get)}" if self.parts and self.max_dlogprob else ""
 
 
 def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float) -> list[tuple[str, str, str]]:
@@ -116,7 +125,8 @@ def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float) -> list[
                     f"cold run's top two were within {tol:.3g} (noise the floor allows)"))
     if not math.isfinite(d.max_dlogprob) or d.max_dlogprob > tol:
         out.append(("error", "logprob_drift", f"max |Δ logprob| {d.max_dlogprob:.3g} before any divergence > "
-                    f"{tol:.3g} (floor {floor.max_dlogprob:.3g} x {factor:g}, at least {logprob_tol:g})"))
+                    f"{tol:.3g} (floor {floor.max_dlogprob:.3g}{floor.set_by()}, x {factor:g}, "
+                    f"at least {logprob_tol:g})"))
     if d.nonfinite:
         out.append(("error", "nan_output", f"{d.nonfinite} non-finite logprobs"))
     return out

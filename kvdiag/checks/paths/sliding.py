@@ -128,7 +128,7 @@ def serve(case, ctx, p, path, engine, prompts, spec, need, config, env):
     fed = [replace(f, prompt_token_ids=[]) for f in fed]
     n = len(at["inside"])
     floor = Floor()
-    floor.add(distance(ref[:n], fed[:n]))
+    floor.add(distance(ref[:n], fed[:n]), "decode against prefill inside the window")
     # past the window a decode and a prefill may differ legitimately (on an H200, vLLM 0.24: 0.017, and 0 inside
     # it): each prompt decoded alone, where the only request to take the blocks a request frees is itself (its
     # writes land as the old positions leave the window), is that noise, held to the same prefills
@@ -136,7 +136,7 @@ def serve(case, ctx, p, path, engine, prompts, spec, need, config, env):
     alone = [generate(engine, [q], tokens, "each prompt alone")[0] for q in prompts]
     same = [j for j, (i, k) in enumerate(at["past"]) if alone[i].token_ids[:k + 1] == decoded[i].token_ids[:k + 1]]
     floor.add(distance([part(alone[at["past"][j][0]], at["past"][j][1], at["past"][j][1] + 1) for j in same],
-                       [fed[n + j] for j in same]))
+                       [fed[n + j] for j in same]), "each prompt alone past the window")
     short = max(1, window - max(len(x) for x in prompts) - 1)  # the check's floor runs, inside the window
     floor.merge(floor_runs(engine, prompts, [part(c, 0, short) for c in decoded], short))
     notes = {"window": window, "block_size": block, "generated": tokens, "floor_tokens": short,
