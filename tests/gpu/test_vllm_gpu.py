@@ -780,6 +780,30 @@ def test_tp2_storage_audit_sums_the_workers_shards_to_one_gpus_audit():
         assert st_b.pop("shards") == 2 and st_b == st_a, (a["id"], st_a, st_b)
 
 
+@TWO_GPUS
+def test_tp2_hybrid_wakes_and_poisons_its_state_blocks_as_one_gpu():
+    """Issue 47, the hybrid at tensor_parallel_size 2 (zoo:granite-hybrid): wake-cycle frees and restores the workers'
+    cache and scans each shard, its state blocks too; poison fills, hands out and scans the same blocks as one GPU,
+    each written slot once per shard (two H200s: 524 MiB freed, 6912 slots a cycle; 168 / 48 / 16 blocks)."""
+    hybrid = ("-e", "vllm", "-m", "zoo:granite-hybrid", "-d", "auto", "-a", "enforce_eager=true", "-a",
+              f"kv_cache_memory_bytes={256 << 20}")
+    code, run, _ = kvdiag("wake-hybrid-tp2", "wake-cycle", *hybrid, "-l", "1", "-l", "2", "-a",
+                          "tensor_parallel_size=2")
+    for c in run["cases"]:
+        cycles = c["metrics"]["cycles"]
+        assert all(r["identical"] and r["restored"] and r["freed_ok"] and r["kv_slots_scanned"] > 0
+                   and r["kv_nonfinite"] == 0 for r in cycles), (c["id"], cycles)
+        assert c["status"] == "pass", (c["id"], c["findings"])
+    assert code == 0 and len(run["cases"]) == 2
+    _, one, _ = kvdiag("poison-hybrid-tp1", "poison", *hybrid)
+    _, two, _ = kvdiag("poison-hybrid-tp2", "poison", *hybrid, "-a", "tensor_parallel_size=2")
+    (a,), (b,) = one["cases"], two["cases"]
+    blocks = ("poisoned_blocks", "fresh_blocks", "fresh_state_blocks")
+    assert [b["metrics"][k] for k in blocks] == [a["metrics"][k] for k in blocks] and a["metrics"]["fresh_state_blocks"]
+    assert b["metrics"]["kv_slots_scanned"] == 2 * a["metrics"]["kv_slots_scanned"]
+    assert a["status"] == b["status"] == "pass", (a["findings"], b["findings"])
+
+
 @pytest.mark.parametrize("model,dtype", [("tiny", "auto"), ("tiny", "fp8"), ("zoo:qwen3", "auto"),
                                          ("zoo:qwen3", "fp8")])
 def test_conversation_tasks_score_what_a_plain_vllm_chat_loop_scores(model, dtype):
