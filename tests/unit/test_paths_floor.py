@@ -72,6 +72,14 @@ def test_a_drift_names_the_kind_of_floor_run_that_set_its_floor_and_survives_the
     run = [comp([5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.7]), COLD[1]]
     (found,) = judge(distance(COLD, run), Floor(**vars(floor)), 1e-4, 4.0)  # as the reference case's record
     assert found[1] == "logprob_drift" and "(floor 0.05, set by the reordered batches, x 4," in found[2], found[2]
+    from types import SimpleNamespace as NS
+
+    from kvdiag.checks.paths.tables import tables
+
+    ref = NS(kv_dtype="auto", status="pass", params={}, findings=[], metrics={
+        "path": "cold", "role": "reference", "requests": 2, "tokens": 7, "floor": vars(floor)})
+    rows = next(r for name, _, r in tables(NS(cases=[ref])) if name == "paths per case")
+    assert rows[0][3] == "0.05 (reordered batches)"  # report.md/html say which run set the floor
 
 
 def test_nonfinite_logprobs_fail():

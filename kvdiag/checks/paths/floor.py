@@ -104,9 +104,12 @@ class Floor:
     def tolerance(self, logprob_tol: float, factor: float) -> float:
         return max(logprob_tol, factor * self.max_dlogprob)
 
+    def setter(self) -> str:
+        """The kind of floor run whose difference is the floor ("" where none differed or the parts are not known)."""
+        return max(self.parts, key=self.parts.get) if self.parts and self.max_dlogprob else ""
+
     def set_by(self) -> str:
-        """", set by <the kind of floor run whose difference is the floor>", where the parts are known."""
-        return f", set by the {max(self.parts, key=self.parts.get)}" if self.parts and self.max_dlogprob else ""
+        return f", set by the {self.setter()}" if self.setter() else ""
 
 
 def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float) -> list[tuple[str, str, str]]:

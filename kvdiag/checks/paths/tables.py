@@ -20,7 +20,8 @@ def tables(run) -> list[tuple[str, list[str], list[list[str]]]]:
     rows = []
     for c in run.cases:
         x = cells(c)
-        rows.append([_path(c), c.kv_dtype, c.status, x["floor"], x["max"], x["differ"], x["first"], x["taken"]])
+        floor = x["floor"] + (f" ({x['floor_by']})" if x["floor_by"] else "")
+        rows.append([_path(c), c.kv_dtype, c.status, floor, x["max"], x["differ"], x["first"], x["taken"]])
     return [("paths: path x kv dtype", ["path", *dtypes], grid),
             ("paths per case", ["path", "kv dtype", "status", "floor |Δ|", "max |Δ logprob|", "prompts differ",
                                 "first difference", "taken"], rows)]

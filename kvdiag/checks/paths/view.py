@@ -6,18 +6,20 @@ from kvdiag.render.cells import VERDICTS
 
 
 def cells(c) -> dict:
-    """What the terminal table and report.md/html show of one case (``tables.py`` reads the same)."""
+    """What the terminal table and report.md/html show of one case (``tables.py`` reads the same; ``floor_by``, the
+    kind of run that set the floor, only the reports: the terminal has no room)."""
+    from kvdiag.checks.paths.floor import Floor
     from kvdiag.render.cells import fmt_value
 
     m = c.metrics
-    if m.get("role") == "reference":  # what the paths of its dtype are held to: its floor
-        floor = m.get("floor") or {}
-        return {"floor": fmt_value(floor.get("max_dlogprob")), "max": "-", "differ": "-",
-                "first": f"reference: {m.get('requests')} prompts, {m.get('tokens')} tokens", "taken": "-"}
-    if "max_dlogprob" not in m:
-        return {"floor": "-", "max": "-", "differ": "-", "first": _first_finding(c), "taken": "-"}
     floor = m.get("floor") or {}
-    return {"floor": fmt_value(floor.get("max_dlogprob")), "max": fmt_value(m["max_dlogprob"]),
+    by = {"floor_by": Floor(**floor).setter() if floor else ""}
+    if m.get("role") == "reference":  # what the paths of its dtype are held to: its floor
+        return {"floor": fmt_value(floor.get("max_dlogprob")), "max": "-", "differ": "-",
+                "first": f"reference: {m.get('requests')} prompts, {m.get('tokens')} tokens", "taken": "-", **by}
+    if "max_dlogprob" not in m:
+        return {"floor": "-", "max": "-", "differ": "-", "first": _first_finding(c), "taken": "-", "floor_by": ""}
+    return {**by, "floor": fmt_value(floor.get("max_dlogprob")), "max": fmt_value(m["max_dlogprob"]),
             "differ": f"{m['diverged_requests']}/{m['requests']}", "first": first_difference(m) or _first_finding(c),
             "taken": "-" if m.get("counted") is None else str(m["counted"])}
 
