@@ -53,12 +53,14 @@ def hang_dumping_late(case, ctx):
     """Hangs; its stack dump begins 0.6 s after the runner asks for it (as it did in vLLM cases on the GPU)."""
     import faulthandler
 
+    from kvdiag.death import DUMP_SIGNAL
+
     def late(signum, frame):
         time.sleep(0.6)
         faulthandler.dump_traceback(all_threads=True)
 
-    faulthandler.unregister(signal.SIGUSR1)
-    signal.signal(signal.SIGUSR1, late)
+    faulthandler.unregister(getattr(signal, DUMP_SIGNAL))
+    signal.signal(getattr(signal, DUMP_SIGNAL), late)
     print("about to hang", flush=True)
     time.sleep(3600)
 

@@ -109,7 +109,7 @@ class Floor:
         return max(self.parts, key=self.parts.get) if self.parts and self.max_dlogprob else ""
 
     def set_by(self) -> str:
-        return f", set by the {self.setter()}" if self.setter() else ""
+        return f", set by the {by}" if (by := self.setter()) else ""
 
 
 def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float) -> list[tuple[str, str, str]]:

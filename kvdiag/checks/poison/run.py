@@ -120,9 +120,10 @@ def run_waves(engine, waves: list[Wave], value: str, seed: int):
         stats["fresh_blocks"] += len(set().union(*(s["fresh"] for s in scans)))
         stats["fresh_state_blocks"] += max(s["fresh_state_blocks"] for s in scans)
         scan = SlotScan.merged([s["scan"] for s in scans])
-        for key, n_bad in (("kv_slots_scanned", scan.slots), ("kv_nonfinite", scan.nonfinite),
-                           ("kv_bad_scales", scan.bad_scales), ("kv_state_nonfinite", scan.state_nonfinite)):
-            stats[key] += n_bad
+        stats["kv_slots_scanned"] += scan.slots
+        stats["kv_nonfinite"] += scan.nonfinite
+        stats["kv_bad_scales"] += scan.bad_scales
+        stats["kv_state_nonfinite"] += scan.state_nonfinite
         stats["kv_first_bad"] = stats["kv_first_bad"] or (dict(scan.first, wave=n) if scan.first else None)
     return outs, stats
 
