@@ -262,20 +262,26 @@ def test_the_chunk_and_draft_faults_are_caught_on_their_paths_in_a_minute():
     assert code == 0 and time.perf_counter() - t < 120
 
 
-@pytest.mark.xfail(strict=True, reason="open (issue 46): on two H200s, eager, the window fault's 0.22 sat under 4 x "
-                   "zoo:gemma3's floor 0.066 (docs/vllm-gpu-results.md, 'Where each path stands')")
-def test_the_window_fault_is_caught_on_gemma3_and_the_floor_says_which_run_set_it():
-    """Issue 46: `swa_frees_window_block` frees a block one token early (the probe: 0.191 past the window, 0.017
-    for each prompt alone). The run logs the floor's parts (``Floor.parts``) of the clean and the faulty engine, so
-    that the run which sets the floor is known, then asks for the catch."""
+def test_the_window_fault_is_caught_on_gemma3_by_the_batch_against_each_prompt_alone():
+    """Issue 46: `swa_frees_window_block` frees a block one token early. Against prefills at the cuts its 0.22 sat
+    under 4 x the floor 0.066 that decode-against-prefill sets past the window in bf16 (2 H200s, session 19). The
+    batch decoded against each prompt decoded alone moves no position on the clean engine and 76 of 584 under the
+    fault (4 H200s, session 20; the plain probe: 0 of 884 and 80 of 809): caught, and the clean engine passes.
+    Logs both comparisons' numbers."""
     code, run, _ = kvdiag("selftest-window", "selftest", "-e", "vllm", "-c", "paths", "--fault",
                           "swa_frees_window_block", "--timeout", "300", timeout=900)
-    parts = {c["id"]: (c["metrics"].get("floor") or {}).get("parts") for c in run["cases"]
-             if c["metrics"].get("path") == "sliding-window"}
+    from kvdiag.checks.paths.sliding import ALONE
+
+    cases = [c for c in run["cases"] if c["metrics"].get("path") == "sliding-window"]
     with open(OUT / "commands.jsonl", "a") as f:
-        f.write(json.dumps({"name": "selftest-window-floor-parts", "parts": parts}) + "\n")
+        f.write(json.dumps({"name": "selftest-window-comparisons", "cases": {
+            c["id"]: {"floor_parts": (c["metrics"].get("floor") or {}).get("parts"),
+                      "against_prefill": c["metrics"].get("max_dlogprob"), ALONE: c["metrics"].get(ALONE)}
+            for c in cases}}) + "\n")
     rows = {r["fault"]: r for r in run["analysis"]["selftest"]["faults"]}
-    assert rows["swa_frees_window_block"]["status"] == "caught", (rows, parts)
+    assert rows["swa_frees_window_block"]["status"] == "caught", rows
+    clean = next(c for c in cases if "/clean/" in c["id"])
+    assert clean["status"] == "pass" and clean["metrics"][ALONE]["positions"] > 100, clean["findings"]
 
 
 def test_the_default_sweep_says_unsupported_up_front_and_crashed_with_the_stage():
@@ -854,15 +860,19 @@ def test_tp4_with_two_kv_heads_holds_each_head_on_two_gpus_and_scores_as_one_gpu
 
 
 @FOUR_GPUS
-def test_a_sweep_of_an_8b_model_over_four_gpus_takes_at_most_half_of_one_gpus_time(tmp_path):
+def test_a_sweep_of_an_8b_model_over_four_gpus_takes_at_most_60_percent_of_one_gpus_time(tmp_path):
     """Issue 47: kvdiag accuracy -e vllm spreads its cases over the visible GPUs. A random-weight model of
-    Llama-3.1-8B's shapes (16 GB of weights) and every cache dtype vLLM has: one GPU holds a few engines at once
-    (as many as 80% of its memory holds), four hold four times as many. The same scores, in at most half the time
-    (the ratio is logged in commands.jsonl)."""
+    Llama-3.1-8B's shapes (16 GB of weights), the default tasks and every cache dtype vLLM has: one GPU holds 3
+    engines at once (80% of its memory), four hold 12, so the 11 that start run in 4 waves on one GPU, 1 on four.
+    Both runs pay kvdiag's start and vLLM's import once (about 20 s); the kernels are compiled first, by a short
+    run of every dtype. Measured on 4 H200s: 118.7 s and 56.5 s (0.48). The same verdicts and scores; the ratio
+    is logged in commands.jsonl."""
     model = tmp_path / "llama-3.1-8b"
     subprocess.run([sys.executable, "-m", "kvdiag.models.gen", "llama-3.1-8b", str(model), "--device", "cuda"],
                    check=True, timeout=900)
-    args = ("accuracy", "-e", "vllm", "-m", str(model), "-t", "kv_recall", "--limit", "20", "-a", "enforce_eager=true")
+    kvdiag("sweep-8b-compile", "accuracy", "-e", "vllm", "-m", str(model), "-t", "kv_recall", "--limit", "2", "-a",
+           "enforce_eager=true", timeout=3000)
+    args = ("accuracy", "-e", "vllm", "-m", str(model), "-a", "enforce_eager=true")
     t = time.perf_counter()
     _, one, _ = kvdiag("sweep-8b-1gpu", *args, env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=3000)
     t_one, t = time.perf_counter() - t, time.perf_counter()
@@ -871,9 +881,14 @@ def test_a_sweep_of_an_8b_model_over_four_gpus_takes_at_most_half_of_one_gpus_ti
     with open(OUT / "commands.jsonl", "a") as f:
         f.write(json.dumps({"name": "sweep-8b-ratio", "one_gpu_s": round(t_one, 1), "four_gpus_s": round(t_four, 1),
                             "ratio": round(t_four / t_one, 3), "cases": len(one["cases"])}) + "\n")
-    status = {c["kv_dtype"]: c["status"] for c in one["cases"]}
-    assert status == {c["kv_dtype"]: c["status"] for c in four["cases"]}
-    assert t_four <= 0.5 * t_one, (t_one, t_four)
+
+    def verdicts(run):
+        return {c["kv_dtype"]: (c["status"], {t: m.get("acc", {}).get("score") for t, m in
+                                             (c["metrics"].get("scores") or {}).items()}) for c in run["cases"]}
+
+    assert verdicts(one) == verdicts(four)
+    assert {c["environment"].get("gpu") for c in four["cases"] if c["status"] != "unsupported"} == {"0", "1", "2", "3"}
+    assert t_four <= 0.6 * t_one, (t_one, t_four)
 
 
 NEEDLE = [("tiny", []), ("zoo:qwen3", []), ("zoo:gemma3", ["max_model_len=8192"])]

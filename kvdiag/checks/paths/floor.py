@@ -30,6 +30,12 @@ class Divergence:
     margin: float | None  # the cold run's top-1 minus top-2 logprob there (None: not known)
 
 
+MOVE_STEPS = (1e-4, 1e-2, 0.1)  # |Δ logprob| past which a position's move is counted (Distance.moved_by)
+# a comparison judged by the share of positions that moved past MOVED_BY: the share noise may move. Noise moves
+# few positions by a little, or by a whole step of a bf16 logit (1/16 to 1/4); a fault many (docs/DESIGN.md)
+MOVED_BY, MOVED_SHARE = 1e-2, 0.03
+
+
 @dataclass
 class Distance:
     """One run against the cold run."""
@@ -39,6 +45,16 @@ class Distance:
     max_dlogprob: float = 0.0
     nonfinite: int = 0
     divergences: list[Divergence] = field(default_factory=list)  # each diverging request's first divergence
+    compared: int = 0  # positions before each request's first divergence
+    moved_by: dict = field(default_factory=dict)  # of them, how many moved more than each of MOVE_STEPS
+
+    @property
+    def moved(self) -> int:
+        return self.moved_by.get(str(MOVED_BY), 0)
+
+    @property
+    def moved_share(self) -> float:
+        return self.moved / self.compared if self.compared else 0.0
 
     def hard(self, tol: float) -> list[Divergence]:
         """The divergences that are not near-ties at ``tol``."""
@@ -50,7 +66,7 @@ class Distance:
         return {"requests": self.requests, "tokens": self.tokens, "max_dlogprob": self.max_dlogprob,
                 "diverged_requests": len(self.divergences), "hard_divergences": len(hard),
                 "diverged_share": len(self.divergences) / self.requests if self.requests else 0.0,
-                "nonfinite_logprobs": self.nonfinite,
+                "nonfinite_logprobs": self.nonfinite, "positions": self.compared, "moved_by": self.moved_by,
                 "first_difference": vars(hard[0] if hard else first) if first else None}
 
 
@@ -58,10 +74,14 @@ def distance(cold, run) -> Distance:
     """``run``'s completions against ``cold``'s (the same prompts, in the same order)."""
     g = greedy.compare(cold, run)
     d = Distance(requests=g.requests, tokens=g.tokens, max_dlogprob=g.max_dlogprob, nonfinite=g.nonfinite)
+    moves = []
     for r, (a, b) in enumerate(zip(cold, run)):
         pos = greedy.first_divergence(a.token_ids, b.token_ids)
         if pos is not None:
             d.divergences.append(Divergence(r, pos, _at(a.token_ids, pos), _at(b.token_ids, pos), margin(a, pos)))
+        moves += [abs(x - y) for x, y in zip(a.logprobs[:pos], b.logprobs[:pos])]
+    d.compared = len(moves)
+    d.moved_by = {str(step): sum(not m <= step for m in moves) for step in MOVE_STEPS}  # NaN: moved
     return d
 
 
@@ -86,17 +106,20 @@ class Floor:
     diverged: int = 0  # requests that diverged in some floor run
     runs: int = 0
     parts: dict = field(default_factory=dict)  # the largest |Δ logprob| of each kind of floor run: which set it
+    moved_share: float = 0.0  # the largest share of positions a floor run moved (Distance.moved_share)
 
     def add(self, d: Distance, name: str = "floor run") -> None:
         dl = d.max_dlogprob if math.isfinite(d.max_dlogprob) else math.inf
         self.max_dlogprob = max(self.max_dlogprob, dl)
         self.diverged = max(self.diverged, len(d.divergences))
+        self.moved_share = max(self.moved_share, d.moved_share)
         self.runs += 1
         self.parts[name] = max(self.parts.get(name, 0.0), dl)
 
     def merge(self, other: "Floor") -> None:
         self.max_dlogprob = max(self.max_dlogprob, other.max_dlogprob)
         self.diverged = max(self.diverged, other.diverged)
+        self.moved_share = max(self.moved_share, other.moved_share)
         self.runs += other.runs
         for name, dl in other.parts.items():
             self.parts[name] = max(self.parts.get(name, 0.0), dl)
@@ -112,8 +135,14 @@ class Floor:
         return f", set by the {by}" if (by := self.setter()) else ""
 
 
-def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float) -> list[tuple[str, str, str]]:
-    """(severity, code, message) of a path's distance from the cold run, held to the floor."""
+
+
+def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float,
+          share_of: Floor | None = None) -> list[tuple[str, str, str]]:
+    """(severity, code, message) of a path's distance from the cold run, held to the floor. ``share_of``: judge the
+    logprobs by the share of positions that moved, against that floor's share (x ``factor``, at least
+    MOVED_SHARE), not by the largest move: for two runs whose noise is a rare whole step (``floor`` still sets
+    the tolerance of a near-tie)."""
     tol = floor.tolerance(logprob_tol, factor)
     out = []
     hard = d.hard(tol)
@@ -126,7 +155,14 @@ def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float) -> list[
     elif d.divergences:
         out.append(("info", "near_tie", f"{len(d.divergences)}/{d.requests} requests differ, each first where the "
                     f"cold run's top two were within {tol:.3g} (noise the floor allows)"))
-    if not math.isfinite(d.max_dlogprob) or d.max_dlogprob > tol:
+    if share_of is not None:
+        allowed = max(MOVED_SHARE, factor * share_of.moved_share)
+        if d.moved_share > allowed:
+            out.append(("error", "logprob_drift", f"{d.moved}/{d.compared} positions moved (|Δ logprob| > "
+                        f"{MOVED_BY:g}, at most {d.max_dlogprob:.3g}) before any divergence: a share of "
+                        f"{d.moved_share:.3g} > {allowed:.3g} (floor {share_of.moved_share:.3g}, x {factor:g}, at "
+                        f"least {MOVED_SHARE:g})"))
+    elif not math.isfinite(d.max_dlogprob) or d.max_dlogprob > tol:
         out.append(("error", "logprob_drift", f"max |Δ logprob| {d.max_dlogprob:.3g} before any divergence > "
                     f"{tol:.3g} (floor {floor.max_dlogprob:.3g}{floor.set_by()}, x {factor:g}, "
                     f"at least {logprob_tol:g})"))

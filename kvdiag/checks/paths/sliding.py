@@ -11,6 +11,10 @@ cuts whose length stays inside the window (nothing freed yet), at the cuts past 
 generations that stay inside the window: a batch run past it would take the path, and a fault's effect would
 widen the floor that should expose it.
 
+A second truth: each prompt decoded alone, at every position (``against_alone``). Both runs decode, so past the
+window only the blocks other requests took tell them apart; judged by the share of positions that moved
+(``floor.MOVED_SHARE``), since decode and prefill in bf16 differ by a whole logit step that hides a small fault.
+
 The pool (``needs``): what the batch holds at its peak when the windows are honoured, and a block of slack, so that
 the blocks freed behind a window are the ones the next allocations get. Pure here but for ``serve``: the unit tests
 hold the sizes and cuts to an independent computation.
@@ -107,7 +111,7 @@ def serve(case, ctx, p, path, engine, prompts, spec, need, config, env):
         reset,
     )
     from kvdiag.checks.paths.floor import Floor, distance
-    from kvdiag.checks.paths.verdict import verdict
+    from kvdiag.checks.paths.verdict import judge_also, verdict
 
     window, tokens, block = need["window"], need["tokens"], block_size(engine, spec)
     prompts = truncate(prompts, window)
@@ -138,8 +142,36 @@ def serve(case, ctx, p, path, engine, prompts, spec, need, config, env):
     floor.add(distance([part(alone[at["past"][j][0]], at["past"][j][1], at["past"][j][1] + 1) for j in same],
                        [fed[n + j] for j in same]), "each prompt alone past the window")
     short = max(1, window - max(len(x) for x in prompts) - 1)  # the check's floor runs, inside the window
-    floor.merge(floor_runs(engine, prompts, [part(c, 0, short) for c in decoded], short))
+    runs = floor_runs(engine, prompts, [part(c, 0, short) for c in decoded], short)
+    floor.merge(runs)
     notes = {"window": window, "block_size": block, "generated": tokens, "floor_tokens": short,
              "inside_cuts": at["inside"], "cuts": at["past"],
              "preemptions": None if after is None else after - (preempted or 0)}
-    return verdict(case, p, path, config, floor, Trial(ref[n:], fed[n:], counted, notes), env)
+    rec = verdict(case, p, path, config, floor, Trial(ref[n:], fed[n:], counted, notes), env)
+    # the batch against each prompt alone, at every position: both decode, so past the window they differ by the
+    # blocks other requests took (and the batch's noise: its share inside the window, the floor runs'). A small
+    # fault moves a logprob by a step of a bf16 logit as noise does, but at many positions (docs/DESIGN.md)
+    alone_ref, batch, requests, share = against_alone(decoded, alone, prompts, window)
+    share.merge(runs)
+    judge_also(rec, p, path, ALONE, floor, share, alone_ref, batch, requests)
+    return rec
+
+
+ALONE = "the batch against each prompt alone"
+
+
+def against_alone(decoded, alone, prompts, window):
+    """The batch's decode past the window against each prompt's decode alone: (alone's parts, the batch's parts,
+    [(prompt, first position)] of each, their floor: the same two inside the window, where nothing is freed yet).
+    A prompt whose batch and lone tokens differ inside the window is left out past it (the floor says so)."""
+    from kvdiag.checks.paths.engine_runs import part
+    from kvdiag.checks.paths.floor import Floor, distance
+
+    inside = [max(0, window - len(q)) for q in prompts]  # generated positions whose context fits the window
+    floor = Floor()
+    floor.add(distance([part(a, 0, k) for a, k in zip(alone, inside)],
+                       [part(d, 0, k) for d, k in zip(decoded, inside)]), f"{ALONE} inside the window")
+    keep = [i for i, k in enumerate(inside) if alone[i].token_ids[:k] == decoded[i].token_ids[:k]
+            and len(decoded[i].token_ids) > k]
+    return ([part(alone[i], inside[i]) for i in keep], [part(decoded[i], inside[i]) for i in keep],
+            [(i, inside[i]) for i in keep], floor)

@@ -37,6 +37,24 @@ def judge_into(rec, p, path, floor, reference, out, trial) -> None:
     rec.status = "fail" if any(f.severity == "error" for f in rec.findings) else "pass"
 
 
+def judge_also(rec, p, path, label: str, floor, share_of, reference, out, requests) -> None:
+    """A second comparison of the path in ``rec`` (the sliding window's batch against each prompt alone), judged by
+    the share of positions it moved against ``share_of`` (``floor.judge``); near-ties by ``floor``. Its numbers go
+    under ``metrics[label]``, its findings say ``label``. ``requests``: (request, first position) of each compared
+    completion, to name a divergence."""
+    from kvdiag.checks.paths.floor import distance, judge
+
+    d = distance(reference, out)
+    for x in d.divergences:
+        x.request, x.position = requests[x.request][0], requests[x.request][1] + x.position
+    tol = floor.tolerance(p.logprob_tol, p.floor_factor)
+    rec.metrics[label] = {"floor": vars(share_of), "tolerance": tol, **d.metrics(tol)}
+    for severity, kind, message in judge(d, floor, p.logprob_tol, p.floor_factor, share_of):
+        rec.add(severity, kind, f"{path.name}, {label}: {message}")
+    if any(f.severity == "error" for f in rec.findings):
+        rec.status = "fail"
+
+
 def analyze(run, p) -> None:
     """Judge every path case that ran in an engine of its own against its reference case."""
     from kvdiag.checks.paths import completions, layouts
