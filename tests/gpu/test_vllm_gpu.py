@@ -810,8 +810,8 @@ def test_tp2_hybrid_wakes_and_poisons_its_state_blocks_as_one_gpu():
     assert a["status"] == b["status"] == "pass", (a["findings"], b["findings"])
 
 
-@pytest.mark.parametrize("model,dtype", [("tiny", "auto"), ("tiny", "fp8"), ("zoo:qwen3", "auto"),
-                                         ("zoo:qwen3", "fp8")])
+@pytest.mark.parametrize("model,dtype", [(m, d) for m in ("tiny", "zoo:qwen3", "zoo:gemma3")
+                                         for d in ("auto", "fp8", "int8_per_token_head")])
 def test_conversation_tasks_score_what_a_plain_vllm_chat_loop_scores(model, dtype):
     """Issue 48: kv_decode and kv_multiturn through kvdiag (its turn runner, its lm_eval model, VllmEngine) against
     tests/support/vllm_turns_probe.py (a plain vLLM chat loop, the prefix cache on), all 100 documents each: the
