@@ -22,17 +22,14 @@ def verdict(case, p, path, config, floor, trial, env: dict):
 
 def judge_into(rec, p, path, floor, reference, out, trial) -> None:
     """Fill ``rec``'s metrics, findings and status from ``out`` against ``reference`` and the floor."""
-    from kvdiag.checks.paths.floor import distance, judge
+    from kvdiag.checks.paths.floor import distance
 
     d = distance(reference, out)
     for x in d.divergences if trial.notes.get("cuts") else ():  # one request a (prompt, position) cut: name those
         x.request, x.position = trial.notes["cuts"][x.request]
     for x in d.divergences if trial.notes.get("labels") else ():  # requests of several batch layouts: say which
         x.request = trial.notes["labels"][x.request]
-    tol = floor.tolerance(p.logprob_tol, p.floor_factor)
-    rec.metrics.update({"floor": vars(floor), "tolerance": tol, **d.metrics(tol)})
-    for severity, kind, message in judge(d, floor, p.logprob_tol, p.floor_factor):
-        rec.add(severity, kind, f"{path.name}: {message}")
+    rec.metrics.update(_judged(rec, p, floor, d, path.name))
     _taken(rec, path, trial)
     rec.status = "fail" if any(f.severity == "error" for f in rec.findings) else "pass"
 
@@ -42,17 +39,25 @@ def judge_also(rec, p, path, label: str, floor, share_of, reference, out, reques
     the share of positions it moved against ``share_of`` (``floor.judge``); near-ties by ``floor``. Its numbers go
     under ``metrics[label]``, its findings say ``label``. ``requests``: (request, first position) of each compared
     completion, to name a divergence."""
-    from kvdiag.checks.paths.floor import distance, judge
+    from kvdiag.checks.paths.floor import distance
 
     d = distance(reference, out)
     for x in d.divergences:
         x.request, x.position = requests[x.request][0], requests[x.request][1] + x.position
-    tol = floor.tolerance(p.logprob_tol, p.floor_factor)
-    rec.metrics[label] = {"floor": vars(share_of), "tolerance": tol, **d.metrics(tol)}
-    for severity, kind, message in judge(d, floor, p.logprob_tol, p.floor_factor, share_of):
-        rec.add(severity, kind, f"{path.name}, {label}: {message}")
+    rec.metrics[label] = _judged(rec, p, floor, d, f"{path.name}, {label}", share_of)
     if any(f.severity == "error" for f in rec.findings):
         rec.status = "fail"
+
+
+def _judged(rec, p, floor, d, said: str, share_of=None) -> dict:
+    """Add to ``rec`` the findings of distance ``d`` held to ``floor`` (``floor.judge``), each message after
+    ``said``; returns the comparison's metrics."""
+    from kvdiag.checks.paths.floor import judge
+
+    tol = floor.tolerance(p.logprob_tol, p.floor_factor)
+    for severity, kind, message in judge(d, floor, p.logprob_tol, p.floor_factor, share_of):
+        rec.add(severity, kind, f"{said}: {message}")
+    return {"floor": vars(share_of or floor), "tolerance": tol, **d.metrics(tol)}
 
 
 def analyze(run, p) -> None:
