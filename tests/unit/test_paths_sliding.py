@@ -295,3 +295,18 @@ def test_a_prompt_the_batch_changes_inside_the_window_is_left_out_past_it_and_a_
     first = rec.metrics[sliding.ALONE]["first_difference"]
     assert rec.status == "fail" and (first["request"], first["position"]) == (1, 6)
     assert "request 1 first differs at generated position 6: 9 instead of 7" in rec.findings[-1].message
+
+
+def test_the_reports_say_how_many_positions_the_batch_moved_against_each_prompt_alone():
+    """report.md/html and the terminal table: a passing sliding-window case with nothing else to say shows its second
+    comparison's count, so a reader sees that it was made and what it found."""
+    from types import SimpleNamespace as NS
+
+    from kvdiag.checks.paths.tables import tables
+
+    prompts, window, n = [[1] * 4] * 8, 8, 50
+    alone = [_decode([7] * n, [-1.0] * n) for _ in prompts]
+    batch = [_decode([7] * n, [-1.0 - 0.25 * (i == 0 and k == 30) for k in range(n)]) for i in range(8)]
+    rec, _, _ = _judged(batch, alone, prompts, window)
+    rows = next(r for name, _, r in tables(NS(cases=[rec])) if name == "paths per case")
+    assert rec.status == "pass" and rows[0][6] == f"{sliding.ALONE}: 1/368 positions moved > 0.01", rows

@@ -20,8 +20,20 @@ def cells(c) -> dict:
     if "max_dlogprob" not in m:
         return {"floor": "-", "max": "-", "differ": "-", "first": _first_finding(c), "taken": "-", "floor_by": ""}
     return {**by, "floor": fmt_value(floor.get("max_dlogprob")), "max": fmt_value(m["max_dlogprob"]),
-            "differ": f"{m['diverged_requests']}/{m['requests']}", "first": first_difference(m) or _first_finding(c),
+            "differ": f"{m['diverged_requests']}/{m['requests']}",
+            "first": first_difference(m) or _first_finding(c) or _also(m),
             "taken": "-" if m.get("counted") is None else str(m["counted"])}
+
+
+def _also(m: dict) -> str:
+    """The sliding window's second comparison where nothing else is said: how many positions it moved."""
+    from kvdiag.checks.paths.floor import MOVED_BY
+    from kvdiag.checks.paths.sliding import ALONE
+
+    a = m.get(ALONE)
+    if not a or "moved_by" not in a:
+        return ""
+    return f"{ALONE}: {a['moved_by'].get(str(MOVED_BY), 0)}/{a['positions']} positions moved > {MOVED_BY:g}"
 
 
 def first_difference(m: dict) -> str:
