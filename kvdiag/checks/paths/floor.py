@@ -135,8 +135,6 @@ class Floor:
         return f", set by the {by}" if (by := self.setter()) else ""
 
 
-
-
 def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float,
           share_of: Floor | None = None) -> list[tuple[str, str, str]]:
     """(severity, code, message) of a path's distance from the cold run, held to the floor. ``share_of``: judge the
