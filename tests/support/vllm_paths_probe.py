@@ -2,7 +2,7 @@
 prompts, greedy, 32 tokens, top-2 logprobs) and print one JSON line.
 
     python3 tests/support/vllm_paths_probe.py PATH [--model M] [--kv-dtype D] [--block-size B] [--split] [--json]
-                                               [--fault NAME] [--prompt-tokens N]
+                                               [--fault NAME] [--prompt-tokens N] [--prompts records|kvdiag]
 
 Cold = the base engine (prefix caching on, ``reset_prefix_cache()`` before each cold generate, ample pool, whole
 prefill in one step, eager), run twice (``cold_vs_cold``: the noise floor). Paths that change the engine's
@@ -53,7 +53,12 @@ METRICS = {"vllm:prefix_cache_queries": "prefix_queries", "vllm:prefix_cache_hit
 
 def prompt_texts() -> list[str]:
     """8 texts of 64-200 characters (tiny-llama: one token a byte), key=value records with repeats, so that ngram
-    lookup finds matches; distinct from their first characters, so no prompt hits another's blocks."""
+    lookup finds matches; distinct from their first characters, so no prompt hits another's blocks. ``--prompts
+    kvdiag``: the paths check's own set for the model (kvdiag.checks.greedy.prompt_texts: records, none repeated)."""
+    if PROMPTS["set"] == "kvdiag":
+        from kvdiag.checks.greedy import prompt_texts as kvdiag_texts
+
+        return kvdiag_texts(str(PROMPTS["model"]), N_PROMPTS)
     rng, out = random.Random(0), []
     for i in range(N_PROMPTS):
         recs = [f"k{rng.randrange(100):02d}={rng.randrange(1000):03d}; " for _ in range(3 + i)]
@@ -252,21 +257,21 @@ def path_phase(a, base: dict, llm=None, prompts=None) -> dict:
 
 
 def encoded(llm) -> list[list[int]]:
-    """The prompts' token ids; with ``--prompt-tokens N`` (PROMPT_TOKENS) each shorter one continued by its own tokens
+    """The prompts' token ids; with ``--prompt-tokens N`` each shorter one continued by its own tokens
     after the first until it has N (a hybrid's blocks hold hundreds of tokens: a hit needs prompts past them)."""
     out = [llm.get_tokenizer().encode(p) for p in prompt_texts()]
-    n = PROMPT_TOKENS[0]
+    n = PROMPTS["tokens"]
     return [(ids + ids[1:] * (n // max(1, len(ids) - 1) + 1))[:n] if n and len(ids) < n else ids for ids in out]
 
 
-PROMPT_TOKENS = [0]  # --prompt-tokens
+PROMPTS = {"tokens": 0, "set": "records", "model": None}  # --prompt-tokens, --prompts and the model
 
 
 def child(a, role: str) -> dict:
     """``--split``: one engine per process (vLLM 0.24 on CUDA cannot start a second engine in a process)."""
     cmd = [sys.executable, __file__, a.path, "--model", a.model, "--kv-dtype", a.kv_dtype,
            "--block-size", str(a.block_size), "--role", role, *(["--fault", a.fault] if a.fault else []),
-           "--prompt-tokens", str(a.prompt_tokens)]
+           "--prompt-tokens", str(a.prompt_tokens), "--prompts", a.prompts]
     out = subprocess.run(cmd, capture_output=True, text=True).stdout.splitlines()
     line = next((x for x in reversed(out) if x.startswith("ROLE ")), None)
     return json.loads(line[5:]) if line else {"supported": False, "reason": f"{role} process printed nothing"}
@@ -283,8 +288,10 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="accepted: the JSON line is always stdout's last line")
     ap.add_argument("--fault", help="a kvdiag vLLM fault to patch in before the first LLM")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="grow each prompt to this many tokens (0: as is)")
+    ap.add_argument("--prompts", choices=("records", "kvdiag"), default="records",
+                    help="records: repeated key=value records (ngram finds matches); kvdiag: the paths check's set")
     a = ap.parse_args()
-    PROMPT_TOKENS[0] = a.prompt_tokens
+    PROMPTS.update(tokens=a.prompt_tokens, set=a.prompts)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import vllm_window_probe as window
 
@@ -296,6 +303,7 @@ def main() -> None:
     from kvdiag.models import resolve
 
     a.model, t0 = resolve(a.model or str(TINY_MODEL)), time.time()
+    PROMPTS["model"] = a.model
     if a.path == "sliding-window":  # decode past the window held to prefills of its tokens (vllm_window_probe.py)
         res = window.run(a.model, prompt_texts(), a.kv_dtype, a.block_size, a.fault, metrics)
         return print(json.dumps({"path": a.path, "kv_dtype": a.kv_dtype, "fault": a.fault, **res,
