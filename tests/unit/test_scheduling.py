@@ -213,6 +213,33 @@ def test_shared_gpus_are_pinned_slot_by_slot_and_cases_run_together(gpus, memory
     assert {r["metrics"]["gpu"] for r in recs} == {"0", "1"}
 
 
+def makespan(recs) -> float:
+    return max(r["metrics"]["end"] for r in recs) - min(r["metrics"]["start"] for r in recs)
+
+
+def test_cases_three_times_what_four_gpus_hold_take_about_a_quarter_of_one_gpus_time(gpus, memory, monkeypatch,
+                                                                                      tmp_path, capsys):
+    """Issue 47: a sweep of 36 cases where a GPU holds 3 at once: 12 rounds on one GPU, 3 on four, a freed slot taking
+    the next case at once. A case here only sleeps 1 s, so the runner's own work is what the ratio adds to 0.25
+    (on an H200 one GPU ran such an 8B suite in 338 s; docs/vllm-gpu-results.md)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)  # the default --jobs is at most the cores
+    memory(80, 8)  # 21 GiB a case: three in 64 GiB
+    spans = {}
+    for n in (1, 4):
+        gpus(n)
+        cs = sweep("accuracy", n=36)
+        assert scheduling.place(cs).per_gpu == 3 and scheduling.gpu_jobs(cs) == 3 * n
+        (tmp_path / str(n)).mkdir()
+        recs, lines = execute(cs, tmp_path / str(n), capsys, jobs=scheduling.gpu_jobs(cs))
+        assert lines == [] and [r["status"] for r in recs] == ["pass"] * 36
+        assert most_at_once(recs) == 3 * n
+        spans[n] = makespan(recs)
+        if n == 4:
+            on = [r["metrics"]["gpu"] for r in recs]
+            assert set(on) == set("0123") and min(map(on.count, "0123")) >= 6, on  # each GPU a round short at most
+    assert spans[1] >= 12 and spans[4] <= 0.4 * spans[1], spans
+
+
 def spanning(tp, n=4, sleep=0.0, pp=None):
     cs = cases("vllm", "auto", n=n, sleep=sleep)
     for c in cs:
