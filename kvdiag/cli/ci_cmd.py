@@ -23,8 +23,9 @@ ShardOpt = Annotated[Optional[str], typer.Option(
     "array), then `kvdiag report --merge` the N run directories. Cases judged together (accuracy's dtypes) stay in "
     "one shard.")]
 DurationsOpt = Annotated[Optional[Path], typer.Option(
-    "--durations", help="With --shard: balance the shards by the case durations of this earlier run directory "
-    "(default: round robin).")]
+    "--durations", help="An earlier run directory of this suite: start the longest cases first by its case "
+    "durations, so that no long case runs alone at the end; with --shard also balance the shards by them (default: "
+    "suite order, shards round robin).")]
 JobsOpt = Annotated[Optional[int], typer.Option(
     "--jobs", "-j", min=1, help="Cases run at once (default: the config's 'jobs', else each command's own: on GPUs as "
     "many as share them, one per GPU for memleak, wake-cycle and poison; else 1).")]
@@ -63,13 +64,11 @@ def ci(
     from kvdiag.run.scheduling import gpu_jobs
 
     part = shards.parse_shard(shard) if shard is not None else None
-    if durations is not None and part is None:
-        raise UserError("--durations goes with --shard K/N")
+    times = shards.durations_of(durations) if durations is not None else None
     cfg = load_config(config or find_config())
     cases, analyzers = build_suite(cfg)
     record = shards.shard_record(cases, part, durations)
     if part is not None:
-        times = shards.durations_of(durations) if durations is not None else None
         cases = shards.select(cases, [a.ids for a in analyzers], part, times)
         mine = {c.id for c in cases}
         analyzers = [a for a in analyzers if a.ids & mine]
@@ -103,7 +102,7 @@ def ci(
         write_reports(run, run_dir)
 
     code = execute("ci", cases, run_dir, fmt=fmt, timeout=900.0, resume=resume is not None, quiet=quiet, jobs=jobs,
-                   analyze=lambda run: [a(run) for a in analyzers], finish=finish)
+                   analyze=lambda run: [a(run) for a in analyzers], finish=finish, durations=times)
     raise typer.Exit(code)
 
 

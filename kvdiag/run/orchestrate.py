@@ -119,6 +119,7 @@ def record(
     preload: tuple[str, ...] | None = None,
     threads: int = 1,
     command: str | None = None,
+    durations: dict[str, float] | None = None,
 ):
     """Run cases, analyse, write run.json, print as ``fmt`` says ("table", "json", None: nothing), return the
     finished run (a RunRecord). ``threads``: see :func:`kvdiag.run.runner.run_cases`. ``jobs`` is capped at one
@@ -131,7 +132,8 @@ def record(
     ``preload`` None (every command's default): the workers fork from a server that imported what the cases'
     engine and checks need, and their environment starts from ``scheduling.worker_setup`` (``env`` on top); a
     caller that must keep process state apart (the builtin self-test's faults) passes ``()``. ``command``: what run.json
-    says was run (default: this process's kvdiag command line).
+    says was run (default: this process's kvdiag command line). ``durations``: an earlier run's case times, to start the
+    longest cases first (:func:`kvdiag.run.runner.run_cases`).
     """
     from kvdiag.evaluation.provenance import models_record
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
@@ -153,7 +155,7 @@ def record(
     write_run_json(run_dir, run)  # a run directory always says what it is, even if killed
     quiet = quiet or fmt == "json" and not sys.stderr.isatty()
     run.cases = run_cases(cases, run_dir, timeout=timeout, resume=resume, quiet=quiet, jobs=jobs, env=env,
-                          preload=preload, threads=threads, gpus=gpus)
+                          preload=preload, threads=threads, gpus=gpus, durations=durations)
     if analyze is not None:
         analyze(run)  # may update case statuses/findings (re-appended) and fill run.analysis
     run.summary = summarize(run.cases)

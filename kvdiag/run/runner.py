@@ -280,13 +280,16 @@ def run_cases(
     preload: tuple[str, ...] = (),
     threads: int = 1,
     gpus: Iterable[str] = (),
+    durations: dict[str, float] | None = None,
 ) -> list[CaseResult]:
     """Run cases in workers; return the records of all cases (recorded earlier ones too, on resume).
     ``preload``: modules a fork server imports once for all workers (see ``_mp_context``). ``threads``: cases of
     one group that its worker runs at once, on threads (only for case functions that are safe to run so); a
     crash or a timeout then ends the cases the worker was running, and the rest of its group. ``gpus``: GPUs
     (CUDA_VISIBLE_DEVICES entries) to give the workers one each, no two workers at once the same
-    (``kvdiag.run.scheduling``); a worker waits for a free one."""
+    (``kvdiag.run.scheduling``); a worker waits for a free one. ``durations``: each case's time in an earlier run;
+    the workers then take the longest cases first, so that the last ones to start are short (a run of three rounds
+    of 12 slots would otherwise end with one long case alone; the records keep the order of ``cases``)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     results_path = run_dir / "results.jsonl"
@@ -303,6 +306,10 @@ def run_cases(
         else:
             by_group[c.group] = [c]
             groups.append(by_group[c.group])
+    if durations:
+        from kvdiag.run.shards import longest_first
+
+        groups = [groups[i] for i in longest_first(groups, durations)]
 
     env = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}
     progress = make_progress(len(todo), quiet)

@@ -4,7 +4,8 @@
 A share is made of *units*: the cases one cross-case analysis judges together (accuracy's dtypes against their
 baseline, the dtype matrix) and the cases that share a worker (``--isolate run``) stay in one shard. Units go to
 shards round robin in suite order, or, given the durations of an earlier run (``--durations RUN_DIR``), longest
-first to the shard with the least work so far (unknown units count as the mean). The same suite and the same
+first to the shard with the least work so far (unknown units count as the mean). The same durations also start a
+run's longest cases first (``kvdiag.run.runner.run_cases``), with or without shards. The same suite and the same
 durations give the same shards on every machine. Every shard's run.json names the suite (a digest of all its case
 ids), which ``--merge`` checks.
 """
@@ -65,15 +66,26 @@ def assign(parts: list[list], n: int, durations: dict[str, float] | None = None)
     """The shard (0-based) of each unit: round robin, or by durations (longest first onto the least loaded)."""
     if not durations:
         return [i % n for i in range(len(parts))]
-    known = [durations[c.id] for u in parts for c in u if c.id in durations]
-    mean = sum(known) / len(known) if known else 1.0
-    cost = [sum(durations.get(c.id, mean) for c in u) for u in parts]
+    cost = costs(parts, durations)
     load, out = [0.0] * n, [0] * len(parts)
-    for i in sorted(range(len(parts)), key=lambda i: (-cost[i], i)):
+    for i in longest_first(parts, durations):
         k = min(range(n), key=lambda s: (load[s], s))
         out[i] = k
         load[k] += cost[i]
     return out
+
+
+def costs(parts: list[list], durations: dict[str, float]) -> list[float]:
+    """Each unit's time in an earlier run (its cases' durations summed); a case that run lacks counts as its mean."""
+    known = [durations[c.id] for u in parts for c in u if c.id in durations]
+    mean = sum(known) / len(known) if known else 1.0
+    return [sum(durations.get(c.id, mean) for c in u) for u in parts]
+
+
+def longest_first(parts: list[list], durations: dict[str, float]) -> list[int]:
+    """The units' indices, longest first by ``costs`` (ties in suite order)."""
+    cost = costs(parts, durations)
+    return sorted(range(len(parts)), key=lambda i: (-cost[i], i))
 
 
 def select(cases: list, scopes: list[set], shard: tuple[int, int], durations: dict | None = None) -> list:

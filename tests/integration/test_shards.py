@@ -143,5 +143,9 @@ def test_a_balanced_shard_takes_the_durations_of_an_earlier_run(shard_runs, tmp_
     assert r.returncode == 0, r.stderr[-2000:]
     run = json.loads(r.stdout)
     assert run["shard"]["balanced_by"] == str(tmp_path / "all") and run["cases"]
-    r = kvdiag("ci", "--config", root / "kvdiag.toml", "--durations", tmp_path / "all")
-    assert r.returncode == 2 and "--durations goes with --shard" in r.stderr
+    r = kvdiag("ci", "--config", root / "kvdiag.toml", "--durations", tmp_path / "all", "-o", tmp_path / "whole", "-q",
+               "--format", "json")  # no shard: the whole suite, its longest cases first
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert {c["id"] for c in json.loads(r.stdout)["cases"]} == full_suite_ids(root / "kvdiag.toml")
+    r = kvdiag("ci", "--config", root / "kvdiag.toml", "--durations", tmp_path / "nowhere")
+    assert r.returncode == 2 and r.stderr.strip().endswith("no results.jsonl there"), r.stderr

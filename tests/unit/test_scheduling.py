@@ -240,6 +240,28 @@ def test_cases_three_times_what_four_gpus_hold_take_about_a_quarter_of_one_gpus_
     assert spans[1] >= 12 and spans[4] <= 0.4 * spans[1], spans
 
 
+def test_an_earlier_runs_durations_start_the_longest_case_first_so_it_does_not_end_the_run_alone(gpus, tmp_path,
+                                                                                                  capsys):
+    """`kvdiag ci --durations RUN_DIR`: on two GPUs, six cases of 1 s and one of 3 s, the long one last in the suite.
+    In suite order it starts after the rest, alone at the end (6 s); started first, the short ones fill the other
+    slot meanwhile (5 s). The records keep the suite's order."""
+    from kvdiag.run.orchestrate import record
+
+    gpus(2)
+    spans, starts = {}, {}
+    earlier = {f"t/builtin/{i}": 3.0 if i == 6 else 1.0 for i in range(7)}  # an earlier run's times
+    for name, durations in (("suite order", None), ("longest first", earlier)):
+        cs = cases("builtin", "cuda", n=7, sleep=1.0)
+        cs[-1].params["sleep"] = 3.0
+        (tmp_path / name).mkdir()
+        run = record(cs, tmp_path / name, timeout=60, jobs=2, quiet=True, durations=durations)
+        recs = [r.to_json() for r in run.cases]
+        assert [r["id"] for r in recs] == [c.id for c in cs] and {r["status"] for r in recs} == {"pass"}
+        spans[name], starts[name] = makespan(recs), [r["metrics"]["start"] for r in recs]
+    assert min(starts["longest first"]) == starts["longest first"][-1] != min(starts["suite order"])
+    assert spans["suite order"] >= 6 and spans["longest first"] < spans["suite order"] - 0.5, spans
+
+
 def spanning(tp, n=4, sleep=0.0, pp=None):
     cs = cases("vllm", "auto", n=n, sleep=sleep)
     for c in cs:
