@@ -307,9 +307,9 @@ def run_cases(
             by_group[c.group] = [c]
             groups.append(by_group[c.group])
     if durations:
-        from kvdiag.run.shards import longest_first
+        from kvdiag.run.shards import costs, longest_first
 
-        groups = [groups[i] for i in longest_first(groups, durations)]
+        groups = [groups[i] for i in longest_first(costs(groups, durations))]
 
     env = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}
     progress = make_progress(len(todo), quiet)

@@ -68,7 +68,7 @@ def assign(parts: list[list], n: int, durations: dict[str, float] | None = None)
         return [i % n for i in range(len(parts))]
     cost = costs(parts, durations)
     load, out = [0.0] * n, [0] * len(parts)
-    for i in longest_first(parts, durations):
+    for i in longest_first(cost):
         k = min(range(n), key=lambda s: (load[s], s))
         out[i] = k
         load[k] += cost[i]
@@ -82,10 +82,9 @@ def costs(parts: list[list], durations: dict[str, float]) -> list[float]:
     return [sum(durations.get(c.id, mean) for c in u) for u in parts]
 
 
-def longest_first(parts: list[list], durations: dict[str, float]) -> list[int]:
-    """The units' indices, longest first by ``costs`` (ties in suite order)."""
-    cost = costs(parts, durations)
-    return sorted(range(len(parts)), key=lambda i: (-cost[i], i))
+def longest_first(cost: list[float]) -> list[int]:
+    """The units' indices, longest first by their ``costs`` (ties in suite order)."""
+    return sorted(range(len(cost)), key=lambda i: (-cost[i], i))
 
 
 def select(cases: list, scopes: list[set], shard: tuple[int, int], durations: dict | None = None) -> list:
