@@ -1,10 +1,12 @@
 """kvdiag as users install it: a wheel built from this checkout, installed (not editable) into a fresh virtual
-environment that sees this Python's packages (torch, vLLM, lm_eval) but not the checkout. Tests that run kvdiag
-through :class:`Installed` test the package that ships, not the source tree."""
+environment that sees the packages of the Python running the tests (torch, vLLM, lm_eval) but not the checkout, in
+whatever environment that Python is (a venv, conda, the system's). Tests that run kvdiag through :class:`Installed`
+test the package that ships, not the source tree."""
 
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
 import venv
@@ -53,10 +55,24 @@ def build(tmp: Path) -> Installed:
                        timeout=600)
     (wheel,) = dist.glob("kvdiag-*.whl")
     prefix = tmp / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(prefix)
+    venv.EnvBuilder(with_pip=False).create(prefix)
+    outer_packages(prefix)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(prefix / "bin" / "python"), "install", "-q",
                     "--no-deps", "--disable-pip-version-check", str(wheel)], check=True, capture_output=True,
                    timeout=600)
     cwd = tmp / "elsewhere"
     cwd.mkdir()
     return Installed(wheel, prefix, cwd)
+
+
+def outer_packages(prefix: Path) -> Path:
+    """A ``.pth`` in the new venv naming this Python's site directories, so the wheel's kvdiag runs on this Python's
+    torch and vLLM. Not ``system_site_packages``: inside a venv that is the *base* interpreter's packages, not the
+    venv's. The directories are plain lines, so their own ``.pth`` files (the editable kvdiag's finder) never run,
+    and they come after the venv's own site-packages, so the wheel's kvdiag is the one imported."""
+    dirs = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    dirs = [d for d in dict.fromkeys(dirs) if Path(d).is_dir() and not Path(d).resolve().is_relative_to(ROOT)]
+    (own,) = (prefix / "lib").glob("python*/site-packages")
+    pth = own / "_kvdiag_tests_outer.pth"
+    pth.write_text("".join(f"{d}\n" for d in dirs))
+    return pth

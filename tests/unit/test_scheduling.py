@@ -258,7 +258,10 @@ def test_an_earlier_runs_durations_start_the_longest_case_first_so_it_does_not_e
         recs = [r.to_json() for r in run.cases]
         assert [r["id"] for r in recs] == [c.id for c in cs] and {r["status"] for r in recs} == {"pass"}
         spans[name], starts[name] = makespan(recs), [r["metrics"]["start"] for r in recs]
-    assert min(starts["longest first"]) == starts["longest first"][-1] != min(starts["suite order"])
+    # by order, with margins: started first, the long case is among the first two (the other slot's case starts as
+    # it does, within the workers' start-up); in suite order it waits for at least two rounds of 1 s cases
+    first, suite = (sorted(starts[k]) for k in ("longest first", "suite order"))
+    assert starts["longest first"][-1] <= first[1] + 0.5 and starts["suite order"][-1] >= suite[0] + 1.5, starts
     assert spans["suite order"] >= 6 and spans["longest first"] < spans["suite order"] - 0.5, spans
 
 

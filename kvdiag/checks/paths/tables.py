@@ -6,6 +6,7 @@ from __future__ import annotations
 
 def tables(run) -> list[tuple[str, list[str], list[list[str]]]]:
     from kvdiag.checks.paths.view import cells
+    from kvdiag.checks.paths.view import path_of as _path
 
     dtypes = list(dict.fromkeys(c.kv_dtype for c in run.cases))
     paths = list(dict.fromkeys(_path(c) for c in run.cases))
@@ -26,6 +27,3 @@ def tables(run) -> list[tuple[str, list[str], list[list[str]]]]:
             ("paths per case", ["path", "kv dtype", "status", "floor |Δ|", "max |Δ logprob|", "prompts differ",
                                 "first difference", "taken"], rows)]
 
-
-def _path(c) -> str:
-    return c.metrics.get("path") or c.params.get("path") or "-"

@@ -50,22 +50,68 @@ def _first_finding(c) -> str:
     return first.message[:100] if first else ""
 
 
+QUIET = ("unsupported", "skipped")  # folded under the table: one line per reason, not a row per path and dtype
+TITLE = ("paths per kv dtype: each held to the cold path of the same engine ({what}); |Δ|: a generated token's "
+         "logprob, floor: two cold runs and the batch reordered")
+
+
 def render(run, con) -> None:
+    """A row per path that ran (numbers only: long texts go under the table as numbered notes, so no row sets the
+    width), then the unsupported paths folded into one line per reason, then the warnings. A terminal too narrow for
+    the dtype beside each row gets the dtype as a heading row above its paths."""
     from rich.markup import escape
-    from rich.table import Table
 
-    from kvdiag.render.cells import status_text, warning_lines
+    from kvdiag.render.cells import fitting, folded, warning_lines
 
-    t = Table(title="paths per kv dtype (each held to the cold path of the same engine; floor: two cold runs and "
-              "the batch reordered)", title_justify="left")
-    for col in ("kv dtype", "path", "floor |Δ|", "max |Δ logprob|", "prompts differ", "first difference",
-                "taken", "status"):
-        t.add_column(col, justify="left" if col in ("kv dtype", "path", "first difference", "status") else "right",
-                     no_wrap=col in ("kv dtype", "path"), overflow="fold")
-    for c in run.cases:
+    ran = [c for c in run.cases if c.status not in QUIET]
+    refs = list(dict.fromkeys(cells(c)["first"].removeprefix("reference: ") for c in ran
+                              if c.metrics.get("role") == "reference"))
+    notes: dict[str, int] = {}
+    rows = []
+    for c in ran:
         x = cells(c)
-        t.add_row(c.kv_dtype, c.metrics.get("path", c.params.get("path", "-")), x["floor"], x["max"], x["differ"],
-                  escape(x["first"]), x["taken"], status_text(c.status))
-    con.print(t)
+        said = "" if c.metrics.get("role") == "reference" else x["first"]
+        mark = f" [{notes.setdefault(f'{c.kv_dtype} {path_of(c)}: {said}', len(notes) + 1)}]" if said else ""
+        rows.append((c, x, mark))
+    title = TITLE.format(what=refs[0] if len(refs) == 1 else "its cold run")
+    con.print(fitting(con, lambda: _table(rows, title, False), lambda: _table(rows, title, True)))
+    for text, k in notes.items():
+        con.print(escape(f"[{k}] {text}"))
+    for status in QUIET:
+        for line in folded([(path_of(c), c.kv_dtype, _first_finding(c) or "-") for c in run.cases
+                            if c.status == status]):
+            con.print(escape(f"{status}: {line}"))
     for line in warning_lines([c for c in run.cases if c.status in VERDICTS], ("warning",)):
         con.print(escape(line))
+
+
+def _table(rows, title: str, grouped: bool):
+    """``grouped``: the dtype on a heading row of its own above its paths, one space between columns."""
+    from rich import box
+    from rich.table import Table
+
+    from kvdiag.render.cells import status_text
+
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD if grouped else box.HEAVY_HEAD,
+              show_edge=not grouped, pad_edge=not grouped, collapse_padding=grouped)
+    if not grouped:
+        t.add_column("kv dtype", no_wrap=True)
+    t.add_column("kv dtype / path" if grouped else "path", no_wrap=True)
+    for col in ("floor |Δ|", "max |Δ|", "differ", "taken"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("status", no_wrap=True)
+    dtype = None
+    for c, x, mark in rows:
+        numbers = (x["floor"], x["max"], x["differ"], x["taken"], status_text(c.status) + mark)
+        if not grouped:
+            t.add_row(c.kv_dtype, path_of(c), *numbers)
+            continue
+        if c.kv_dtype != dtype:
+            dtype = c.kv_dtype
+            t.add_row(f"[bold]{dtype}[/]", *[""] * len(numbers))
+        t.add_row(f" {path_of(c)}", *numbers)
+    return t
+
+
+def path_of(c) -> str:
+    return c.metrics.get("path") or c.params.get("path") or "-"
