@@ -66,6 +66,8 @@ def _speedup(r: dict, name: str) -> str:
 def render(record: dict, con) -> None:
     from rich.table import Table
 
+    from kvdiag.render.fit import show
+
     env = record["environment"]
     title = (f"kvdiag bench on {env['device']} (torch {env['torch']}, triton {env['triton']}); "
              f"device-to-device copy {record['copy_gbps']:.0f} GB/s")
@@ -80,7 +82,7 @@ def render(record: dict, con) -> None:
         t.add_row(r["kernel"], r["kv_dtype"], r["size"], f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['vs_copy']:.2f}",
                   _speedup(r, "reference"), _speedup(r, "token_head_grid"), _speedup(r, "sdpa"),
                   f"{only:.2f}x" if only else "-")
-    con.print(t)
+    show(con, t)
     engine = [r for r in record["rows"] if r["kernel"] == "engine"]
     if engine:
         graphs = "on" if env.get("cuda_graphs") else "off (KVDIAG_CUDA_GRAPHS=0)"
@@ -91,7 +93,7 @@ def render(record: dict, con) -> None:
         for r in engine:
             e.add_row(str(r["batch"]), f"{r['builtin_tok_s']:.0f}", f"{r['transformers_tok_s']:.0f}",
                       f"{r['speedup']:.2f}x", r["builtin_kernels"])
-        con.print(e)
+        show(con, e)
     if record["targets"]:
         g = Table(title="targets", title_justify="left")
         for col in ("target", "kernel", "kv dtype", "size", "value", "at least", "met"):
@@ -99,4 +101,4 @@ def render(record: dict, con) -> None:
         for x in record["targets"]:
             g.add_row(x["target"], x["kernel"], x["kv_dtype"], x["size"], f"{x['value']:.2f}", f"{x['threshold']:.2f}",
                       "[green]yes[/green]" if x["met"] else "[bold red]no[/bold red]")
-        con.print(g)
+        show(con, g)

@@ -66,6 +66,7 @@ def _list(engine, kv_dtype, fmt) -> None:
     from rich.table import Table
 
     from kvdiag.render.cells import console
+    from kvdiag.render.fit import show
 
     t = Table(title=f"kv-cache dtypes of engine '{engine}'", title_justify="left")
     for col in ("name", "storage", "quant", "bytes/elem", "scale rule", "aliases"):
@@ -74,7 +75,7 @@ def _list(engine, kv_dtype, fmt) -> None:
         aliases = ", ".join(r["aliases"]) + (f" (= {r['same_as']})" if r["same_as"] else "")
         t.add_row(r["name"], r["storage"], r["quant"], str(r["bytes_per_element"] or "model"), r["scale_rule"],
                   aliases.strip())
-    console().print(t)
+    show(console(), t)
 
 
 def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs, output_dir, timeout,

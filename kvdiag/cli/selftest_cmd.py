@@ -112,6 +112,7 @@ def _list(faults, checks, fmt, cat, na: dict) -> None:
     from rich.table import Table
 
     from kvdiag.render.cells import console
+    from kvdiag.render.fit import show
 
     t = Table(title=f"kvdiag selftest: {cat.engine} faults", title_justify="left")
     cols = ("fault", "class", "intended check", "also run in", "n/a in", "what it breaks")
@@ -123,5 +124,5 @@ def _list(faults, checks, fmt, cat, na: dict) -> None:
                  escape(r["what"])]
         t.add_row(*cells, *([f"[dim]no: {escape(r['not_applicable'])}[/]" if r["not_applicable"] else "yes"]
                             if here else []))
-    console().print(t)
+    show(console(), t)
     console().print(f"checks: {', '.join(plan.CHECKS)}")

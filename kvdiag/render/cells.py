@@ -3,8 +3,6 @@ run can show, and the warning lines under a table. Below every check and report 
 
 from __future__ import annotations
 
-from typing import Callable
-
 STATUS_STYLE = {"pass": "green", "unsupported": "yellow", "skipped": "yellow", "fail": "red", "error": "red",
                 "crashed": "bold red", "timeout": "bold red"}
 
@@ -22,33 +20,6 @@ def console(stderr: bool = False):
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() or os.environ.get("COLUMNS", "").isdigit() else 160
     return Console(highlight=False, soft_wrap=False, width=width, stderr=stderr)
-
-
-def natural_width(con, table) -> int:
-    """The columns a table takes when none is wrapped (unclamped by the console's width): whether it fits."""
-    from rich.measure import Measurement
-
-    return Measurement.get(con, con.options.update(max_width=10_000), table).maximum
-
-
-def fitting(con, *builders: Callable):
-    """The table of the first builder whose natural width fits the console, else the last one's: a table that tries
-    one row per item, then a narrower layout, never cuts a number or a word to fit."""
-    for make in builders:
-        t = make()
-        if natural_width(con, t) <= con.width:
-            break
-    return t
-
-
-def folded(items: list[tuple[str, str, str]]) -> list[str]:
-    """Rows that would repeat one reason (a case unsupported, say) as one line per reason: ``items`` are (what, kv
-    dtype, reason) -> "what, what (dtype, dtype): reason", the names in their first order."""
-    by: dict[str, tuple[dict, dict]] = {}
-    for what, dtype, reason in items:
-        names, dtypes = by.setdefault(reason, ({}, {}))
-        names[what] = dtypes[dtype] = None
-    return [f"{', '.join(n)} ({', '.join(d)}): {reason}" for reason, (n, d) in by.items()]
 
 
 def fmt_value(v) -> str:

@@ -76,6 +76,7 @@ def render_table(result: dict, con, title: str | None = None) -> None:
     from rich.table import Table
 
     from kvdiag.render.cells import fmt_value
+    from kvdiag.render.fit import show
 
     t = Table(title=title or f"compare: OLD {result['old']}  →  NEW {result['new']}", title_justify="left")
     for col in ("case", "what", "old", "new", "Δ", "test (p, 95% CI)", "verdict"):
@@ -84,7 +85,7 @@ def render_table(result: dict, con, title: str | None = None) -> None:
         t.add_row(escape(r["id"]), escape(r["what"]), fmt_value(r["old"]), fmt_value(r["new"]),
                   "-" if r["delta"] is None else f"{r['delta']:+.4g}", escape(stat_text(r)),
                   _styled(r["verdict"]) + (f" {escape(r['message'])}" if r.get("message") else ""))
-    con.print(t)
+    show(con, t)
     c = result["counts"]
     con.print(("[bold red]REGRESSED[/]" if result["regressed"] else "[green]no regression[/]") + ": "
               + ", ".join(f"{n} {k}" for k, n in c.items() if n))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvdiag.render.cells import cases_table, console
+from kvdiag.render.fit import show
 
 
 def view_for(run) -> Callable | None:
@@ -31,7 +32,7 @@ def print_run(run, render: Callable | None = None) -> None:
     if render is not None:
         render(run, con)
     else:
-        con.print(cases_table(run.cases))
+        show(con, cases_table(run.cases), heading=2)
     con.print(verdict_line(run))
 
 
@@ -57,7 +58,7 @@ def ci(run, con) -> None:
     """The cases, then the comparison with the baseline when there is one."""
     from kvdiag.render.cells import cases_table
 
-    con.print(cases_table(run.cases, "kvdiag ci"))
+    show(con, cases_table(run.cases, "kvdiag ci"), heading=2)
     if run.analysis.get("baseline"):
         from kvdiag.report.compare import render_table
 

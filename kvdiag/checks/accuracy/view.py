@@ -5,7 +5,8 @@ instead. With kv_needle, the worst cell of each dtype's grid (``needle_view.py``
 
 from __future__ import annotations
 
-from kvdiag.render.cells import fmt_value, natural_width, warning_lines
+from kvdiag.render.cells import fmt_value, warning_lines
+from kvdiag.render.fit import natural_width, show
 
 VERDICT_STYLE = {"ok": "green", "baseline": "cyan", "unsupported": "yellow", "skipped": "yellow",
                  "inconclusive": "yellow"}
@@ -30,10 +31,10 @@ def render(run, con) -> None:
     con.print(table)
     drift = drift_table(rows, a.get("drift_by_position"))
     if drift is not None:
-        con.print(drift)
+        show(con, drift)
     needle = terminal_table(a)
     if needle is not None:
-        con.print(needle)
+        show(con, needle)
     if len(rows) < len(a.get("rows", [])):
         con.print(f"{len(a['rows'])} rows (every task and metric) in report.md, report.html and "
                   "`kvdiag report RUN --format csv`")

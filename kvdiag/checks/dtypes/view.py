@@ -10,6 +10,7 @@ def render(run, con) -> None:
     from rich.table import Table
 
     from kvdiag.render.cells import fmt_value
+    from kvdiag.render.fit import show
 
     a = run.analysis.get("dtypes", {})
     t = Table(title=f"kv dtype support matrix of engine '{run.cases[0].engine if run.cases else '?'}' "
@@ -22,7 +23,7 @@ def render(run, con) -> None:
                   _yn(r["finite"]), _yn(r["identical_to_auto"]), fmt_value(r["mean_kl"]),
                   fmt_value(r["top1_agreement"]), _stores(r), _token_bytes(r), escape(r.get("layers") or "-"),
                   escape(r["detail"] or ""))
-    con.print(t)
+    show(con, t)
 
 
 def _stores(r: dict) -> str:

@@ -13,7 +13,8 @@ def render(run, con) -> None:
     its dtype gets the dtype as a heading row above its snapshots, and the headers wrap instead."""
     from rich.markup import escape
 
-    from kvdiag.render.cells import natural_width, status_text
+    from kvdiag.render.cells import status_text
+    from kvdiag.render.fit import natural_width
 
     cols = [(key, label) for key, label in COLUMNS
             if key in ("cycle", "stage") or any(row.get(key) is not None

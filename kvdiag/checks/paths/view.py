@@ -61,7 +61,8 @@ def render(run, con) -> None:
     the dtype beside each row gets the dtype as a heading row above its paths."""
     from rich.markup import escape
 
-    from kvdiag.render.cells import fitting, folded, warning_lines
+    from kvdiag.render.cells import warning_lines
+    from kvdiag.render.fit import fitting, folded
 
     ran = [c for c in run.cases if c.status not in QUIET]
     refs = list(dict.fromkeys(cells(c)["first"].removeprefix("reference: ") for c in ran

@@ -11,6 +11,7 @@ def render(run, con) -> None:
     from rich.table import Table
 
     from kvdiag.render.cells import status_text, warning_lines
+    from kvdiag.render.fit import show
 
     t = Table(title="poison per kv dtype (reference: the same waves with free blocks zeroed)", title_justify="left")
     for col in ("kv dtype", "value", "fresh blocks", "poisoned blocks", "identical", "NaN", "first difference",
@@ -25,7 +26,7 @@ def render(run, con) -> None:
         t.add_row(c.kv_dtype, str(m.get("value", c.params.get("value", "-"))), str(m.get("fresh_blocks", "-")),
                   str(m.get("poisoned_blocks", "-")), identical, nan,
                   escape(_first(c)), status_text(c.status))
-    con.print(t)
+    show(con, t)
     for line in warning_lines([c for c in run.cases if c.status in VERDICTS], ("warning", "info")):
         con.print(escape(line))
 

@@ -91,6 +91,8 @@ def selftest(run, con) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from kvdiag.render.fit import show
+
     a = run.analysis.get("selftest")
     if not a:
         return
@@ -102,13 +104,13 @@ def selftest(run, con) -> None:
     for i, row in enumerate(rows):
         marks = [_mark(m.rstrip("*"), m.endswith("*")) for m in row[3:-1]]
         t.add_row(row[0], row[1], row[2] if i else "-", *marks, _mark(row[-1]), end_section=i == 0)
-    con.print(t)
+    show(con, t, heading=1)
     f = Table(title="what each check reported", title_justify="left")
     for col in ("fault", "check", "result", "finding"):
         f.add_column(col, overflow="fold", max_width=110 if col == "finding" else None)
     for fault, check, mark, finding in reported(a):
         f.add_row(fault, check, _mark(mark), escape(finding[:500]))
-    con.print(f)
+    show(con, f, heading=3)
     if a.get("note"):
         con.print(f"[dim]{escape(a['note'])}[/]")
     ok, line = verdict(a)

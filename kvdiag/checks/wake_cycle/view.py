@@ -15,6 +15,7 @@ def render(run, con) -> None:
     from rich.table import Table
 
     from kvdiag.render.cells import fmt_value, status_text
+    from kvdiag.render.fit import show
 
     t = Table(title="wake-cycle per kv dtype and sleep level (memory judged on the cache's device)",
               title_justify="left")
@@ -38,7 +39,7 @@ def render(run, con) -> None:
                   _all_yes(cycles, "restored"), _all_yes(cycles, "identical"),
                   fmt_value(max((r.get("max_dlogprob") or 0.0) for r in cycles)), str(nan),
                   status_text(c.status) + (f" {escape('; '.join(bad))}" if bad else ""))
-    con.print(t)
+    show(con, t)
 
 
 def _all_yes(cycles: list[dict], key: str) -> str:
