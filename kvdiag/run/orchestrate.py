@@ -138,7 +138,7 @@ def record(
     from kvdiag.evaluation.provenance import models_record
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
     from kvdiag.run.runner import run_cases
-    from kvdiag.run.scheduling import cap_jobs, own_workers, worker_setup
+    from kvdiag.run.scheduling import cap_jobs, own_workers, place, worker_setup
 
     fmt = getattr(fmt, "value", fmt)
     cases = own_workers(cases)  # vLLM on CUDA: one engine per process, whatever --isolate asked
@@ -155,7 +155,8 @@ def record(
     write_run_json(run_dir, run)  # a run directory always says what it is, even if killed
     quiet = quiet or fmt == "json" and not sys.stderr.isatty()
     run.cases = run_cases(cases, run_dir, timeout=timeout, resume=resume, quiet=quiet, jobs=jobs, env=env,
-                          preload=preload, threads=threads, gpus=gpus, durations=durations)
+                          preload=preload, threads=threads, gpus=gpus, durations=durations,
+                          alone=place(cases).alone)
     if analyze is not None:
         analyze(run)  # may update case statuses/findings (re-appended) and fill run.analysis
     run.summary = summarize(run.cases)

