@@ -91,6 +91,16 @@ def append_jsonl(path: Path, record: CaseResult) -> None:
         os.fsync(f.fileno())
 
 
+def write_jsonl(path: Path, records: list[CaseResult]) -> None:
+    """results.jsonl anew with one record per case (a finished run's final ones), in one atomic replace."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r.to_json(), sort_keys=False) + "\n" for r in records)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _ends_mid_line(path: Path) -> bool:
     try:
         with open(path, "rb") as f:

@@ -41,6 +41,12 @@ class Check:
     timeout: float = 900.0  # seconds a case may run
     selftest: dict | None = None  # the params of its `kvdiag selftest` cases: small sizes that keep it short
 
+    @property
+    def judged_at_end(self) -> bool:
+        """Whether the run decides its cases' verdicts across cases, after they ran (against a baseline dtype, a
+        reference case): a worker's record of such a case is not yet its verdict (``metrics.judged_later``)."""
+        return bool(self.analyze or self.cases)
+
     def option_fields(self) -> list:
         """The fields made with option(); other fields are the worker's own (selftest's sizes)."""
         return [f for f in fields(self.params) if "flags" in f.metadata]

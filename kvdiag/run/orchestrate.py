@@ -136,7 +136,8 @@ def record(
     longest cases first (:func:`kvdiag.run.runner.run_cases`).
     """
     from kvdiag.evaluation.provenance import models_record
-    from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
+    from kvdiag.results import RunRecord, exit_code_for, summarize, write_jsonl, write_run_json
+    from kvdiag.run.progress import make_progress
     from kvdiag.run.runner import run_cases
     from kvdiag.run.scheduling import cap_jobs, own_workers, place, worker_setup
 
@@ -154,11 +155,19 @@ def record(
                     models=models_record(c.model for c in cases))
     write_run_json(run_dir, run)  # a run directory always says what it is, even if killed
     quiet = quiet or fmt == "json" and not sys.stderr.isatty()
-    run.cases = run_cases(cases, run_dir, timeout=timeout, resume=resume, quiet=quiet, jobs=jobs, env=env,
-                          preload=preload, threads=threads, gpus=gpus, durations=durations,
-                          alone=place(cases).alone)
-    if analyze is not None:
-        analyze(run)  # may update case statuses/findings (re-appended) and fill run.analysis
+    progress = make_progress(len(cases), quiet)
+    try:
+        run.cases = run_cases(cases, run_dir, timeout=timeout, resume=resume, quiet=quiet, jobs=jobs, env=env,
+                              preload=preload, threads=threads, gpus=gpus, durations=durations,
+                              alone=place(cases).alone, progress=progress)
+        if analyze is not None:
+            analyze(run)  # may update case statuses and findings, and fills run.analysis
+        for c in run.cases:
+            if c.metrics.pop("judged_later", None):
+                progress.judged(c)
+    finally:
+        progress.close()
+    write_jsonl(run_dir / "results.jsonl", run.cases)  # one final record per case
     run.summary = summarize(run.cases)
     run.exit_code = exit_code_for(run.cases)
     run.finished = now()

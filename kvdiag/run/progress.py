@@ -43,14 +43,25 @@ class Progress:
         if not self.quiet:
             print(f"      {case_id}: {text}", file=sys.stderr, flush=True)
 
+    def expect(self, total: int) -> None:
+        """The cases this run will report (those a --resume did not find recorded)."""
+        self.total = total
+
+    def judged(self, rec: CaseResult) -> None:
+        """A case said as "ran (judged at the end)", now judged: its verdict, under its number (a case recorded by
+        an earlier run that --resume continues was not said here, and is not now)."""
+        if not self.quiet and rec.id in self.number:
+            print(f"[{self._number(rec.id)}/{self.total}] {rec.id}: {rec.status} (judged at the end)", file=sys.stderr,
+                  flush=True)
+
     def close(self) -> None:
         pass
 
 
 def shown(rec: CaseResult) -> str:
-    """The status a finished case is said with: a case that ran cleanly but is judged only once the run ends (a paths
-    case held to its reference case: ``judged_later``) is not yet a pass."""
-    if rec.status == "pass" and rec.metrics.get("judged_later"):
+    """The status a finished case is said with: a case judged only once the run ends (against its baseline dtype or
+    its reference case: ``judged_later``) is not yet a pass, nor an unsupported."""
+    if rec.metrics.get("judged_later"):
         return "ran (judged at the end)"
     return rec.status
 
@@ -79,6 +90,7 @@ class RichProgress(Progress):
 
     def finish(self, rec: CaseResult) -> None:
         self.done += 1
+        self._number(rec.id)
         style = {"pass": "green", "unsupported": "yellow", "skipped": "yellow"}.get(rec.status, "red")
         style = "cyan" if shown(rec) != rec.status else style
         self.rp.console.print(f"[{style}]{shown(rec):>8}[/] {rec.id} ({rec.duration_s:.1f}s{rate(rec)})")
@@ -86,6 +98,16 @@ class RichProgress(Progress):
 
     def note(self, case_id: str, text: str) -> None:
         self.rp.update(self.task, description=f"{case_id}: {text}")
+
+    def expect(self, total: int) -> None:
+        super().expect(total)
+        self.rp.update(self.task, total=total)
+
+    def judged(self, rec: CaseResult) -> None:
+        if rec.id not in self.number:
+            return
+        style = {"pass": "green", "unsupported": "yellow", "skipped": "yellow"}.get(rec.status, "red")
+        self.rp.console.print(f"[{style}]{rec.status:>8}[/] {rec.id} (judged at the end)")
 
     def close(self) -> None:
         self.rp.stop()

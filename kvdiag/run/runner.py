@@ -36,7 +36,7 @@ from kvdiag.case import (
 )
 from kvdiag.gpus import VISIBLE as GPU_ENV
 from kvdiag.results import CaseResult, append_jsonl, read_jsonl
-from kvdiag.run.progress import make_progress
+from kvdiag.run.progress import Progress, make_progress
 
 __all__ = ["Case", "WorkerContext", "call_target", "run_cases"]  # Case and WorkerContext live in kvdiag.case
 
@@ -284,6 +284,7 @@ def run_cases(
     gpus: Iterable[str] = (),
     durations: dict[str, float] | None = None,
     alone: frozenset = frozenset(),
+    progress: Progress | None = None,
 ) -> list[CaseResult]:
     """Run cases in workers; return the records of all cases (recorded earlier ones too, on resume).
     ``preload``: modules a fork server imports once for all workers (see ``_mp_context``). ``threads``: cases of
@@ -294,7 +295,9 @@ def run_cases(
     the workers then take the longest cases first, so that the last ones to start are short (a run of three rounds
     of 12 slots would otherwise end with one long case alone; the records keep the order of ``cases``). ``alone``:
     ids of cases that run with no other worker on their GPU (a check that measures the device, in a run where
-    other cases share one: ``Placement.alone``); their workers start after the others', one GPU each."""
+    other cases share one: ``Placement.alone``); their workers start after the others', one GPU each.
+    ``progress``: the caller's, which it closes (it says the verdicts of the cases judged at the end); default: a
+    new one, closed here."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     results_path = run_dir / "results.jsonl"
@@ -320,7 +323,9 @@ def run_cases(
         groups = [g for g in groups if not any(c.id in alone for c in g)] + lone
 
     env = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    progress = make_progress(len(todo), quiet)
+    own = progress is None
+    progress = progress or make_progress(len(todo), quiet)
+    progress.expect(len(todo))
     active: list[_Worker] = []
     free_gpus = list(gpus)
     slots = {g: free_gpus.count(g) for g in free_gpus}  # a GPU's slots: the cases it takes at once
@@ -347,6 +352,7 @@ def run_cases(
                     progress.note(case_id, text)
                 w.notes.clear()
                 for rec in ended:
+                    held_for_the_end(rec)
                     if w.gpu is not None:  # the GPU its worker was pinned to (CUDA_VISIBLE_DEVICES)
                         rec.environment = {**rec.environment, "gpu": w.gpu}
                     append_jsonl(results_path, rec)
@@ -363,7 +369,8 @@ def run_cases(
             w.conn.close()
         with contextlib.suppress(OSError):  # only when empty: an interrupted case's file waits for --resume
             (run_dir / KEPT_DIR).rmdir()
-        progress.close()
+        if own:
+            progress.close()
     return [done[c.id] for c in cases if c.id in done]
 
 
@@ -379,3 +386,18 @@ def _slots(lone: bool, active: list[_Worker], free: list[str], slots: dict[str, 
         if free.count(g) == slots[g]:
             return [g] * slots[g]
     return None
+
+
+PRELIMINARY = ("pass", "unsupported", "skipped")  # what the run's analysis may still turn into a failure
+
+
+def held_for_the_end(rec: CaseResult) -> None:
+    """Mark the worker's record of a case whose check judges at the end (``Check.judged_at_end``) as not yet its
+    verdict: its progress line says "ran (judged at the end)", and results.jsonl holds it so (``judged_later``)
+    until the finished run replaces it with the final record. A check that knows a record is final says so
+    (``judged_later: False``: paths' reference cases)."""
+    from kvdiag.checks.registry import get
+
+    check = get(rec.check)
+    if rec.status in PRELIMINARY and check is not None and check.judged_at_end:
+        rec.metrics.setdefault("judged_later", True)

@@ -184,9 +184,8 @@ def test_analysis_gives_each_dtype_its_verdict(tmp_path):
     # about 4): inconclusive, a pass; bfloat16 is bit for bit the baseline: ok
     assert [r["verdict"] for r in rows] == ["baseline", "ok", "inconclusive", "regression", "collapse", "crashed"]
     assert 0.03 < rows[2]["mdd"] < 0.05 and rows[2]["n_needed"] > n
-    # the verdicts are recorded: results.jsonl's last record of each case says so
-    recorded = read_jsonl(tmp_path / "results.jsonl")
-    assert recorded["accuracy/builtin/m/int8_per_token_head"].status == "fail"
+    # the verdicts are the cases' own (the finished run records them: tests/integration/test_final_records.py)
+    assert {c.id: c for c in run.cases}["accuracy/builtin/m/int8_per_token_head"].status == "fail"
     # --resume analyses the recorded cases again: same verdicts, no duplicated findings
     again = RunRecord(command="t", started="now", cases=[CaseResult.from_json(json.loads(json.dumps(c.to_json())))
                                                         for c in run.cases], environment={}, run_dir=str(tmp_path))
@@ -386,7 +385,7 @@ def test_a_crashed_case_keeps_its_drift_and_finished_tasks(tmp_path):
     base = fake_case(tmp_path, "auto", [1.0, 0.0], [], role="baseline")
     drift.save(numpy_probe(5), tmp_path / "artifacts" / "auto.drift.npz")
     run, by = analyze(tmp_path, [base, in_lm_eval, in_shutdown, raised])
-    recorded = read_jsonl(tmp_path / "results.jsonl")
+    recorded = {c.id: c for c in run.cases}
     for dtype, status in (("int8_per_token_head", "crashed"), ("fp8", "crashed"), ("fp8_e5m2", "error")):
         rec = recorded[f"accuracy/builtin/m/{dtype}"]
         assert rec.status == status and rec.metrics["mean_kl"] > 0.1 and 0 <= rec.metrics["top1_agreement"] < 1

@@ -18,7 +18,6 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
             min_top1: float | None = None, strict: bool = False) -> None:
     """Compare every dtype's case with the baseline case; set verdicts, statuses, findings, run.analysis."""
     from kvdiag.checks import verdicts
-    from kvdiag.results import append_jsonl
 
     for rec in run.cases:
         verdicts.reset(rec)
@@ -30,7 +29,7 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
     for rec in run.cases:
         if rec is base:
             rows += verdicts.baseline_rows(rec)
-            changed.append(rec)  # its verdict 'baseline' goes into results.jsonl too
+            changed.append(rec)  # its grid is the baseline's in kv_needle's analysis
         elif (wrong := drift.wrongly_refused(rec, base)) is not None:
             rec.status = "fail"
             rec.add("error", "wrong", wrong)
@@ -61,8 +60,6 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
             by_position += [r for r in [verdicts.position_row(rec)] if r]
             changed.append(rec)
     cells = needle.analyze(run, changed, base if base_ok else None)  # kv_needle's grid per dtype
-    for rec in changed:
-        append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
     run.analysis["accuracy"] = {"baseline": baseline, "max_drop": max_drop, "alpha": alpha, "strict": strict,
                                 "power": power.POWER, "rows": rows, "drift_by_position": by_position,
                                 **({"needle": cells} if cells else {}), "timings": total_timings(run.cases)}

@@ -12,7 +12,6 @@ from kvdiag.results import NOT_RUN_STATUSES
 
 def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) -> None:
     from kvdiag.checks.verdicts import position_row, reset
-    from kvdiag.results import append_jsonl
 
     folder = Path(run.run_dir) / "artifacts"
     for rec in run.cases:
@@ -33,8 +32,6 @@ def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) 
         for kind, msg, evidence in warnings:
             rec.add("warning", kind, msg, **evidence)
             row["detail"] = "; ".join(x for x in (row["detail"], msg) if x)
-        if rec.status in ("pass", "fail"):
-            append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
     run.analysis["dtypes"] = {"baseline": base.kv_dtype if base else None, "rows": rows,
                               "drift_by_position": [r for r in map(position_row, run.cases) if r]}
 

@@ -115,7 +115,7 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
     cold, floor = cold_runs(engine, prompts, p.max_tokens, layouts)
     if path is None:  # a reference case
         return case.result("pass", environment=env, metrics={
-            "path": p.path, "role": "reference", "floor": vars(floor), "requests": len(cold),
+            "path": p.path, "role": "reference", "judged_later": False, "floor": vars(floor), "requests": len(cold),
             "tokens": sum(len(c.token_ids) for c in cold), **_graph_mode(engine, p.path),
             "completions": completions.to_json(cold), "layouts": completions.layouts_to_json(layouts)})
     ctx.stage(case, f"path {path.name}")

@@ -5,8 +5,6 @@ of the same kv dtype (``analyze``, again on ``--resume``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 # the findings analyze() adds: dropped before it judges again (--resume)
 ANALYSIS_KINDS = ("divergence", "near_tie", "logprob_drift", "nan_output", "not_taken", "not_counted",
                   "no_reference", "graph_mode", "own_floor")
@@ -65,7 +63,6 @@ def analyze(run, p) -> None:
     from kvdiag.checks.paths import completions, layouts
     from kvdiag.checks.paths.catalogue import PATHS
     from kvdiag.checks.paths.floor import Floor
-    from kvdiag.results import append_jsonl
 
     refs = {(c.engine, c.model, c.kv_dtype, c.metrics.get("path")): c for c in run.cases
             if c.metrics.get("role") == "reference"}
@@ -74,7 +71,6 @@ def analyze(run, p) -> None:
         if m.get("role") != "path" or "completions" not in m:
             continue
         rec.findings = [f for f in rec.findings if f.kind not in ANALYSIS_KINDS]
-        m.pop("judged_later", None)  # judged now (progress said "ran" until here)
         path = PATHS[m["path"]]
         ref = refs.get((rec.engine, rec.model, rec.kv_dtype, path.reference))
         if ref is None or ref.status != "pass" or "completions" not in ref.metrics:
@@ -95,7 +91,6 @@ def analyze(run, p) -> None:
                         f"each batch layout is held to the reference's same layout ({len(held)} requests)")
             judge_into(rec, p, path, floor, held, out, _Counted(m.get("counted"), {**m, "labels": labels}))
             _graph(rec, path, ref)
-        append_jsonl(Path(run.run_dir) / "results.jsonl", rec)
 
 
 class _Counted:
