@@ -1,12 +1,14 @@
 """kvdiag: KV-cache diagnostics and accuracy checks for LLM inference engines.
 
 ``kvdiag.run_check("accuracy", kv_dtypes=["auto", "fp8"])`` runs a check as its command does and returns the
-finished run (kvdiag/api.py); ``kvdiag.results`` reads any run directory back as pandas frames.
+finished run (kvdiag/api.py), or raises ``kvdiag.UserError`` on bad input before any worker starts;
+``kvdiag.results`` reads any run directory back as pandas frames.
 """
 
+from kvdiag.errors import UserError  # noqa: F401 - kvdiag.UserError (light: no torch)
 from kvdiag.version import __version__  # noqa: F401 - kvdiag.__version__
 
-__all__ = ["__version__", "run_check"]
+__all__ = ["UserError", "__version__", "run_check"]
 
 
 def __getattr__(name: str):

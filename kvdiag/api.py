@@ -23,7 +23,8 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
               kv_dtypes: list[str] | None = None, device: str = "auto", engine_args: dict | list[str] | None = None,
               faults: list[str] | None = None, isolate: str = "case", output_dir: str | Path | None = None,
               jobs: int | None = None, timeout: float | None = None, resume: str | Path | None = None,
-              quiet: bool = False, fmt: str | None = None, command: str | None = None, **options):
+              quiet: bool = False, fmt: str | None = None, command: str | None = None,
+              given: set[str] | None = None, **options):
     """Run ``check`` (a registered check's name: ``kvdiag.checks.registry.checks()``) and return its finished run
     (:class:`kvdiag.results.RunRecord`: ``cases``, ``analysis``, ``summary``, ``exit_code``, ``run_dir``).
 
@@ -36,6 +37,10 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
     "json" prints the run as the command does (None: prints nothing); ``command`` is what run.json says was run
     (default: this call; a command passes its command line). report.md and report.html are written into the run
     directory.
+
+    ``resume``: the run goes on with the engine, model, dtypes and options it was made with (run.json's ``call``);
+    an argument given again must equal the run's (``given``: the names of those given; default: the arguments that
+    differ from this function's defaults, and every check option passed), else UserError.
     """
     from kvdiag.checks.cases import Target
     from kvdiag.checks.registry import check_cases, checks, get
@@ -46,9 +51,20 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
     found = get(check)
     if found is None:
         raise UserError(f"unknown check '{check}'; valid: {', '.join(checks())}")
-    p = found.make(_options(found, options))
     if isinstance(engine_args, dict):
         engine_args = [f"{k}={_arg(v)}" for k, v in engine_args.items()]
+    call = {"check": found.name, "engine": engine, "model": model, "kv_dtypes": kv_dtypes, "device": device,
+            "engine_args": engine_args, "faults": faults, "isolate": getattr(isolate, "value", isolate),
+            "options": options}
+    if resume is not None:
+        from kvdiag.run.resume import resumed_call
+
+        if given is None:
+            given = {k for k, v in call.items() if k != "options" and v != DEFAULTS.get(k)} | set(options)
+        call = resumed_call(Path(resume), call, set(given), lambda name: _flag(found, name))
+        engine, model, kv_dtypes, device, engine_args, faults, isolate, options = (
+            call[k] for k in ("engine", "model", "kv_dtypes", "device", "engine_args", "faults", "isolate", "options"))
+    p = found.make(_options(found, options))
     target = Target(engine, model, list(kv_dtypes) if kv_dtypes else None, device, engine_args, faults, isolate)
     cases, analyze = check_cases(found.name, target, p)
     run_dir = make_run_dir(Path(output_dir) if output_dir is not None else None, found.name,
@@ -57,9 +73,25 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
         jobs = default_jobs(cases) if found.gpu_share else gpu_jobs(cases)
     threads = case_threads(cases, isolate, jobs) if found.gpu_share else 1
     return record(cases, run_dir, timeout=found.timeout if timeout is None else timeout, resume=resume is not None,
-                  quiet=quiet, fmt=fmt, jobs=jobs, analyze=analyze, threads=threads,
+                  quiet=quiet, fmt=fmt, jobs=jobs, analyze=analyze, threads=threads, call=call,
                   finish=lambda run: write_reports(run, run_dir, ("md", "html")),
                   command=command or _call_text(check, engine, model, kv_dtypes, engine_args, options))
+
+
+DEFAULTS = {"engine": "builtin", "device": "auto", "isolate": "case"}  # run_check's, where not None
+
+
+def _flag(check, name: str) -> str:
+    """The command-line flag of a run_check argument or of one of the check's options."""
+    from dataclasses import fields
+
+    from kvdiag.run.resume import FLAGS
+
+    if name in FLAGS:
+        return FLAGS[name]
+    f = next((f for f in fields(check.params) if f.name == name), None)
+    flags = f.metadata.get("flags") if f is not None else None
+    return (flags or (f"--{name.replace('_', '-')}",))[0]
 
 
 def _options(check, given: dict) -> dict:

@@ -144,6 +144,8 @@ class RunRecord:
     shard: dict = field(default_factory=dict)  # kvdiag ci --shard: suite, index, count (kvdiag.run.shards)
     # model folder -> revision and content hash (kvdiag.evaluation.provenance)
     models: dict = field(default_factory=dict)
+    call: dict | None = None  # the check, engine, model, dtypes and options the run was made with (kvdiag.run.resume)
+    plan: list = field(default_factory=list)  # [case id, hash of its arguments] per case: what --resume must match
     schema_version: int | None = SCHEMA_VERSION  # None: a run.json written before run.json had a version
 
     def to_json(self) -> dict:

@@ -68,12 +68,13 @@ def command_for(check):
                         device=kw["device"], engine_args=kw["engine_arg"], faults=kw["fault"],
                         isolate=kw.get("isolate", "case"), output_dir=kw["output_dir"], jobs=kw["jobs"],
                         timeout=kw["timeout"], resume=kw["resume"], quiet=kw["quiet"], fmt=kw["fmt"],
-                        command=command_line(), **values)
+                        command=command_line(), given=o.given(kw["ctx"]), **values)
         raise typer.Exit(run.exit_code)
 
     isolate = [("isolate", o.CheckIsolateOpt, o.Isolate.case)] if check.isolate else []
-    params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
-              for n, a, d in common[:3] + own + isolate + common[3:]]
+    params = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
+               for n, a, d in common[:3] + own + isolate + common[3:]]
     command.__signature__ = inspect.Signature(params)
     command.__annotations__ = {p.name: p.annotation for p in params}
     command.__doc__ = check.help

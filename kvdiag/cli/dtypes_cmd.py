@@ -20,6 +20,7 @@ CheckOpt = Annotated[bool, typer.Option(
 
 
 def dtypes(
+    ctx: typer.Context,
     engine: o.EngineOpt = "builtin",
     kv_dtype: o.KVDtypeOpt = None,
     fmt: o.FormatOpt = o.Format.table,
@@ -44,7 +45,7 @@ def dtypes(
     """
     if check:
         raise typer.Exit(_check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs,
-                                output_dir, timeout, resume, quiet, fault))
+                                output_dir, timeout, resume, quiet, fault, o.given(ctx)))
     _list(engine, kv_dtype, fmt)
 
 
@@ -79,12 +80,13 @@ def _list(engine, kv_dtype, fmt) -> None:
 
 
 def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs, output_dir, timeout,
-           resume, quiet, fault) -> int:
+           resume, quiet, fault, given) -> int:
     from kvdiag.api import run_check
     from kvdiag.run.orchestrate import command_line
 
     return run_check("dtypes", engine=engine, model=model, kv_dtypes=kv_dtype, device=device, engine_args=engine_arg,
                      faults=fault, isolate=isolate, output_dir=output_dir, jobs=jobs, timeout=timeout, resume=resume,
-                     quiet=quiet, fmt=fmt, command=command_line(), max_kl=max_kl, min_top1=min_top1).exit_code
+                     quiet=quiet, fmt=fmt, command=command_line(), given=given, max_kl=max_kl,
+                     min_top1=min_top1).exit_code
 
 

@@ -46,7 +46,20 @@ TimeoutOpt = Annotated[float, typer.Option(
     "--timeout", help="Seconds one case may run before its worker is killed and the case recorded as timeout.",
     min=1)]
 ResumeOpt = Annotated[Optional[Path], typer.Option(
-    "--resume", help="Continue the run in RUN_DIR: cases already recorded in its results.jsonl are skipped.")]
+    "--resume", help="Continue the run in RUN_DIR with its own options (run.json): the cases it has not recorded "
+    "run; an option given again must be the run's (else exit 2).")]
+# a command's option names where run_check's differ (kvdiag.api.run_check)
+CALL_NAMES = {"kv_dtype": "kv_dtypes", "engine_arg": "engine_args", "fault": "faults", "include_path": "include_paths",
+              "needle_length": "needle_lengths"}
+
+
+def given(ctx) -> set[str]:
+    """The options the command line (or the environment) gave the command of ``ctx`` (its ``typer.Context``), as
+    run_check names them: what --resume holds to the run's own options."""
+    said = ("COMMANDLINE", "ENVIRONMENT")
+    return {CALL_NAMES.get(n, n) for n in ctx.params if getattr(ctx.get_parameter_source(n), "name", "") in said}
+
+
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
 EngineArgOpt = Annotated[Optional[list[str]], typer.Option(
     "--engine-arg", "-a", help="key=value passed to the engine, several comma-separated as lm_eval's --model_args; "

@@ -21,6 +21,9 @@ def make_run_dir(output_dir: Path | None, command: str, resume: Path | None = No
         run_dir = Path(resume)
         if not run_dir.is_dir():
             raise UserError(f"--resume: run directory not found: {run_dir}")
+        if output_dir is not None and Path(output_dir).resolve() != run_dir.resolve():
+            raise UserError(f"--resume {run_dir} with --output-dir {output_dir}: a resumed run stays in its "
+                            "directory")
     elif output_dir is not None:
         run_dir = Path(output_dir)
     else:
@@ -120,6 +123,7 @@ def record(
     threads: int = 1,
     command: str | None = None,
     durations: dict[str, float] | None = None,
+    call: dict | None = None,
 ):
     """Run cases, analyse, write run.json, print as ``fmt`` says ("table", "json", None: nothing), return the
     finished run (a RunRecord). ``threads``: see :func:`kvdiag.run.runner.run_cases`. ``jobs`` is capped at one
@@ -133,11 +137,13 @@ def record(
     engine and checks need, and their environment starts from ``scheduling.worker_setup`` (``env`` on top); a
     caller that must keep process state apart (the builtin self-test's faults) passes ``()``. ``command``: what run.json
     says was run (default: this process's kvdiag command line). ``durations``: an earlier run's case times, to start the
-    longest cases first (:func:`kvdiag.run.runner.run_cases`).
+    longest cases first (:func:`kvdiag.run.runner.run_cases`). ``call``: what run.json records the run was made
+    with (``kvdiag.run.resume``); with ``resume`` the cases must be the recorded run's (UserError, before any worker).
     """
     from kvdiag.evaluation.provenance import models_record
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_jsonl, write_run_json
     from kvdiag.run.progress import make_progress
+    from kvdiag.run.resume import jsonable, plan, same_plan
     from kvdiag.run.runner import run_cases
     from kvdiag.run.scheduling import cap_jobs, own_workers, place, worker_setup
 
@@ -152,7 +158,9 @@ def record(
     run = RunRecord(command=previous.command if previous else command or command_line(),
                     started=previous.started if previous else started,
                     cases=[], environment=environment(), run_dir=str(run_dir),
-                    models=models_record(c.model for c in cases))
+                    models=models_record(c.model for c in cases),
+                    call=previous.call if previous and previous.call else call and jsonable(call),
+                    plan=same_plan(run_dir, cases) if resume else plan(cases))
     write_run_json(run_dir, run)  # a run directory always says what it is, even if killed
     quiet = quiet or fmt == "json" and not sys.stderr.isatty()
     progress = make_progress(len(cases), quiet)

@@ -37,6 +37,7 @@ _.used_bytes  # engine_processes.py: GpuView (tests/integration/test_engine_proc
 _.mean_stderr  # checks/stats.py (tests/unit/test_stats.py, tests/integration/test_ci_run.py)
 _.PAIR_TOKENS  # tasks/recall.py (scripts/train_tiny_model.py)
 _.cuda_untouched  # engines/vllm/preimport.py: asserted by tests/gpu/test_vllm_gpu.py on a GPU
+_.min_width  # render/fit.py: a rich Column's least width, read by rich's table layout
 _.display_type_rich  # cli/app.py: click's parameter attribute that typer's rich help reads
 _.schema_version  # results.RunRecord: a field of run.json, read by its users
 _._all_tasks, _._all_subtasks, _._all_groups, _._all_tags  # lm_eval's TaskManager fields (kvdiag.tasks._merge_index)
