@@ -15,6 +15,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -123,6 +124,26 @@ def _environ(env: dict):
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _main_left_alone():
+    """Workers that do not re-import the caller's ``__main__``: multiprocessing re-runs a script's top level in each
+    worker (by its path or module name), so a script, ``python -`` or a notebook calling ``kvdiag.run_check`` without
+    ``if __name__ == "__main__":`` would run itself again there, or fail to (``<stdin>``). A worker imports what it
+    runs by name (``module:function``)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None  # what multiprocessing.spawn.get_preparation_data reads to re-import it
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 class _Worker:
     """One worker process and the cases it still owes: ``running`` (it said "start"), then the rest in order."""
 
@@ -143,8 +164,8 @@ class _Worker:
             args=([asdict(c) for c in cases], str(run_dir), str(self.log_path), child, os.getpid(), env, threads),
             daemon=False,
         )
-        with _environ(env):  # a fork server starts with the first worker: its preloaded native libraries read
-            self.proc.start()  # their settings (OpenMP: OMP_WAIT_POLICY) once, at load
+        with _environ(env), _main_left_alone():  # a fork server starts with the first worker: its preloaded
+            self.proc.start()  # native libraries read their settings (OpenMP: OMP_WAIT_POLICY) once, at load
         child.close()
         self.running: dict[str, float] = {}  # case id -> when the worker started it
         self.log_from: dict[str, int] = {}  # case id -> the log's size then (its tail starts there)
