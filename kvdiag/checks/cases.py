@@ -90,6 +90,18 @@ class Target:
 
     def __post_init__(self):
         self.isolate = getattr(self.isolate, "value", self.isolate)  # the CLI's Isolate enum
+        self.device = check_device(self.device)
+
+
+DEVICES = ("auto", "cpu", "cuda")  # and cuda:N
+
+
+def check_device(device: str) -> str:
+    """``device`` where it is one kvdiag runs on (UserError, before any worker starts, where not)."""
+    head, _, index = str(device).partition(":")
+    if device in DEVICES or head == "cuda" and index.isdigit():
+        return device
+    raise UserError(f"--device '{device}': expected auto, cpu, cuda or cuda:N")
 
 
 @dataclass

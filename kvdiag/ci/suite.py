@@ -70,7 +70,7 @@ def _blame(chk, settings: dict, message: str) -> tuple:
     """(table, key) of the setting a builder's error is about: the one whose value the message quotes."""
     table = chk.table
     for key, value in settings.items():
-        values = value if isinstance(value, list) else [value]
+        values = value if isinstance(value, list) else list(value) if isinstance(value, dict) else [value]
         if any(isinstance(v, (str, int, float)) and f"'{v}'" in message for v in values):
             return (table, key)
     return (table, None)

@@ -8,13 +8,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvdiag.cli.options import DeviceOpt, Format, FormatOpt, QuietOpt
+from kvdiag.cli.options import Format, FormatOpt, QuietOpt
 from kvdiag.errors import UserError
 
 OnlyOpt = Annotated[Optional[list[str]], typer.Option(
     "--only", help="Measure only these: store, decode, prefill, zero, engine; repeatable. Default: all.")]
 QuickOpt = Annotated[bool, typer.Option(
     "--quick", help="Small sizes and a short engine run: a smoke test; targets are not judged.")]
+BenchDeviceOpt = Annotated[str, typer.Option(
+    "--device", help="cuda or cuda:N: the GPU to measure on (the Triton kernels run on CUDA only).")]
 SaveOpt = Annotated[Optional[Path], typer.Option("--save", help="Also write the JSON record to this file.")]
 
 
@@ -22,7 +24,7 @@ def bench(
     fmt: FormatOpt = Format.table,
     only: OnlyOpt = None,
     quick: QuickOpt = False,
-    device: DeviceOpt = "cuda",
+    device: BenchDeviceOpt = "cuda",
     save: SaveOpt = None,
     quiet: QuietOpt = False,
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -51,9 +52,9 @@ def ci(
 
     Config keys: top level engines, models ("tiny-llama" = the shipped model), kv_dtypes, device,
     engine_args, timeout, isolate (defaults for every check), jobs, output_dir, baseline; a table per
-    check to run, [memleak] [accuracy] [wake-cycle] [poison] [dtypes] or a plug-in's, with that command's options
-    (cycles, threshold_mib, tasks, limit, max_drop, alpha, levels, value, ...); [compare] max_drop,
-    alpha, mem_tolerance_mib. An unknown key is an error that lists the valid ones.
+    check to run, {tables}, with that command's options (cycles, threshold_mib, tasks, limit, max_drop,
+    alpha, levels, value, paths, ...); [compare] max_drop, alpha, mem_tolerance_mib. An unknown key is an
+    error that lists the valid ones.
     """
     from kvdiag.ci.config import find_config, load_config
     from kvdiag.ci.suite import build_suite
@@ -98,12 +99,24 @@ def ci(
                 run.exit_code = max(run.exit_code or 0, 1)
         if update_baseline:
             run.analysis["baseline_written"] = str(write_baseline(run, base_path))
+            if not quiet:
+                print(f"kvdiag: wrote baseline {base_path} ({len(run.cases)} cases); commit it", file=sys.stderr)
         run.shard = record
         write_reports(run, run_dir)
 
     code = execute("ci", cases, run_dir, fmt=fmt, timeout=900.0, resume=resume is not None, quiet=quiet, jobs=jobs,
                    analyze=lambda run: [a(run) for a in analyzers], finish=finish, durations=times)
     raise typer.Exit(code)
+
+
+def tables_help() -> str:
+    """The check tables a config may hold, as ci's --help lists them: every check of the registry."""
+    from kvdiag.checks.registry import checks
+
+    return " ".join(f"[{name}]" for name in checks())
+
+
+ci.__doc__ = ci.__doc__.replace("{tables}", tables_help())
 
 
 def _run_dir(cfg, output_dir, resume) -> Path:

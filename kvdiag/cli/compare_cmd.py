@@ -31,8 +31,10 @@ MemTolOpt = Annotated[Optional[float], typer.Option(
 
 
 def compare(
-    old: Annotated[Path, typer.Argument(help="The earlier run: a run directory or a baseline .json file.")],
-    new: Annotated[Path, typer.Argument(help="The later run: a run directory or a baseline .json file.")],
+    old: Annotated[Path, typer.Argument(help="The earlier run: a run directory or a baseline .json file.",
+                                        metavar="OLD")],
+    new: Annotated[Path, typer.Argument(help="The later run: a run directory or a baseline .json file.",
+                                        metavar="NEW")],
     max_drop: MaxDropOpt = A.max_drop,
     alpha: AlphaOpt = A.alpha,
     mem_tolerance: MemTolOpt = None,
@@ -53,6 +55,7 @@ def compare(
 
     sides = load_side(old), load_side(new)
     unrelated(*sides)
+    nothing_compared(*sides)
     result = compare_sides(*sides, max_drop=max_drop, alpha=alpha, mem_tolerance_mib=mem_tolerance)
     if fmt == CompareFormat.json:
         from kvdiag.results import _clean
@@ -65,6 +68,21 @@ def compare(
     else:
         render_table(result, console())
     raise typer.Exit(1 if result["regressed"] else 0)
+
+
+def nothing_compared(old, new) -> None:
+    """Accuracy runs of other tasks share their case ids (the dtypes) but no score to compare: bad input too, not
+    an empty table that exits 0."""
+    from kvdiag.errors import UserError
+
+    def tasks(side) -> set:
+        shared = set(old.cases) & set(new.cases)
+        return {t for i in shared for t in (side.cases[i].metrics.get("scores") or {})}
+
+    mine, theirs = tasks(old), tasks(new)
+    if mine and theirs and not mine & theirs:
+        raise UserError(f"OLD and NEW scored other tasks (OLD: {', '.join(sorted(mine))}; NEW: "
+                        f"{', '.join(sorted(theirs))}): nothing to compare; give two runs of the same tasks")
 
 
 def unrelated(old, new) -> None:

@@ -55,6 +55,12 @@ def cases_table(cases, title: str = "cases", metrics: list[str] | None = None):
     return t
 
 
+def incomplete(run) -> str:
+    """What a merged run of `kvdiag ci --shard` lacks ("shards 3, 4 of 4 missing"), or ""."""
+    missing = (run.shard or {}).get("missing")
+    return f"shards {', '.join(map(str, missing))} of {run.shard['count']} missing" if missing else ""
+
+
 COMMON_VERSIONS = ("kvdiag", "torch", "device", "driver")
 
 

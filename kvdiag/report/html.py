@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from html import escape
 
-from kvdiag.render.cells import fmt_value, run_versions
+from kvdiag.render.cells import fmt_value, incomplete, run_versions
 from kvdiag.report.tables import tables
 
 CSS = """
@@ -26,6 +26,7 @@ def render_html(run) -> str:
     out = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>kvdiag: {verdict}</title>",
            f"<style>{CSS}</style></head><body>",
            f"<h1>kvdiag: <span class='{'pass' if run.exit_code == 0 else 'fail'}'>{verdict}</span></h1>",
+           *([f"<p class='fail'>Incomplete: {escape(incomplete(run))}</p>"] if incomplete(run) else []),
            f"<p><code>{escape(run.command)}</code><br><span class='muted'>started {escape(str(run.started))}"
            f" · finished {escape(str(run.finished))} · " + escape(versions)
            + "</span></p>"]

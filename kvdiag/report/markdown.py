@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvdiag.render.cells import fmt_value, run_versions
+from kvdiag.render.cells import fmt_value, incomplete, run_versions
 from kvdiag.report.tables import tables
 
 ICON = {"pass": "✅", "unsupported": "⏭️", "skipped": "⏭️", "fail": "❌", "error": "❌", "crashed": "💥", "timeout": "⏱️"}
@@ -20,6 +20,8 @@ def render_markdown(run) -> str:
     out = [f"# kvdiag: {verdict}", "",
            f"`{_esc(run.command)}` — started {run.started}, "
            + ", ".join(f"{n} {s}" for s, n in counts.items()), ""]
+    if incomplete(run):
+        out += [f"**Incomplete: {incomplete(run)}**", ""]
     out.append(_esc(", ".join(f"{k} {v}" for k, v in run_versions(run).items())))
     out += ["", "| case | status | key metrics | first finding |", "|---|---|---|---|"]
     for c in run.cases:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from kvdiag.render.cells import cases_table, console
+from kvdiag.render.cells import cases_table, console, incomplete
 from kvdiag.render.fit import show
 
 
@@ -51,6 +51,7 @@ def verdict_line(run) -> str:
                 + ("passed" if clean else "has findings") + f" ({len(run.cases)} cases)")
     else:
         what = ", ".join(f"{n} {k}" for k, n in run.summary.items() if n) or "no cases"
+        what += f" ({incomplete(run)})" if incomplete(run) else ""
     return f"{verdict}: {what} — results in {run.run_dir}"
 
 

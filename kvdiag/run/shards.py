@@ -110,7 +110,8 @@ def durations_of(run_dir: Path) -> dict[str, float]:
 
 def merge(run_dirs: list[Path], out: Path):
     """One run from the shards' runs: every case record, the analyses, run.json and the report files in ``out``.
-    Runs of different suites (or not shards) are refused with one line; a missing shard is a warning."""
+    Runs of different suites (or not shards) are refused with one line; a missing shard is a warning, and the
+    merged run is incomplete: it fails (exit 1) and its reports say which shards it lacks."""
     import sys
 
     from kvdiag.results import RunRecord, append_jsonl, exit_code_for, load_run, summarize, write_run_json
@@ -147,9 +148,10 @@ def merge(run_dirs: list[Path], out: Path):
                            {"index": r.shard["index"], "run_dir": r.run_dir, "hostname": r.environment.get("hostname")}
                            for r in runs]},
                        run_dir=str(out), analysis=analysis, models={k: v for r in runs for k, v in r.models.items()},
-                       shard={"suite": first.shard["suite"], "count": first.shard["count"], "merged": sorted(seen)})
+                       shard={"suite": first.shard["suite"], "count": first.shard["count"], "merged": sorted(seen),
+                              "missing": missing})
     merged.summary = summarize(cases)
-    merged.exit_code = max([exit_code_for(cases)] + [r.exit_code or 0 for r in runs])
+    merged.exit_code = max([exit_code_for(cases), int(bool(missing))] + [r.exit_code or 0 for r in runs])
     write_run_json(out, merged)
     return merged
 
