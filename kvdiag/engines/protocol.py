@@ -101,6 +101,15 @@ class KVBlockView:
 
 
 @runtime_checkable
+class ReportsFinished(Protocol):
+    """An engine that says, while a ``generate`` or ``score`` call runs, how many of its requests have finished:
+    it calls ``on_finished(n)`` with the running count where the caller set it (None: nobody listens). Engines
+    without it report nothing until the call returns (the lm_eval adapter then says progress between calls)."""
+
+    on_finished: Callable[[int], None] | None
+
+
+@runtime_checkable
 class Engine(Protocol):
     name: str
 

@@ -92,14 +92,36 @@ class EngineLM(TemplateLM):
     def _begin(self, requests) -> None:
         self._docs = len({(getattr(r, "task_name", None), getattr(r, "doc_id", i)) for i, r in enumerate(requests)})
         self._t0 = self._shown = time.perf_counter()
+        self._done = 0
 
     def _advance(self, done: int, total: int) -> None:
+        """A progress line at most every PROGRESS_S (and at the end): documents done, their rate, the time left."""
         now = time.perf_counter()
+        if done <= self._done:  # a count that steps back (requests scored again), or one already said
+            return
+        self._done = done
         if self.on_progress is None or (now - self._shown < PROGRESS_S and done < total) or not total:
             return
         self._shown = now
         docs = round(self._docs * done / total)
-        self.on_progress(f"{docs:,}/{self._docs:,} documents, {docs / max(now - self._t0, 1e-9):.1f} doc/s")
+        rate = docs / max(now - self._t0, 1e-9)
+        left = f", {(self._docs - docs) / rate:.0f} s left" if 0 < docs < self._docs else ""
+        self.on_progress(f"{docs:,}/{self._docs:,} documents, {rate:.1f} doc/s{left}")
+
+    @contextlib.contextmanager
+    def _counted(self, done: int, total: int):
+        """An engine call whose finished requests (where the engine says them while it runs: ReportsFinished)
+        move the progress on from ``done`` of ``total``, not only when it returns."""
+        from kvdiag.engines.protocol import ReportsFinished
+
+        hooked = isinstance(self.engine, ReportsFinished)
+        if hooked:
+            self.engine.on_finished = lambda n: self._advance(done + n, total)
+        try:
+            yield
+        finally:
+            if hooked:
+                self.engine.on_finished = None
 
     # ---- loglikelihood
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
@@ -108,7 +130,7 @@ class EngineLM(TemplateLM):
         out: list = [None] * len(items)
         done = 0
         for batch in self._batches(order, key=lambda i: items[i][0]):
-            with self._timed():
+            with self._counted(done, len(items)), self._timed():
                 scored = self.engine.score([items[i][0] for i in batch], [items[i][1] for i in batch], top_k=0)
             for i, s in zip(batch, scored):
                 out[i] = (float(sum(s.logprobs)), bool(s.is_greedy))
@@ -199,7 +221,9 @@ class EngineLM(TemplateLM):
             idx = list(idx)
             for start in range(0, len(idx), self.batch_size):
                 chunk = idx[start:start + self.batch_size]
-                for i, text in zip(chunk, self.complete([jobs[i][0] for i in chunk], *kwargs)):
+                with self._counted(finished, len(jobs)):
+                    texts = self.complete([jobs[i][0] for i in chunk], *kwargs)
+                for i, text in zip(chunk, texts):
                     out[i] = text
                 finished += len(chunk)
                 self._advance(finished, len(jobs))

@@ -202,3 +202,35 @@ def test_kvdiags_own_tasks_resolve_without_importing_lm_eval():
               "print(_tasks(None, None), _tasks(['kv_recall,kv_recall'], None), 'lm_eval' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "(['kv_recall', 'kv_recall_long'], False) (['kv_recall'], False) False", out.stderr
+
+
+class Reporting(HFEngine):
+    """The HF engine as an engine that says its finished requests while a call runs (protocol.ReportsFinished),
+    one by one."""
+
+    on_finished = None
+
+    def score(self, contexts, continuations, **kw):
+        out = super().score(contexts, continuations, **kw)
+        for n in range(1, len(out) + 1):
+            if self.on_finished is not None:
+                self.on_finished(n)
+        return out
+
+
+def test_progress_moves_inside_one_engine_call_with_rate_and_time_left(model_path, monkeypatch):
+    """One call of 12 requests (the whole task, as vLLM gets it): the lines come while it runs, from the engine's
+    own count, not once at its end; the count never steps back; the engine's hook is cleared after the call."""
+    from kvdiag.engines.protocol import ReportsFinished
+    from kvdiag.evaluation import lm_eval_adapter
+
+    monkeypatch.setattr(lm_eval_adapter, "PROGRESS_S", 0.0)
+    engine = Reporting(model_path)
+    assert isinstance(engine, ReportsFinished) and not isinstance(HFEngine(model_path), ReportsFinished)
+    lines = []
+    lm = EngineLM(engine, on_progress=lines.append)
+    lm.loglikelihood([Instance("loglikelihood", {}, (f"ctx{i} ", "c"), i, metadata=("t", i, 1)) for i in range(12)])
+    docs = [int(x.split("/")[0]) for x in lines]
+    assert len(engine.calls) == 1 and docs == sorted(docs) and docs[-1] == 12 and len(docs) >= 10, lines
+    assert all(x.endswith(" s left") for x in lines[:-1]) and "doc/s" in lines[-1], lines
+    assert engine.on_finished is None

@@ -26,6 +26,7 @@ from typing import Sequence
 
 from kvdiag.engines.protocol import Capabilities, Completion, EngineSpec, KVBlockView, Scored
 from kvdiag.engines.vllm import adapt, repro
+from kvdiag.engines.vllm.progress import Finished, bar_for
 from kvdiag.engines.vllm.sleep import RELOAD, SleepState
 from kvdiag.errors import EngineUnsupported
 
@@ -80,6 +81,7 @@ class VllmEngine:
         self._sleep = SleepState()
         self._hit_tokens = 0  # prompt tokens read from the prefix cache (RequestOutput.num_cached_tokens), summed
         self._tallies = None  # paths.WindowFrees, PrefillChunks, Preemptions: wrapped at the first ask
+        self.on_finished = None  # protocol.ReportsFinished: told each call's finished requests as they finish
 
     @staticmethod
     def supported_kv_dtypes() -> list[str]:
@@ -322,7 +324,7 @@ class VllmEngine:
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else 1.0, logprobs=logprobs,
                             seed=None if greedy else (self.spec.seed if seed is None else seed),
                             stop=list(stop) or None, **self._sampling)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=bar_for(self.on_finished))
         self._hit_tokens += sum(int(o.num_cached_tokens or 0) for o in outs)
         return [adapt.completion(o, logprobs) for o in outs]
 
@@ -379,4 +381,5 @@ class VllmEngine:
             raise ValueError("score needs a non-empty context (the first continuation token has no logits)")
         limit = self.capabilities.max_logprobs
         k = 0 if top_k == 0 else limit if top_k < 0 else min(top_k, limit)
-        return scoring.score(self.llm, ctxs, conts, k)
+        finished = Finished(self.on_finished) if self.on_finished is not None else None
+        return scoring.score(self.llm, ctxs, conts, k, finished)

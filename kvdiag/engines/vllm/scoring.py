@@ -32,10 +32,12 @@ CHUNK = 16  # the fewest tokens a step of a request scored in chunks (vLLM's def
 READ_BACK = 8  # a chunk is at most 1/READ_BACK of the shortest context (of 8 chunks or more): 7/8 read back
 
 
-def score(llm, ctxs: list[list[int]], conts: list[list[int]], k: int) -> list[Scored]:
-    """Scores of each non-empty continuation after its context (``k``: top logprobs kept per position)."""
+def score(llm, ctxs: list[list[int]], conts: list[list[int]], k: int, finished=None) -> list[Scored]:
+    """Scores of each non-empty continuation after its context (``k``: top logprobs kept per position).
+    ``finished``: a ``progress.Finished`` count of the requests scored, as they are."""
     from vllm import SamplingParams
 
+    bar = finished.bar if finished is not None else False
     one = dict(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
     todo = [i for i, c in enumerate(conts) if c]
     outs, hits = {}, {}
@@ -45,7 +47,7 @@ def score(llm, ctxs: list[list[int]], conts: list[list[int]], k: int) -> list[Sc
     if can_hit:  # (a context less its last token shorter than a block cannot hit)
         _write_contexts(llm, [ctxs[i] for i in can_hit])
         got = llm.generate([{"prompt_token_ids": ctxs[i] + conts[i]} for i in can_hit],
-                           SamplingParams(**one, skip_reading_prefix_cache=False), use_tqdm=False)
+                           SamplingParams(**one, skip_reading_prefix_cache=False), use_tqdm=bar)
         for i, out in zip(can_hit, got):
             hit = int(out.num_cached_tokens or 0)
             # no hit, or one past the context (this continuation scored before: some of its logits uncomputed):
@@ -53,12 +55,14 @@ def score(llm, ctxs: list[list[int]], conts: list[list[int]], k: int) -> list[Sc
             if 0 < hit < len(ctxs[i]):
                 outs[i], hits[i] = out, hit
     chunked = [i for i in todo if i not in outs]
+    if finished is not None and can_hit:
+        finished.set(len(outs))  # those without a hit are scored again below
     if chunked:
         with chunks(llm, chunk_tokens(min(len(ctxs[i]) for i in chunked))) as (steps, at_once):
             parts = -(-len(chunked) // at_once) if at_once else 1  # as even as can be: none left to run alone
             for part in (chunked[j::parts] for j in range(parts)):
                 got = llm.generate([{"prompt_token_ids": ctxs[i] + conts[i]} for i in part], SamplingParams(**one),
-                                   use_tqdm=False)
+                                   use_tqdm=bar)
                 seen = steps.take([out.request_id for out in got])
                 for i, out in zip(part, got):
                     outs[i], hits[i] = out, read_back(seen[out.request_id], len(ctxs[i]))
