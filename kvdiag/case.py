@@ -22,6 +22,7 @@ STAGE_MARK = "--- kvdiag stage: "  # a line in the case log: where the case is (
 REPRODUCE_MARK = "--- kvdiag reproduce: "  # a line in the case log: a command that repeats the engine's start
 FIRED_MARK = "--- kvdiag fault fired: "  # a line in the case log: a re-introduced fault ran (said before a crash)
 KEPT_DIR = "kept"  # in the run directory: what each running case has measured so far (WorkerContext.keep)
+PROGRESS_S = float(os.environ.get("KVDIAG_PROGRESS_S", "10"))  # most seconds a running case goes unsaid
 
 
 @dataclass

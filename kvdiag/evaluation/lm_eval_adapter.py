@@ -19,11 +19,10 @@ from itertools import groupby
 
 from lm_eval.api.model import TemplateLM
 
+from kvdiag.case import PROGRESS_S  # seconds between progress lines of a case
 from kvdiag.errors import UserError
 from kvdiag.evaluation import preloaded
 from kvdiag.evaluation.lm_eval_results import cells, examples, summarize, task_groups, task_hashes
-
-PROGRESS_S = float(os.environ.get("KVDIAG_PROGRESS_S", "10"))  # seconds between progress lines of a case
 
 
 class EngineLM(TemplateLM):

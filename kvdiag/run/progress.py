@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import TYPE_CHECKING
 
+from kvdiag.case import PROGRESS_S
 from kvdiag.results import CaseResult
 
 if TYPE_CHECKING:
@@ -19,6 +21,7 @@ class Progress:
     def __init__(self, total: int, quiet: bool = False):
         self.total, self.done, self.started, self.quiet = total, 0, 0, quiet
         self.number: dict[str, int] = {}  # case id -> its [k/N], the same on its start and its done line
+        self.said: dict[str, float] = {}  # running case id -> when a line last said something of it
 
     def _number(self, case_id: str) -> int:
         if case_id not in self.number:
@@ -28,11 +31,13 @@ class Progress:
 
     def start(self, case: Case) -> None:
         k = self._number(case.id)
+        self.said[case.id] = time.monotonic()
         if not self.quiet:
             print(f"[{k}/{self.total}] {case.id} ...", file=sys.stderr, flush=True)
 
     def finish(self, rec: CaseResult) -> None:
         self.done += 1
+        self.said.pop(rec.id, None)
         k = self._number(rec.id)  # a case that never started (not run) gets the next number
         if not self.quiet:
             print(f"[{k}/{self.total}] {rec.id}: {shown(rec)} ({rec.duration_s:.1f}s{rate(rec)}; "
@@ -40,8 +45,18 @@ class Progress:
 
     def note(self, case_id: str, text: str) -> None:
         """Progress inside a running case."""
+        self.said[case_id] = time.monotonic()
         if not self.quiet:
             print(f"      {case_id}: {text}", file=sys.stderr, flush=True)
+
+    def unsaid(self, case_id: str) -> bool:
+        """Whether nothing was said of a running case for PROGRESS_S: it is due a line (``still``)."""
+        return case_id in self.said and time.monotonic() - self.said[case_id] >= PROGRESS_S
+
+    def still(self, case_id: str, seconds: float, stage: str | None) -> None:
+        """A running case that said nothing for PROGRESS_S (an engine start, a drift probe, a long step): that it
+        runs, for how long, and in which stage."""
+        self.note(case_id, f"running {seconds:.0f} s" + (f", in {stage}" if stage else ""))
 
     def expect(self, total: int) -> None:
         """The cases this run will report (those a --resume did not find recorded)."""
@@ -86,17 +101,20 @@ class RichProgress(Progress):
         self.rp.start()
 
     def start(self, case: Case) -> None:
+        self.said[case.id] = time.monotonic()
         self.rp.update(self.task, description=case.id)
 
     def finish(self, rec: CaseResult) -> None:
         self.done += 1
         self._number(rec.id)
+        self.said.pop(rec.id, None)
         style = {"pass": "green", "unsupported": "yellow", "skipped": "yellow"}.get(rec.status, "red")
         style = "cyan" if shown(rec) != rec.status else style
         self.rp.console.print(f"[{style}]{shown(rec):>8}[/] {rec.id} ({rec.duration_s:.1f}s{rate(rec)})")
         self.rp.update(self.task, advance=1)
 
     def note(self, case_id: str, text: str) -> None:
+        self.said[case_id] = time.monotonic()
         self.rp.update(self.task, description=f"{case_id}: {text}")
 
     def expect(self, total: int) -> None:

@@ -372,6 +372,10 @@ def run_cases(
                 for case_id, text in w.notes:
                     progress.note(case_id, text)
                 w.notes.clear()
+                for case_id, since in w.running.items():
+                    if progress.unsaid(case_id):
+                        log = _tail(w.log_path, w.log_from.get(case_id, 0), death.SCAN_BYTES)
+                        progress.still(case_id, time.monotonic() - since, death.stage(log))
                 for rec in ended:
                     held_for_the_end(rec)
                     if w.gpu is not None:  # the GPU its worker was pinned to (CUDA_VISIBLE_DEVICES)

@@ -63,3 +63,18 @@ def test_a_check_without_a_judgement_across_cases_says_its_verdict_at_once(tmp_p
     err = capsys.readouterr().err
     assert sum(": pass (" in x for x in err.splitlines()) == 3, err
     assert [r["status"] for r in lines(tmp_path / "results.jsonl")] == ["pass"] * 3
+
+
+def test_a_case_that_says_nothing_is_said_to_run_every_progress_interval_with_its_stage(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """A long engine start, a drift probe: no document moves, and still a line comes every KVDIAG_PROGRESS_S."""
+    from kvdiag.run import progress
+    from kvdiag.run.runner import run_cases
+
+    monkeypatch.setattr(progress, "PROGRESS_S", 0.5)
+    case = Case("memleak", "builtin", "m", "auto", "case_fns:silent_stage", params={"sleep": 2.5}, id="m/auto")
+    (rec,) = run_cases([case], tmp_path, timeout=60)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip().startswith("m/auto: running ")]
+    assert rec.status == "pass" and len(lines) >= 3 and all(x.endswith(", in engine start") for x in lines), lines
+    seconds = [int(x.split("running ")[1].split(" s")[0]) for x in lines]
+    assert seconds == sorted(seconds) and seconds[-1] >= 2, lines

@@ -179,3 +179,10 @@ def keeps_then_dies(case, ctx):
     if case.params.get("raises"):
         raise RuntimeError("planted error after the drift probe")
     os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def silent_stage(case, ctx):
+    """Enters a stage and says nothing for ``sleep`` seconds (a long engine start), then passes."""
+    ctx.stage(case, "engine start")
+    time.sleep(case.params.get("sleep", 2.5))
+    return case.result("pass")
