@@ -99,6 +99,6 @@ def stat_text(r: dict) -> str:
     if r.get("test"):
         ci = "" if r.get("ci_low") is None else f", [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
         return f"{r['test']} p={r['p_value']:.3g}{ci}" if finite(r.get("p_value")) else r["test"]
-    if r.get("tolerance") is not None:
-        return f"tolerance {r['tolerance']:.3g} MiB"
+    if r.get("tolerance") is not None:  # in the row's unit: MiB (memleak), prompts, or a logprob (paths)
+        return f"tolerance {r['tolerance']:.3g}" + (f" {r['unit']}" if r.get("unit") else "")
     return ""

@@ -23,11 +23,12 @@ def _memory(o, n, tol) -> list[dict]:
             continue
         a, b = largest(og[measure]), largest(ng[measure])
         rows.append(row(n, f"growth/cycle {measure} MiB", a, b, "regression" if b - a > tol else "ok",
-                         tolerance=tol))
+                         tolerance=tol, unit="MiB"))
     if "survivor_mib" in n.metrics and "survivor_mib" in o.metrics:
         a, b = largest(o.metrics["survivor_mib"]), largest(n.metrics["survivor_mib"])
         lim = min(tol, RETAINED_TOL_MIB)
-        rows.append(row(n, "retained tensor MiB", a, b, "regression" if b - a > lim else "ok", tolerance=lim))
+        rows.append(row(n, "retained tensor MiB", a, b, "regression" if b - a > lim else "ok", tolerance=lim,
+                        unit="MiB"))
     return rows
 
 

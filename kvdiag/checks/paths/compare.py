@@ -12,7 +12,8 @@ def rows(o, n, settings: dict) -> list[dict]:
     out = []
     if "diverged_requests" in om and "diverged_requests" in nm:
         a, b = om.get("hard_divergences", 0), nm.get("hard_divergences", 0)
-        out.append(row(n, "paths: diverging prompts", a, b, "regression" if b > a else "ok", tolerance=0))
+        out.append(row(n, "paths: diverging prompts", a, b, "regression" if b > a else "ok", tolerance=0,
+                       unit="prompts"))
     if "max_dlogprob" in om and "max_dlogprob" in nm:
         a, b, tol = number(om["max_dlogprob"]), number(nm["max_dlogprob"]), number(nm.get("tolerance"))
         out.append(row(n, "paths: max |Δ logprob|", a, b, "regression" if b > max(a, tol) else "ok", tolerance=tol))
