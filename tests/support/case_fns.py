@@ -4,6 +4,7 @@ import ctypes
 import os
 import signal
 import time
+from pathlib import Path
 
 
 def healthy(case, ctx):
@@ -112,10 +113,20 @@ def no_cache_memory(case, ctx):
 
 
 def gpu_slot(case, ctx):
-    """Sleeps; reports when it ran and the GPU it was given (CUDA_VISIBLE_DEVICES), without importing torch."""
+    """Sleeps; reports when it ran and the GPU it was given (CUDA_VISIBLE_DEVICES), without importing torch.
+    ``meet: {"dir": D, "n": N}``: first waits (30 s at most) until N cases have come to D, so that a test knows N
+    ran at once whatever the machine's speed; ``met`` says whether they did."""
     start = time.time()
+    met = None
+    if meet := case.params.get("meet"):
+        here = Path(meet["dir"])
+        here.mkdir(parents=True, exist_ok=True)
+        (here / case.id.replace("/", "_")).touch()
+        while len(list(here.iterdir())) < meet["n"] and time.time() < start + 30:
+            time.sleep(0.02)
+        met = len(list(here.iterdir())) >= meet["n"]
     time.sleep(case.params.get("sleep", 0.0))
-    return case.result("pass", metrics={"start": start, "end": time.time(),
+    return case.result("pass", metrics={"start": start, "end": time.time(), "met": met,
                                         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")})
 
 
