@@ -25,15 +25,12 @@ print(json.dumps({"files": files, "bad": bad, "root": kvdiag.__file__}))
 
 
 def source_modules() -> set[str]:
-    """Every importable module of the checkout's kvdiag/ (its data folders left out)."""
-    out = set()
-    for path in (ROOT / "kvdiag").rglob("*.py"):
-        rel = path.relative_to(ROOT).with_suffix("")
-        if "assets" in rel.parts or "data" in rel.parts:
-            continue
-        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-        out.add(".".join(parts))
-    return out
+    """Every importable module of the checkout's kvdiag/ and of kernels/ (kvdiag.kernels), the data folders left
+    out."""
+    from test_import_graph import SOURCES, find_modules
+
+    return {m for m, (path, _) in find_modules(SOURCES).items()
+            if not {"assets", "data"} & set(path.relative_to(ROOT).parts)}
 
 
 @pytest.mark.slow

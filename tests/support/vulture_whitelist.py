@@ -37,6 +37,8 @@ _.used_bytes  # engine_processes.py: GpuView (tests/integration/test_engine_proc
 _.mean_stderr  # checks/stats.py (tests/unit/test_stats.py, tests/integration/test_ci_run.py)
 _.PAIR_TOKENS  # tasks/recall.py (scripts/train_tiny_model.py)
 _.cuda_untouched  # engines/vllm/preimport.py: asserted by tests/gpu/test_vllm_gpu.py on a GPU
+_.postfix, _.format_dict, _.refresh  # engines/vllm/progress.py's bar: read and called by vLLM's LLM._run_engine
+_.__spec__  # run/runner.py: the caller's __main__ as multiprocessing reads it (spawn.get_preparation_data)
 _.min_width  # render/fit.py: a rich Column's least width, read by rich's table layout
 _.display_type_rich  # cli/app.py: click's parameter attribute that typer's rich help reads
 _.schema_version  # results.RunRecord: a field of run.json, read by its users

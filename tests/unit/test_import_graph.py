@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = {"kvdiag": ROOT / "kvdiag"}  # package -> folder
+# package -> folder: kvdiag.kernels' source is the top-level kernels/ (setup.py maps it)
+SOURCES = {"kvdiag": ROOT / "kvdiag", "kvdiag.kernels": ROOT / "kernels"}
 
 # Lowest first; a module may import from its own layer and those below. The same order is in docs/DESIGN.md.
 LAYERS = [
@@ -194,3 +195,12 @@ def test_no_import_of_a_higher_layer(graph):
                      for a, b, where in up)
     print(text)
     assert not up, f"{len(up)} import(s) of a higher layer (layers, lowest first: {ORDER}):\n{text}"
+
+
+def test_kvdiag_kernels_is_the_top_level_kernels_folder_in_the_checkout():
+    """The design's layout: the kernels' source is kernels/ beside kvdiag/, imported as kvdiag.kernels (the wheel
+    carries it: tests/integration/test_wheel.py), and no folder or link named kernels is left inside kvdiag/."""
+    import kvdiag.kernels.store
+
+    assert Path(kvdiag.kernels.store.__file__).resolve() == ROOT / "kernels" / "store.py"
+    assert not (ROOT / "kvdiag" / "kernels").exists() and not (ROOT / "kvdiag" / "kernels").is_symlink()

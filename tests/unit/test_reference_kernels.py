@@ -193,5 +193,5 @@ def test_kernels_env_forces_reference(monkeypatch):
     assert dispatch.backend("paged_attention", torch.device("cuda")) == "reference"
     assert dispatch.backend("paged_attention", torch.device("cpu")) == "reference"
     monkeypatch.delenv("KVDIAG_KERNELS")
-    assert dispatch.backend("paged_attention", torch.device("cpu")) == "cpu"  # kvdiag/kernels/cpu_attention.py
+    assert dispatch.backend("paged_attention", torch.device("cpu")) == "cpu"  # kernels/cpu_attention.py
     assert dispatch.backend("store_kv", torch.device("cpu")) == "reference"

@@ -1,5 +1,5 @@
-"""The int8 store's rounding (kvdiag/kernels/store.py, quantize_rows): ``trunc(y + copysign(0.5 - 2**-25, y))`` in
-float32 equals the reference's round-half-away-from-zero (kvdiag/kernels/reference.py, round_half_away) for every
+"""The int8 store's rounding (kernels/store.py, quantize_rows): ``trunc(y + copysign(0.5 - 2**-25, y))`` in
+float32 equals the reference's round-half-away-from-zero (kernels/reference.py, round_half_away) for every
 float32 within 4096 ulps of each integer and each tie k + 0.5 with |k| < 130, and for a random sample of
 |y| < 130. (An exhaustive run over all 2.2e9 float32 of magnitude < 130 found 0 mismatches when the
 formula was written; it takes about a minute, too long for the suite.) numpy only."""

@@ -317,7 +317,7 @@ def test_zero_blocks_reuses_its_plan_only_for_the_same_live_tensors():
 @pytest.mark.skipif(not GPU, reason="direct launches happen on the GPU only")
 @pytest.mark.parametrize("direct", ["1", "0"])
 def test_direct_launches_keep_alignment_specializations_apart(direct, monkeypatch):
-    """kvdiag/kernels/launch.py reuses a compiled kernel only for arguments of the same specialization: a query whose
+    """kernels/launch.py reuses a compiled kernel only for arguments of the same specialization: a query whose
     address and head stride are not multiples of 16 (launched after aligned ones) still gives the right
     result, directly launched or through Triton's dispatch."""
     monkeypatch.setenv("KVDIAG_TRITON_DIRECT", direct)
