@@ -70,15 +70,20 @@ def test_report_has_the_path_by_dtype_grid(clean):
 def faulty(tmp_path_factory):
     """``faulty(fault)`` -> (the finished command, its run dir): three paths with one path fault, run once per fault
     (the compare test reads chunk_context_dropped's run too). ``--isolate run``, one worker for the cases: a path fault
-    lives in each case's engine object, not in the process; the clean run keeps the default isolation."""
+    lives in each case's engine object, not in the process; the clean run keeps the default isolation. The prompts
+    and tokens are those `kvdiag selftest` holds each path fault to (the check's ``selftest`` sizes)."""
+    from kvdiag.checks.paths import CHECK
+
+    sizes = CHECK.selftest
     runs = {}
 
     def run(fault):
         if fault not in runs:
             out = tmp_path_factory.mktemp("faulty") / fault
             runs[fault] = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "-o", str(out), "--fault",
-                                 fault, "--isolate", "run", "-p", "prefix-hit", "-p", "preemption", "-p",
-                                 "chunked-prefill"), out
+                                 fault, "--isolate", "run", "--num-prompts", str(sizes["num_prompts"]),
+                                 "--max-tokens", str(sizes["max_tokens"]), "-p", "prefix-hit", "-p", "preemption",
+                                 "-p", "chunked-prefill"), out
         return runs[fault]
 
     return run
