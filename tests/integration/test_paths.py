@@ -11,6 +11,7 @@ import pytest
 
 HAS = ("prefix-hit", "prefix-partial", "prefix-reset", "preemption", "chunked-prefill")
 LACKS = ("cudagraph-piecewise", "spec-ngram", "offload")
+FAULTED = ("prefix-hit", "preemption", "chunked-prefill")  # the paths each path fault runs
 
 
 def kvdiag(*args, timeout=600):
@@ -82,8 +83,8 @@ def faulty(tmp_path_factory):
             out = tmp_path_factory.mktemp("faulty") / fault
             runs[fault] = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "-o", str(out), "--fault",
                                  fault, "--isolate", "run", "--num-prompts", str(sizes["num_prompts"]),
-                                 "--max-tokens", str(sizes["max_tokens"]), "-p", "prefix-hit", "-p", "preemption",
-                                 "-p", "chunked-prefill"), out
+                                 "--max-tokens", str(sizes["max_tokens"]),
+                                 *[a for p in FAULTED for a in ("-p", p)]), out
         return runs[fault]
 
     return run
@@ -97,6 +98,7 @@ def test_each_path_fault_fails_its_own_path_only(fault, path, faulty):
     assert r.returncode == 1, r.stderr[-2000:]
     cases = by_path(json.loads(r.stdout))
     assert {n for n, c in cases.items() if c["status"] == "fail"} == {path}
+    assert all(cases[n]["metrics"]["counted"] > 0 for n in FAULTED), cases  # each path taken at these sizes
     f = next(x for x in cases[path]["findings"] if x["kind"] == "divergence")
     assert "first differs at generated position" in f["message"] and cases[path]["metrics"]["first_difference"]
 
