@@ -11,6 +11,7 @@ import pytest
 
 HAS = ("prefix-hit", "prefix-partial", "prefix-reset", "preemption", "chunked-prefill")
 LACKS = ("cudagraph-piecewise", "spec-ngram", "offload")
+FAULTED = ("prefix-hit", "preemption", "chunked-prefill")  # the paths each path fault runs
 
 
 def kvdiag(*args, timeout=600):
@@ -66,24 +67,45 @@ def test_report_has_the_path_by_dtype_grid(clean):
     assert "paths: path x kv dtype" in (out / "report.html").read_text()
 
 
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory):
+    """``faulty(fault)`` -> (the finished command, its run dir): three paths with one path fault, run once per fault
+    (the compare test reads chunk_context_dropped's run too). ``--isolate run``, one worker for the cases: a path fault
+    lives in each case's engine object, not in the process; the clean run keeps the default isolation. The prompts
+    and tokens are those `kvdiag selftest` holds each path fault to (the check's ``selftest`` sizes)."""
+    from kvdiag.checks.paths import CHECK
+
+    sizes = CHECK.selftest
+    runs = {}
+
+    def run(fault):
+        if fault not in runs:
+            out = tmp_path_factory.mktemp("faulty") / fault
+            runs[fault] = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "-o", str(out), "--fault",
+                                 fault, "--isolate", "run", "--num-prompts", str(sizes["num_prompts"]),
+                                 "--max-tokens", str(sizes["max_tokens"]),
+                                 *[a for p in FAULTED for a in ("-p", p)]), out
+        return runs[fault]
+
+    return run
+
+
 @pytest.mark.parametrize("fault, path", [("prefix_hit_treated_fresh", "prefix-hit"),
                                          ("preempt_keeps_freed_blocks", "preemption"),
                                          ("chunk_context_dropped", "chunked-prefill")])
-def test_each_path_fault_fails_its_own_path_only(fault, path, tmp_path):
-    r = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "-o", str(tmp_path / "run"), "--fault", fault,
-               "-p", "prefix-hit", "-p", "preemption", "-p", "chunked-prefill")
+def test_each_path_fault_fails_its_own_path_only(fault, path, faulty):
+    r, _ = faulty(fault)
     assert r.returncode == 1, r.stderr[-2000:]
     cases = by_path(json.loads(r.stdout))
     assert {n for n, c in cases.items() if c["status"] == "fail"} == {path}
+    assert all(cases[n]["metrics"]["counted"] > 0 for n in FAULTED), cases  # each path taken at these sizes
     f = next(x for x in cases[path]["findings"] if x["kind"] == "divergence")
     assert "first differs at generated position" in f["message"] and cases[path]["metrics"]["first_difference"]
 
 
-def test_compare_with_a_faulty_run_regresses(clean, tmp_path):
+def test_compare_with_a_faulty_run_regresses(clean, faulty):
     _, old = clean
-    new = tmp_path / "new"
-    kvdiag("paths", "-d", "auto", "--device", "cpu", "-o", str(new), "--fault", "chunk_context_dropped",
-           "-p", "chunked-prefill")
+    _, new = faulty("chunk_context_dropped")
     r = kvdiag("compare", str(old), str(new), "-f", "json")
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "paths: diverging prompts" in r.stdout
