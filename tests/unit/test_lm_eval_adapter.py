@@ -17,7 +17,15 @@ from kvdiag.errors import UserError  # noqa: E402
 from kvdiag.evaluation.lm_eval_adapter import EngineLM, resolve_tasks, run_tasks  # noqa: E402
 from kvdiag.tasks import SHIPPED_TASKS  # noqa: E402
 
-torch.set_num_threads(2)
+
+@pytest.fixture(scope="module", autouse=True)
+def two_threads():
+    """Two torch threads for this module's tests only: set at import, every xdist worker kept them for every test it
+    ran after collecting this module (an in-process torch test took many times longer on two loaded cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
