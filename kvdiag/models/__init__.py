@@ -283,3 +283,16 @@ def weights_bytes(model: str) -> int:
     folder = Path(model)
     files = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
     return sum(f.stat().st_size for f in files if f.is_file())
+
+
+_TOKENIZER_LOCK = threading.Lock()  # transformers' lazy imports are not safe on two threads at once
+
+
+def hf_tokenizer(model: str | Path):
+    """The model folder's Hugging Face tokenizer (transformers' AutoTokenizer), loaded one thread at a time: the
+    dtypes of ``--isolate run`` start on threads of one worker, and two first imports of ``AutoTokenizer`` at once
+    failed ("cannot import name 'AutoTokenizer' from 'transformers'")."""
+    with _TOKENIZER_LOCK:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(model))

@@ -194,3 +194,18 @@ def test_config_reads_the_folder_once_for_every_caller_and_falls_back_to_nothing
     assert config_dtype(tmp_path) == "bfloat16"
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16", "num_hidden_layers": 2}))
     assert config(tmp_path, text=True) == config(tmp_path) and config_dtype(tmp_path) == "float16"
+
+
+def test_the_tokenizer_loads_on_threads_at_once_in_a_fresh_process():
+    """`--isolate run` starts its dtypes on threads of one worker, each loading the tokenizer before its engine:
+    transformers' first import of AutoTokenizer on two threads at once failed ('cannot import name ...') for the paths
+    check, 4 runs of 4. kvdiag loads it one thread at a time (kvdiag.models.hf_tokenizer)."""
+    code = ("import threading; from kvdiag.models import hf_tokenizer; from kvdiag.assets import TINY_MODEL\n"
+            "out = []\n"
+            "load = lambda: out.append(hf_tokenizer(TINY_MODEL).encode('a=1'))\n"
+            "ts = [threading.Thread(target=load) for _ in range(4)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n"
+            "print(len(out), len({tuple(x) for x in out}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and r.stdout.split() == ["4", "1"], r.stderr[-2000:]

@@ -120,9 +120,9 @@ def cache_storage(engine) -> dict | None:
 
 def chat_tokenizer(model: str):
     """The model's Hugging Face tokenizer, for its chat template (--apply-chat-template)."""
-    from transformers import AutoTokenizer
+    from kvdiag.models import hf_tokenizer
 
-    return AutoTokenizer.from_pretrained(model)
+    return hf_tokenizer(model)
 
 
 def _reset_peak() -> None:

