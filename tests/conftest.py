@@ -93,20 +93,45 @@ def installed(tmp_path_factory):
     return build(tmp_path_factory.mktemp("wheel"))
 
 
+@pytest.fixture(scope="session")
+def vllm_zoo_check(tmp_path_factory):
+    """``vllm_zoo_check(name)``: ``kvdiag dtypes --check -e vllm -d auto -m zoo:NAME``, run once per model for the
+    modules that read it (tests/support/vllm_zoo_checks.py)."""
+    from vllm_zoo_checks import ZooChecks
+
+    return ZooChecks(tmp_path_factory.mktemp("vllm-zoo"))
+
+
+SHARED = ("installed", "vllm_zoo_check")  # session fixtures built once per worker: their modules share one worker
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the node ids
 def pytest_collection_modifyitems(config, items):
     """For pytest-xdist's ``--dist loadgroup`` (the README's test command): a module whose tests share a module
-    fixture, or the wheel's fresh venv (``installed``), runs whole in one worker, so that each is built once (and its
-    module-level caches are hit); every other test goes to whichever worker is free, the slow ones first."""
+    fixture, or a session fixture of ``SHARED`` (the wheel's fresh venv, the vLLM zoo runs), runs whole in one worker,
+    so that each is built once (and its module-level caches are hit); every other test goes to whichever worker is
+    free, the slow ones first.
+
+    xdist groups a worker's tests by the ``@GROUP`` it appends to their node ids (``item._nodeid``), which pytest 9
+    no longer reads (a node's id is ``item._id``): there the id is given its group here, or every test is a unit of
+    its own and each worker builds the module fixtures of whatever tests it gets."""
     groups: dict = {}
     for item in items:
         defs = getattr(item, "_fixtureinfo", None)
         scopes = {d[-1].scope for d in defs.name2fixturedefs.values() if d} if defs else set()
-        if "installed" in getattr(item, "fixturenames", ()):
-            groups[item.module.__name__] = "installed"
+        shared = [name for name in SHARED if name in getattr(item, "fixturenames", ())]
+        if shared:
+            groups[item.module.__name__] = shared[0]
         elif "module" in scopes:
             groups.setdefault(item.module.__name__, item.module.__name__)
+    in_group_worker = getattr(config.option, "loadgroup", False)  # set in xdist's workers under --dist loadgroup
     for item in items:
         if item.module.__name__ in groups:
-            item.add_marker(pytest.mark.xdist_group(groups[item.module.__name__]))
+            group = groups[item.module.__name__]
+            item.add_marker(pytest.mark.xdist_group(group))
+            if in_group_worker and hasattr(item, "_id"):
+                from _pytest.nodeid import NodeId
+
+                item._id = NodeId.parse(f"{item.nodeid}@{group}")
     # the slow tests first (a stable sort): two workers finish together when the long ones do not come last
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

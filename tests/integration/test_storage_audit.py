@@ -4,9 +4,6 @@ dtype and bytes per token (a state: per sequence), from vLLM's own KV cache spec
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -102,16 +99,15 @@ def test_the_builtin_engine_gets_the_same_format_from_its_tensors():
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", ["gemma3", "deepseek-v2", "granite-hybrid"])
-def test_vllm_cpu_audit_names_the_zoo_models_layer_kinds(tmp_path, name):
-    """vllm-cpu on the zoo's sliding-window, MLA and hybrid models: each layer kind counted and named."""
+def test_vllm_cpu_audit_names_the_zoo_models_layer_kinds(vllm_zoo_check, name):
+    """vllm-cpu on the zoo's sliding-window, MLA and hybrid models: each layer kind counted and named (the run
+    test_zoo.py reads too: tests/support/vllm_zoo_checks.py)."""
     import json
 
     pytest.importorskip("vllm")
-    r = subprocess.run([sys.executable, "-m", "kvdiag", "dtypes", "--check", "-e", "vllm", "-d", "auto", "-m",
-                        f"zoo:{name}", "-o", str(tmp_path / "run"), "-q"], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "COLUMNS": "300"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    row = json.loads((tmp_path / "run" / "run.json").read_text())["analysis"]["dtypes"]["rows"][0]
+    r = vllm_zoo_check(name)
+    assert r.returncode == 0, r.tail()
+    row = json.loads((r.out / "run.json").read_text())["analysis"]["dtypes"]["rows"][0]
     assert row["layers"] == audit_of(name), row
 
 

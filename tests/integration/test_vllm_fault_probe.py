@@ -9,8 +9,12 @@ from __future__ import annotations
 import functools
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +50,11 @@ def case_of(name: str) -> list[str]:
 def run_probe(which: str, model: str, kv_dtype: str, *args: str, timeout: float = 600) -> dict:
     p = subprocess.run([sys.executable, str(HERE / "vllm_fault_probe.py"), which, model, kv_dtype, *args],
                        capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
+    return read_probe(which, model, kv_dtype, p)
+
+
+def read_probe(which: str, model: str, kv_dtype: str, p: subprocess.CompletedProcess) -> dict:
+    """A probe process's ``PROBE`` line, else its death after the wake (``died_after_wake``)."""
     line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
     if line is None:
         return died_after_wake(which, model, kv_dtype, p)
@@ -65,11 +74,79 @@ def died_after_wake(which: str, model: str, kv_dtype: str, p) -> dict:
             "observed": {"died_after_wake": p.returncode, "error": error.strip()[:300]}}
 
 
+class ProbeServer:
+    """tests/support/vllm_fault_probe.py ``--serve``: one process imports vLLM, each probe runs in a child forked
+    from it (a process of its own, as ``run_probe``'s), its output read back as ``run_probe`` reads a process's."""
+
+    def __init__(self):
+        self.dir = tempfile.TemporaryDirectory(prefix="fault-probes-")
+        self.err = Path(self.dir.name) / "server.err"
+        with open(self.err, "w") as err:  # a session of its own: a stuck probe is ended with its server (kill)
+            self.p = subprocess.Popen([sys.executable, str(HERE / "vllm_fault_probe.py"), "--serve", self.dir.name],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=ENV, cwd=ROOT,
+                                      start_new_session=True)
+        self.n, self.buf = 0, b""
+        while self._line(600) != "READY":  # anything the imports printed comes first
+            pass
+
+    def _line(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.p.stdout], [], [], left)[0]:
+                self.kill()
+                raise AssertionError(f"the probe server gave no answer in {timeout:.0f} s: "
+                                     f"{self.err.read_text()[-3000:]}")
+            chunk = os.read(self.p.stdout.fileno(), 1 << 16)
+            assert chunk, f"the probe server ended: {self.err.read_text()[-3000:]}"
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode().strip()
+
+    def run(self, which: str, model: str, kv_dtype: str, *args: str, timeout: float = 600) -> dict:
+        n, self.n = self.n, self.n + 1
+        self.p.stdin.write((json.dumps([which, model, kv_dtype, *args]) + "\n").encode())
+        self.p.stdin.flush()
+        done = self._line(timeout).split()
+        assert done[:2] == ["DONE", str(n)], (done, self.err.read_text()[-3000:])
+        out, err = (Path(self.dir.name, f"{n}.{x}").read_text() for x in ("out", "err"))
+        return read_probe(which, model, kv_dtype, subprocess.CompletedProcess([], int(done[2]), out, err))
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)  # the server and the probe it forked
+            self.p.wait()
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.stdin.close()
+            try:
+                self.p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.dir.cleanup()
+
+
+_SERVER: list[ProbeServer] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _probe_server():
+    """Ends the probe server (started by the first ``probe``) with the module."""
+    yield
+    while _SERVER:
+        _SERVER.pop().close()
+
+
 @functools.lru_cache(maxsize=None)
 def probe(which: str) -> dict:
     """The probe of a fault, or of ``clean:FAULT`` (its scenario without the patch), on the fault's planned case;
     ``clean``: the memory scenario on the tiny model with auto, without a patch."""
-    return run_probe(which, *case_of(which.removeprefix("clean:") if which != "clean" else MEMORY))
+    if _SERVER and _SERVER[0].p.poll() is not None:  # killed with a stuck probe: the next one gets a new server
+        _SERVER.pop().close()
+    if not _SERVER:
+        _SERVER.append(ProbeServer())
+    return _SERVER[0].run(which, *case_of(which.removeprefix("clean:") if which != "clean" else MEMORY))
 
 
 def control(name: str) -> str:

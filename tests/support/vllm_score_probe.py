@@ -16,6 +16,10 @@ the continuation tokens' logprobs three ways:
   Started with ``long_prefill_token_threshold=16``, vLLM computes each prompt in 16-token chunks, each chunk
   attending the chunks before it as the cache holds them (kvdiag's scores where its prefix cache cannot serve).
 
+``--single-only`` (anywhere after KV_DTYPE) runs the ``single`` requests alone (no ``cached``, ``hit`` or ``decode``):
+for a caller that reads those alone, on an engine without a prefix cache, where the other requests leave nothing
+the ``single`` ones could read.
+
 tests/gpu/test_vllm_score.py compares two dtypes' lines: the oracle for what kvdiag's drift sees.
 """
 
@@ -66,7 +70,7 @@ class StepRecord(list):
         return [[n for r, n in self if r == i] for i in ids]
 
 
-def main(model: str, kv_dtype: str, engine: dict) -> dict:
+def main(model: str, kv_dtype: str, engine: dict, single_only: bool = False) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, kv_cache_dtype=kv_dtype, **{**ARGS, **engine})
@@ -74,6 +78,13 @@ def main(model: str, kv_dtype: str, engine: dict) -> dict:
     pairs = [(tok.encode(c), tok.encode(x, add_special_tokens=False)) for c, x in prompts()]
     full = [{"prompt_token_ids": c + x} for c, x in pairs]
     score = dict(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
+    if single_only:
+        steps = StepRecord(llm)
+        single = llm.generate(full, SamplingParams(**score), use_tqdm=False)
+        return {"kv_dtype": kv_dtype, "single_steps": steps.per_request(),
+                "single": [chosen(s.prompt_logprobs, x, len(c), len(c) + len(x) - len(s.prompt_logprobs))
+                           for (c, x), s in zip(pairs, single)],
+                "context_tokens": [len(c) for c, _ in pairs]}
     llm.generate([{"prompt_token_ids": c[:-1]} for c, _ in pairs], SamplingParams(max_tokens=1, detokenize=False),
                  use_tqdm=False)
     cached = llm.generate(full, SamplingParams(**score, skip_reading_prefix_cache=False), use_tqdm=False)
@@ -100,6 +111,7 @@ def main(model: str, kv_dtype: str, engine: dict) -> dict:
 if __name__ == "__main__":
     from vllm_case_probe import value
 
-    extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[3:])}
-    print("PROBE " + json.dumps(main(sys.argv[1], sys.argv[2], extra)), flush=True)
+    pairs = [a for a in sys.argv[3:] if a != "--single-only"]
+    extra = {k: value(v) for k, v in (a.split("=", 1) for a in pairs)}
+    print("PROBE " + json.dumps(main(sys.argv[1], sys.argv[2], extra, "--single-only" in sys.argv[3:])), flush=True)
     os._exit(0)
