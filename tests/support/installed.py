@@ -71,7 +71,7 @@ def outer_packages(prefix: Path) -> Path:
     venv's. The directories are plain lines, so their own ``.pth`` files (the editable kvdiag's finder) never run,
     and they come after the venv's own site-packages, so the wheel's kvdiag is the one imported."""
     dirs = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
-    dirs = [d for d in dict.fromkeys(dirs) if Path(d).is_dir() and not Path(d).resolve().is_relative_to(ROOT)]
+    dirs = [d for d in dict.fromkeys(dirs) if Path(d).is_dir()]  # a venv inside the checkout too (.ci/run's)
     (own,) = (prefix / "lib").glob("python*/site-packages")
     pth = own / "_kvdiag_tests_outer.pth"
     pth.write_text("".join(f"{d}\n" for d in dirs))
