@@ -37,6 +37,18 @@ def folded(items: list[tuple[str, str, str]]) -> list[str]:
     return [f"{', '.join(n)} ({', '.join(d)}): {reason}" for reason, (n, d) in by.items()]
 
 
+def with_path(con, text: str, path) -> None:
+    """Print ``text`` then ``path`` on one line where it fits; else the path on a line of its own, never broken, so
+    that it can be copied whole (a path wider than the terminal is left to the terminal to wrap)."""
+    from rich.markup import escape
+
+    if len(con.render_str(text).plain) + 1 + len(str(path)) <= con.width:
+        con.print(f"{text} {escape(str(path))}", soft_wrap=True)
+    else:
+        con.print(text)
+        con.print(str(path), soft_wrap=True, markup=False, highlight=False)
+
+
 def show(con, table, heading: int = 1) -> None:
     """Print ``table`` where it fits, its headers wrapped between words if need be (never a cell); else its title,
     then each row as a record: its first ``heading`` cells on a line, its other non-empty cells as "header: value"

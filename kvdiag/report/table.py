@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvdiag.render.cells import cases_table, console, incomplete
-from kvdiag.render.fit import show
+from kvdiag.render.fit import show, with_path
 
 
 def view_for(run) -> Callable | None:
@@ -33,7 +33,7 @@ def print_run(run, render: Callable | None = None) -> None:
         render(run, con)
     else:
         show(con, cases_table(run.cases), heading=2)
-    con.print(verdict_line(run))
+    with_path(con, verdict_line(run), run.run_dir)
 
 
 def verdict_line(run) -> str:
@@ -52,7 +52,7 @@ def verdict_line(run) -> str:
     else:
         what = ", ".join(f"{n} {k}" for k, n in run.summary.items() if n) or "no cases"
         what += f" ({incomplete(run)})" if incomplete(run) else ""
-    return f"{verdict}: {what} — results in {run.run_dir}"
+    return f"{verdict}: {what} — results in"
 
 
 def ci(run, con) -> None:
@@ -65,4 +65,4 @@ def ci(run, con) -> None:
 
         render_table(run.analysis["baseline"], con, title=f"against baseline {run.analysis['baseline']['old']}")
     for name in ("report.md", "report.html", "junit.xml"):
-        con.print(f"wrote {Path(run.run_dir) / name}")
+        with_path(con, "wrote", Path(run.run_dir) / name)

@@ -119,7 +119,7 @@ def accuracy_run(tmp_path, sigma):
     from accuracy_runs import case
 
     from kvdiag.checks.accuracy import verdict as accuracy
-    from kvdiag.results import RunRecord, exit_code_for, summarize, write_run_json
+    from kvdiag.results import RunRecord, exit_code_for, summarize, write_jsonl, write_run_json
 
     base, test = growth_case(sigma)
     cases = []
@@ -131,6 +131,7 @@ def accuracy_run(tmp_path, sigma):
                     run_dir=str(tmp_path), finished="2026-11-25T10:01:00+00:00")
     accuracy.analyze(run, baseline="auto", max_drop=0.02, alpha=0.05)
     run.summary, run.exit_code = summarize(run.cases), exit_code_for(run.cases)
+    write_jsonl(tmp_path / "results.jsonl", run.cases)  # as the runner does once the run is judged
     write_run_json(tmp_path, run)
     return run
 
