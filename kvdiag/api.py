@@ -24,7 +24,7 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
               faults: list[str] | None = None, isolate: str = "case", output_dir: str | Path | None = None,
               jobs: int | None = None, timeout: float | None = None, resume: str | Path | None = None,
               quiet: bool = False, fmt: str | None = None, command: str | None = None,
-              given: set[str] | None = None, **options):
+              given: set[str] | None = None, prove: bool = True, **options):
     """Run ``check`` (a registered check's name: ``kvdiag.checks.registry.checks()``) and return its finished run
     (:class:`kvdiag.results.RunRecord`: ``cases``, ``analysis``, ``summary``, ``exit_code``, ``run_dir``).
 
@@ -37,6 +37,9 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
     "json" prints the run as the command does (None: prints nothing); ``command`` is what run.json says was run
     (default: this call; a command passes its command line). report.md and report.html are written into the run
     directory.
+
+    ``prove``: each failing case's standalone reproducer (``RUN_DIR/repro/CASE.py``, for the checks that write one)
+    is run in a fresh process after the run, and the case says whether it reproduced (``kvdiag.proof``).
 
     ``resume``: the run goes on with the engine, model, dtypes and options it was made with (run.json's ``call``);
     an argument given again must equal the run's (``given``: the names of those given; default: the arguments that
@@ -73,7 +76,7 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
         jobs = default_jobs(cases) if found.gpu_share else gpu_jobs(cases)
     threads = case_threads(cases, isolate, jobs) if found.gpu_share else 1
     return record(cases, run_dir, timeout=found.timeout if timeout is None else timeout, resume=resume is not None,
-                  quiet=quiet, fmt=fmt, jobs=jobs, analyze=analyze, threads=threads, call=call,
+                  quiet=quiet, fmt=fmt, jobs=jobs, analyze=analyze, threads=threads, call=call, prove=prove,
                   finish=lambda run: write_reports(run, run_dir, ("md", "html")),
                   command=command or _call_text(check, engine, model, kv_dtypes, engine_args, options))
 

@@ -40,6 +40,8 @@ class Check:
     isolate: bool = True  # takes --isolate (memleak: every dtype always in its own worker)
     timeout: float = 900.0  # seconds a case may run
     selftest: dict | None = None  # the params of its `kvdiag selftest` cases: small sizes that keep it short
+    reproducer: str | None = None  # "module:function(case, run) -> str | None": a failing case's standalone script
+    # (kvdiag.proof), None where it has none
 
     @property
     def judged_at_end(self) -> bool:

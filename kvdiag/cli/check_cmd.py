@@ -23,6 +23,8 @@ def common_options(check) -> list[tuple[str, object, object]]:
            ("output_dir", o.OutputDirOpt, None), ("fmt", o.FormatOpt, o.Format.table),
            ("timeout", o.TimeoutOpt, check.timeout),
            ("resume", o.ResumeOpt, None), ("quiet", o.QuietOpt, False), ("fault", o.FaultOpt, None)]
+    if check.reproducer:
+        out.append(("prove", o.ProveOpt, True))
     return out
 
 
@@ -68,7 +70,7 @@ def command_for(check):
                         device=kw["device"], engine_args=kw["engine_arg"], faults=kw["fault"],
                         isolate=kw.get("isolate", "case"), output_dir=kw["output_dir"], jobs=kw["jobs"],
                         timeout=kw["timeout"], resume=kw["resume"], quiet=kw["quiet"], fmt=kw["fmt"],
-                        command=command_line(), given=o.given(kw["ctx"]), **values)
+                        command=command_line(), given=o.given(kw["ctx"]), prove=kw.get("prove", False), **values)
         raise typer.Exit(run.exit_code)
 
     isolate = [("isolate", o.CheckIsolateOpt, o.Isolate.case)] if check.isolate else []

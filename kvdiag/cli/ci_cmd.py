@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvdiag.cli.options import Format, FormatOpt, OutputDirOpt, QuietOpt, ResumeOpt
+from kvdiag.cli.options import Format, FormatOpt, OutputDirOpt, ProveOpt, QuietOpt, ResumeOpt
 
 ConfigOpt = Annotated[Optional[Path], typer.Option(
     "--config", "-c", help="TOML config (see docs/ci.md). Default: ./kvdiag.toml, else [tool.kvdiag] in "
@@ -43,6 +43,7 @@ def ci(
     fmt: FormatOpt = Format.table,
     resume: ResumeOpt = None,
     quiet: QuietOpt = False,
+    prove: ProveOpt = True,
 ) -> None:
     """Run the suite a config file describes: checks x engines x models x kv dtypes, one run directory.
 
@@ -105,7 +106,7 @@ def ci(
         write_reports(run, run_dir)
 
     code = execute("ci", cases, run_dir, fmt=fmt, timeout=900.0, resume=resume is not None, quiet=quiet, jobs=jobs,
-                   analyze=lambda run: [a(run) for a in analyzers], finish=finish, durations=times)
+                   analyze=lambda run: [a(run) for a in analyzers], finish=finish, durations=times, prove=prove)
     raise typer.Exit(code)
 
 

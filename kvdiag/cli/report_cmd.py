@@ -37,6 +37,10 @@ def report(
         "run.json, report.md, report.html, junit.xml (runs of different suites: exit 2).")] = False,
     output_dir: Annotated[Optional[Path], typer.Option(
         "--output-dir", "-o", help="With --merge: the merged run's directory.")] = None,
+    bug: Annotated[Optional[str], typer.Option(
+        "--bug", metavar="CASE", help="An issue body for the engine's tracker about this failing case (its id, as "
+        "the run's table names it): environment, expected and actual, its reproducer (RUN_DIR/repro) and output, "
+        "the kvdiag command; to stdout or --out.")] = None,
 ) -> None:
     """Render a finished (or interrupted) run again: as markdown, HTML with plots, JUnit XML, JSON, the
     command's tables, or its scores as CSV or Parquet for pandas, a notebook or a spreadsheet."""
@@ -63,15 +67,19 @@ def report(
         for p in write_reports(run, run_dir):
             typer.echo(str(p))
         raise typer.Exit(0)
-    if fmt == ReportFormat.table:
+    if bug is not None:
+        from kvdiag.report.bug import bug_body
+
+        text = bug_body(run, bug)
+    elif fmt == ReportFormat.table:
         from kvdiag.report.table import print_run
 
         print_run(run)
         raise typer.Exit(0)
-    if fmt == ReportFormat.parquet:
+    elif fmt == ReportFormat.parquet:
         _parquet(run, out or run_dir / "scores.parquet")
         raise typer.Exit(0)
-    if fmt == ReportFormat.csv:
+    elif fmt == ReportFormat.csv:
         from kvdiag.results import scores_frame
 
         text = scores_frame(run).to_csv(index=False)

@@ -21,7 +21,7 @@ def compare(old, new, *, max_drop: float = A.max_drop, alpha: float = A.alpha,
         if o is None:
             rows.append(row(n, "case", None, n.status, "new", message="not in OLD"))
             continue
-        rows += _status(o, n)
+        rows += _status(o, n) + _proof(o, n)
         rows += _check_rows(o, n, {"max_drop": max_drop, "alpha": alpha, "mem_tolerance_mib": mem_tolerance_mib,
                                    "old_samples": old.samples.get(cid), "new_samples": new.samples.get(cid)})
     for cid, o in old.cases.items():
@@ -42,6 +42,17 @@ def _check_rows(o, n, settings: dict) -> list[dict]:
     if "scores" in n.metrics:  # a run of an older kvdiag, or of a plug-in check, that kept accuracy scores
         return load(get("accuracy").compare)(o, n, settings)
     return []
+
+
+def _proof(o, n) -> list[dict]:
+    """Whether each side's failure reproduced without kvdiag (``kvdiag.proof``), where either side says."""
+    from kvdiag.proof.said import proof_said
+
+    a, b = (getattr(x, "metrics", {}).get("proof") for x in (o, n))
+    if not (a or b):
+        return []
+    return [row(n, "reproduced without kvdiag", proof_said(a) if a else "-", proof_said(b) if b else "-", "ok",
+                message=f"python3 {(b or a)['script']}")]
 
 
 def _status(o, n) -> list[dict]:

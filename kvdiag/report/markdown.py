@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from kvdiag.proof.said import proof_said
 from kvdiag.render.cells import fmt_value, incomplete, run_versions
 from kvdiag.report.tables import tables
 
@@ -43,6 +44,12 @@ def render_markdown(run) -> str:
                 out.append(f"- **{f.severity}** `{f.kind}`: {_esc(f.message)}")
                 if f.evidence.get("reproduce"):  # a crash of the engine's own: the command that shows it without kvdiag
                     out += ["", "  reproduce without kvdiag:", "", "  ```", f"  {f.evidence['reproduce']}", "  ```"]
+            proof = c.metrics.get("proof")
+            if proof:  # kvdiag.proof: the case's standalone reproducer, and what it printed when kvdiag ran it
+                out += ["", f"  reproduced without kvdiag: **{proof_said(proof)}**", "", "  ```",
+                        f"  python3 {proof['script']}", "  ```", "",
+                        "<details><summary>its output (tail)</summary>", "", "```", proof["output"], "```",
+                        "</details>"]
             if c.log_tail:
                 out += ["", "<details><summary>worker log (tail)</summary>", "", "```",
                         c.log_tail[-3000:], "```", "</details>"]

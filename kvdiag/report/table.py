@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from kvdiag.proof.said import print_proofs
 from kvdiag.render.cells import cases_table, console, incomplete
 from kvdiag.render.fit import show, with_path
 
@@ -33,6 +34,7 @@ def print_run(run, render: Callable | None = None) -> None:
         render(run, con)
     else:
         show(con, cases_table(run.cases), heading=2)
+    print_proofs(run, con)
     with_path(con, verdict_line(run), run.run_dir)
 
 

@@ -27,6 +27,7 @@ LAYERS = [
     ("engines", ["kvdiag.engines"]),
     ("measuring and evaluation", ["kvdiag.measure", "kvdiag.bench", "kvdiag.evaluation", "kvdiag.tasks"]),
     ("tables and charts", ["kvdiag.render"]),
+    ("reproducers", ["kvdiag.proof"]),
     ("checks", ["kvdiag.checks"]),
     ("report", ["kvdiag.report"]),
     ("running cases", ["kvdiag.run", "kvdiag.ci"]),

@@ -11,7 +11,7 @@ words (``EngineTraits.path_config``, or the engine's refusal at start).
 Files: ``catalogue.py`` (the paths), ``params.py`` (its options and cases), ``workload.py`` (prompts and sizes),
 ``run.py`` (the worker), ``sliding.py`` (the sliding-window path), ``floor.py`` (distance and noise floor),
 ``verdict.py``, ``view.py`` (terminal table), ``tables.py`` (report.md and report.html), ``compare.py``
-(``kvdiag compare``).
+(``kvdiag compare``), ``repro.py`` (a failing case's standalone script, ``kvdiag.proof``).
 """
 
 from __future__ import annotations
@@ -24,4 +24,5 @@ CHECK = Check("paths", "kvdiag.checks.paths.run:run", PathsParams, help=HELP,
               render="kvdiag.checks.paths.view:render",
               tables="kvdiag.checks.paths.tables:tables", compare="kvdiag.checks.paths.compare:rows",
               spread="kvdiag.checks.paths.params:spread", kv_dtypes=("auto", "fp8"), gpu_share=True,
-              selftest={"num_prompts": 4, "max_tokens": 12, "seed": 0})
+              selftest={"num_prompts": 4, "max_tokens": 12, "seed": 0},
+              reproducer="kvdiag.checks.paths.repro:script")

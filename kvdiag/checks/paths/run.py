@@ -105,7 +105,7 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
         return case.result("pass", environment=env, metrics={
             "path": path.name, "role": "path", "judged_later": True, "counter": path.counter,
             "counted": trial.counted, "need": need,
-            "path_config": {"spec": config.spec, "args": config.args}, **trial.notes,
+            "path_config": {"spec": config.spec, "args": config.args}, **trial.notes, **_replay(engine, prompts),
             "completions": completions.to_json(trial.out)})
     grown = {}
     if p.path.startswith("prefix-"):
@@ -116,12 +116,21 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
     if path is None:  # a reference case
         return case.result("pass", environment=env, metrics={
             "path": p.path, "role": "reference", "judged_later": False, "floor": vars(floor), "requests": len(cold),
-            "tokens": sum(len(c.token_ids) for c in cold), **_graph_mode(engine, p.path),
+            "tokens": sum(len(c.token_ids) for c in cold), **_graph_mode(engine, p.path), **_replay(engine, prompts),
             "completions": completions.to_json(cold), "layouts": completions.layouts_to_json(layouts)})
     ctx.stage(case, f"path {path.name}")
     trial = PREFIX_RUNS[path.name](engine, prompts, cold, p.max_tokens, block_size(engine, spec), path.counter)
     trial.notes.update(grown)
     return verdict(case, p, path, config, floor, trial, env)
+
+
+def _replay(engine, prompts) -> dict:
+    """How the engine was started and the prompts' token ids, where the engine can say (``protocol.Replayable``):
+    what a failing case's reproducer runs again (``kvdiag.proof``)."""
+    from kvdiag.engines.protocol import Replayable
+
+    args = engine.replay_args() if isinstance(engine, Replayable) else None
+    return {"replay": args, "prompts": [list(map(int, q)) for q in prompts]} if args else {}
 
 
 def _prefix_prompts(engine, spec, prompts, max_tokens: int) -> tuple[list, dict]:

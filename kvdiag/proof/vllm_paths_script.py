@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""A failure kvdiag's ``paths`` check found, shown with vLLM alone.
+
+The reference engine and the path engine each start in a fresh process, with every argument and environment variable
+kvdiag gave them, and run the same prompts (their token ids are below) greedily, batch by batch, as kvdiag did. The
+path's output is then held to the reference's as kvdiag holds it: a greedy token that changes where the reference's
+top two were further apart than the tolerance, a logprob that moves by more than it before that, or a NaN/inf.
+
+    python3 THIS_FILE              # exit 1: the failure reproduces; 0: it does not; 2: an engine did not run
+    python3 THIS_FILE --side path  # one engine's output, as JSON (what the comparison reads)
+
+Needs only vLLM (and its torch). CASE is what kvdiag recorded; edit it to try another configuration.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+CASE: dict = {}  # filled in by kvdiag: the engines, the batches, the tolerance and what kvdiag saw
+MARK = "@@reproducer-output "
+
+
+def side(name: str) -> dict:
+    """One engine's run: each batch after an empty prefix cache; the offload path stores a batch, drops the device's
+    cache and runs it again (what it then reads as cached came from CPU memory)."""
+    engine = CASE["engines"][name]
+    os.environ.update(engine["env"])
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine["llm"])
+    out = {}
+    for batch in CASE["batches"]:
+        params = SamplingParams(max_tokens=batch["max_tokens"], temperature=0.0, logprobs=CASE["logprobs"],
+                                **engine["sampling"])
+        prompts = [{"prompt_token_ids": p} for p in batch["prompts"]]
+        llm.reset_prefix_cache()
+        if engine.get("store_first"):
+            llm.generate(prompts, params, use_tqdm=False)
+            llm.reset_prefix_cache()
+        for label, result in zip(batch["labels"], llm.generate(prompts, params, use_tqdm=False)):
+            c = result.outputs[0]
+            tops = [sorted((lp.logprob for lp in pos.values()), reverse=True)[:2] for pos in c.logprobs or []]
+            chosen = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or [])]
+            out[label] = {"token_ids": list(c.token_ids), "logprobs": chosen, "top": tops}
+    return out
+
+
+def run_side(name: str) -> dict | None:
+    """``side(name)`` in a fresh process (an engine that captured CUDA graphs cannot start again in its process)."""
+    proc = subprocess.run([sys.executable, __file__, "--side", name], capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    print(f"the {name} engine did not run (exit {proc.returncode}); the end of its output:", file=sys.stderr)
+    print("\n".join((proc.stdout + proc.stderr).splitlines()[-30:]), file=sys.stderr)
+    return None
+
+
+def held(ref: dict, got: dict, tol: float) -> list[str]:
+    """What ``got`` does beyond ``tol`` against ``ref`` (one line per request): [] when it matches."""
+    said = []
+    for label, a in ref.items():
+        b = got[label]
+        pos = next((i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y), None)
+        if pos is None and len(a["token_ids"]) != len(b["token_ids"]):
+            pos = min(len(a["token_ids"]), len(b["token_ids"]))
+        upto = len(b["token_ids"]) if pos is None else pos
+        moved = max((abs(x - y) for x, y in zip(a["logprobs"][:upto], b["logprobs"][:upto])), default=0.0)
+        bad = [lp for lp in b["logprobs"] if not math.isfinite(lp)]
+        why = []
+        if pos is not None:
+            top = a["top"][pos] if pos < len(a["top"]) else []
+            gap = top[0] - top[1] if len(top) == 2 else None
+            if gap is None or gap > tol:
+                expected = a["token_ids"][pos] if pos < len(a["token_ids"]) else "end"
+                found = b["token_ids"][pos] if pos < len(b["token_ids"]) else "end"
+                why.append(f"token {pos} is {found}, the reference's {expected} (its top two "
+                           + (f"{gap:.3g} apart)" if gap is not None else "not known)"))
+        if moved > tol:
+            why.append(f"a logprob moved {moved:.3g} before that")
+        if bad:
+            why.append(f"{len(bad)} non-finite logprob(s)")
+        if why:
+            said.append(f"request {label}: " + "; ".join(why))
+    return said
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--side"]:
+        print(MARK + json.dumps(side(sys.argv[2])), flush=True)
+        return 0
+    print(f"reproducing: {CASE['title']}")
+    print(f"kvdiag saw: {CASE['kvdiag_saw']}")
+    runs = {}
+    for name in ("reference", "path"):
+        runs[name] = run_side(name)
+        if runs[name] is None:
+            return 2
+    tol = CASE["tolerance"]
+    said = held(runs["reference"], runs["path"], tol)
+    for line in said:
+        print("  " + line)
+    if said:
+        print(f"REPRODUCED: {len(said)} of {len(runs['reference'])} requests differ beyond the tolerance {tol:.3g}")
+        return 1
+    print(f"NOT REPRODUCED: the path matched the reference in all {len(runs['reference'])} requests "
+          f"(tolerance {tol:.3g})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""After a run: write each failing case's reproducer, run it in a fresh process, and record whether it reproduces.
+
+vLLM is not always deterministic from one process to the next, so one run that disagrees with kvdiag proves little:
+a reproducer that does not reproduce at once runs again, up to ``TRIES`` times, and the outcome gives the rate."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TRIES = 3  # runs of a reproducer that disagrees with kvdiag before it is called intermittent or not reproduced
+TAIL = 20  # lines of a reproducer's output kept in the case's record (the whole goes to repro/CASE.log)
+FINDINGS = ("reproduced", "reproduced_intermittently", "not_reproduced", "proof_not_run")
+
+
+def prove_run(run, say=None, timeout: float = 900.0, jobs: int = 1) -> None:
+    """Prove every failing case of ``run`` whose check writes a reproducer, ``jobs`` at once (the run's own: its
+    engines were sized to share the device so); ``say(line)`` tells progress."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvdiag.checks.registry import get, load
+
+    todo = []
+    for rec in run.cases:
+        check = get(rec.check)
+        if rec.status not in ("fail", "crashed") or check is None or not check.reproducer:
+            continue
+        text = load(check.reproducer)(rec, run)
+        if text is None:
+            continue
+        script = Path(run.run_dir) / "repro" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", rec.id) + ".py")
+        script.parent.mkdir(exist_ok=True)
+        script.write_text(text)
+        script.chmod(0o755)
+        todo.append((rec, script))
+    if say and todo:
+        say(f"proving {len(todo)} failure(s) without kvdiag, each in a fresh process ({jobs} at once)")
+
+    def prove(item) -> None:
+        rec, script = item
+        record(rec, script, attempts(script, timeout))
+        if say:
+            said = rec.metrics["proof"]
+            say(f"  {rec.id}: reproduced {said['reproduced']} ({said['hits']} of {said['runs']} runs, "
+                f"{said['seconds']:.0f} s): python3 {script}")
+
+    with ThreadPoolExecutor(max(1, min(jobs, len(todo) or 1))) as pool:
+        list(pool.map(prove, todo))
+
+
+def attempts(script: Path, timeout: float) -> list[tuple[int | None, str, float]]:
+    """(exit code or None on a timeout, output, seconds) of each run: until one reproduces (exit 1), an engine did
+    not run (2), or ``TRIES`` runs."""
+    runs = []
+    while len(runs) < TRIES:
+        t0 = time.monotonic()
+        try:
+            p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout)
+            runs.append((p.returncode, p.stdout + p.stderr, time.monotonic() - t0))
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            runs.append((None, out + f"\n(timed out after {timeout:g} s)", time.monotonic() - t0))
+        if runs[-1][0] != 0:
+            break
+    return runs
+
+
+def record(rec, script: Path, runs: list) -> None:
+    """The outcome of ``runs`` on ``rec``: ``metrics.proof`` and one finding that says it."""
+    codes = [code for code, _, _ in runs]
+    hits = codes.count(1)
+    counted = [c for c in codes if c in (0, 1)]
+    if codes[-1] not in (0, 1):
+        verdict = "not run"
+    elif hits == len(counted):
+        verdict = "yes"
+    elif hits:
+        verdict = "intermittent"
+    else:
+        verdict = "no"
+    log = script.with_suffix(".log")
+    log.write_text("".join(f"=== run {i + 1}: exit {code} in {s:.0f} s\n{out}\n" for i, (code, out, s) in
+                           enumerate(runs)))
+    rec.metrics["proof"] = {"script": str(script), "reproduced": verdict, "runs": len(counted), "hits": hits,
+                            "exit_codes": codes, "seconds": round(sum(s for _, _, s in runs), 1),
+                            "output": "\n".join(runs[-1][1].splitlines()[-TAIL:])}
+    rec.findings = [f for f in rec.findings if f.kind not in FINDINGS]
+    command = f"python3 {script}"
+    if verdict == "yes":
+        rec.add("info", "reproduced", f"reproduced without kvdiag, in a fresh process: {command} (exit 1"
+                + (f", {hits} of {len(counted)} runs" if len(counted) > 1 else "") + ")")
+    elif verdict == "intermittent":
+        rec.add("warning", "reproduced_intermittently", f"reproduced {hits} of {len(counted)} runs without kvdiag: "
+                f"{command}; the failure is intermittent")
+    elif verdict == "no":
+        rec.add("warning", "not_reproduced", f"did not reproduce without kvdiag in {len(counted)} runs: {command}; "
+                "it may come from kvdiag's own use of the engine")
+    else:
+        why = "timed out" if codes[-1] is None else f"exit {codes[-1]}"
+        rec.add("info", "proof_not_run", f"the reproducer did not run its engines ({why}; its output: {log}): "
+                f"{command}")

@@ -1,0 +1,208 @@
+"""A failing case's reproducer (kvdiag.proof): the script kvdiag writes runs on its own, in a fresh process, with
+only the engine importable, and exits 1 exactly when the path's output breaks the rule kvdiag's verdict applies;
+kvdiag runs it after the run and records whether it reproduced, with the rate where it does not at once. The engine
+here is a stand-in for vLLM (tests/support/fake_vllm) whose faults are known; real vLLM's proofs are in
+tests/integration/test_vllm_proof.py and tests/gpu."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvdiag.case import Case
+from kvdiag.results import RunRecord
+
+FAKE = Path(__file__).resolve().parents[1] / "support" / "fake_vllm"
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+
+
+def replay(**llm) -> dict:
+    return {"engine": "vllm", "llm": {"model": "/m", **llm}, "sampling": {}, "env": {"VLLM_FAKE": "1"}}
+
+
+def records(path: str, fault: str | None, own_floor_layouts: bool = True, status: str = "fail"):
+    """A reference case and a path case as the paths check records them on vLLM (the path judged ``status``)."""
+    reference = "cold-nographs" if path.startswith("cudagraph") else "cold"
+    ref = Case("paths", "vllm", "/m", "auto", "t", params={"path": reference},
+               id=f"paths/vllm/m/auto/{reference}").result("pass", metrics={
+                   "path": reference, "role": "reference", "replay": replay(), "prompts": PROMPTS,
+                   "completions": [], "layouts": {"all_but_one": []} if own_floor_layouts else {}})
+    case = Case("paths", "vllm", "/m", "auto", "t", params={"path": path, "max_tokens": 6},
+                id=f"paths/vllm/m/auto/{path}")
+    rec = case.result(status, metrics={
+        "path": path, "role": "path", "replay": replay(**({"fake_fault": fault} if fault else {})),
+        "prompts": PROMPTS, "tolerance": 0.01, "completions": [],
+        "layouts": {"all_but_one": []} if own_floor_layouts else {}})
+    rec.add("error", "divergence", f"{path}: request 1 first differs at generated position 1")
+    return ref, rec
+
+
+def write(tmp_path, path="cudagraph-full", fault="token", **kw) -> Path:
+    from kvdiag.checks.paths.repro import script
+
+    ref, rec = records(path, fault, **kw)
+    run = RunRecord("kvdiag paths", "", [ref, rec], {}, run_dir=str(tmp_path))
+    text = script(rec, run)
+    assert text is not None
+    out = tmp_path / "repro.py"
+    out.write_text(text)
+    return out
+
+
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(FAKE)}  # the stand-in vLLM, and no kvdiag: the script needs none
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True,
+                          text=True, env=env, cwd=script.parent, timeout=120)
+
+
+@pytest.mark.parametrize("fault, code", [("token", 1), ("drift", 1), ("nan", 1), ("batch", 1), (None, 0)])
+def test_the_script_exits_1_exactly_when_the_path_breaks_the_rule(tmp_path, fault, code):
+    """A changed decided token, a logprob moved past the tolerance, a NaN, and a change only in the batch of one
+    (the all-but-one layout kvdiag compares for a path every run takes) reproduce; the same engine twice does not."""
+    p = run_script(write(tmp_path, fault=fault))
+    assert p.returncode == code, p.stdout + p.stderr
+    assert ("REPRODUCED" if code else "NOT REPRODUCED") in p.stdout
+    assert "kvdiag saw: cudagraph-full: request 1 first differs" in p.stdout
+
+
+def test_a_batch_layout_kvdiag_did_not_compare_is_not_run(tmp_path):
+    """A path judged on its batch of all the prompts only (offload) replays that batch only: a change in a request
+    alone is nothing kvdiag compared, so it does not reproduce there."""
+    p = run_script(write(tmp_path, path="offload", fault="batch", own_floor_layouts=False))
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_a_flip_where_the_references_top_two_were_tied_is_noise_as_in_kvdiags_verdict(tmp_path):
+    from kvdiag.checks.paths.floor import Floor, distance, judge
+    from kvdiag.engines.protocol import Completion
+
+    script = write(tmp_path, fault=None)
+    ns: dict = {"__name__": "reproducer"}
+    exec(compile(script.read_text(), str(script), "exec"), ns)  # its comparison, without running an engine
+    a = {"token_ids": [5, 6, 7, 8], "logprobs": [-0.1, -0.2, -0.3, -0.4], "top": [[-0.1, -2]] * 3 + [[-0.4, -0.4005]]}
+    tied = {**a, "token_ids": [5, 6, 7, 9]}
+    decided = {**a, "token_ids": [5, 9, 7, 8]}
+    assert ns["held"]({"0": a}, {"0": tied}, 0.01) == []
+    assert ns["held"]({"0": a}, {"0": decided}, 0.01) != []
+
+    def comp(x):  # the same pair as kvdiag's own verdict reads it: the oracle the script must agree with
+        return Completion([], x["token_ids"], x["logprobs"], [dict(enumerate(t)) for t in x["top"]])
+
+    for b, fails in ((tied, False), (decided, True)):
+        kinds = [s for s, _, _ in judge(distance([comp(a)], [comp(b)]), Floor(max_dlogprob=0.0025), 1e-4, 4.0)]
+        assert ("error" in kinds) is fails
+
+
+def test_the_script_names_every_engine_argument_kvdiag_used_and_needs_no_kvdiag(tmp_path):
+    script = write(tmp_path)
+    text = script.read_text()
+    assert "import kvdiag" not in text and "from kvdiag" not in text
+    p = run_script(script, "--side", "path")
+    out = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("@@reproducer-output "))
+                     .split(" ", 1)[1])
+    assert set(out) == {"0", "1", "2", "3"} | {f"{i} in batches of all but one and one" for i in range(4)}
+    ns: dict = {"__name__": "reproducer"}
+    exec(compile(text, str(script), "exec"), ns)
+    assert ns["CASE"]["engines"]["path"]["llm"] == {"model": "/m", "fake_fault": "token"}
+    assert ns["CASE"]["engines"]["path"]["env"] == {"VLLM_FAKE": "1"}
+
+
+def test_no_script_for_a_passing_case_or_an_engine_that_records_no_start(tmp_path):
+    from kvdiag.checks.paths.repro import script
+
+    ref, rec = records("cudagraph-full", "token", status="pass")
+    assert script(rec, RunRecord("kvdiag paths", "", [ref, rec], {}, run_dir=str(tmp_path))) is None
+    ref, rec = records("cudagraph-full", "token")
+    del rec.metrics["replay"]
+    assert script(rec, RunRecord("kvdiag paths", "", [ref, rec], {}, run_dir=str(tmp_path))) is None
+
+
+def flaky(tmp_path, codes: list[int]) -> Path:
+    """A script that exits with ``codes`` in turn, one per run (a counter file keeps the count)."""
+    s = tmp_path / "flaky.py"
+    s.write_text(f"import pathlib, sys\nc = pathlib.Path({str(tmp_path / 'n')!r})\nn = int(c.read_text()) if "
+                 f"c.exists() else 0\nc.write_text(str(n + 1))\nprint('run', n)\nsys.exit({codes!r}[n])\n")
+    return s
+
+
+@pytest.mark.parametrize("codes, verdict, runs, kind", [
+    ([1], "yes", 1, "reproduced"),
+    ([0, 1], "intermittent", 2, "reproduced_intermittently"),
+    ([0, 0, 0], "no", 3, "not_reproduced"),
+    ([2], "not run", 0, "proof_not_run"),
+])
+def test_a_reproducer_that_disagrees_runs_again_and_the_verdict_gives_the_rate(tmp_path, codes, verdict, runs, kind):
+    from kvdiag.run.prove import attempts, record
+
+    script = flaky(tmp_path, codes)
+    rec = Case("paths", "vllm", "/m", "auto", "t", params={}, id="c").result("fail")
+    record(rec, script, attempts(script, timeout=60))
+    proof = rec.metrics["proof"]
+    assert (proof["reproduced"], proof["runs"], proof["exit_codes"]) == (verdict, runs, codes)
+    assert [f.kind for f in rec.findings] == [kind]
+    assert f"python3 {script}" in rec.findings[0].message
+    log = script.with_suffix(".log").read_text()
+    assert log.count("=== run") == len(codes) and f"run {len(codes) - 1}" in log
+
+
+def test_kvdiag_writes_each_failing_cases_script_into_the_run_and_records_its_proof(tmp_path, monkeypatch):
+    from kvdiag.run.prove import prove_run
+
+    monkeypatch.setenv("PYTHONPATH", str(FAKE))
+    ref, rec = records("offload", "token", own_floor_layouts=False)
+    run = RunRecord("kvdiag paths", "", [ref, rec], {}, run_dir=str(tmp_path))
+    said = []
+    prove_run(run, say=said.append)
+    script = tmp_path / "repro" / "paths_vllm_m_auto_offload.py"
+    assert said[0].startswith("proving 1 failure(s) without kvdiag") and script.exists()
+    took = rec.metrics["proof"]["seconds"]
+    assert said[1] == f"  {rec.id}: reproduced yes (1 of 1 runs, {took:.0f} s): python3 {script}"
+    assert rec.metrics["proof"]["reproduced"] == "yes" and "REPRODUCED" in rec.metrics["proof"]["output"]
+    assert "proof" not in ref.metrics  # a passing case has nothing to prove
+
+
+def test_report_bug_writes_an_issue_body_a_maintainer_can_act_on(tmp_path, monkeypatch):
+    """`kvdiag report RUN --bug CASE`: vLLM's template's two sections, the environment, expected and actual, the
+    whole reproducer and what it printed, and the command; an unknown case is one line and exit 2."""
+    from kvdiag.results import write_jsonl, write_run_json
+    from kvdiag.run.prove import prove_run
+
+    monkeypatch.setenv("PYTHONPATH", str(FAKE))
+    ref, rec = records("offload", "token", own_floor_layouts=False)
+    run = RunRecord("kvdiag paths -e vllm -d auto", "", [ref, rec], {"vllm": "0.24.0", "torch": "2.11.0"},
+                    run_dir=str(tmp_path), exit_code=1)
+    prove_run(run)
+    write_jsonl(tmp_path / "results.jsonl", run.cases)
+    write_run_json(tmp_path, run)
+    p = subprocess.run([sys.executable, "-m", "kvdiag", "report", str(tmp_path), "--bug", rec.id],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    body = p.stdout
+    for part in ("### Your current environment", "vllm: 0.24.0", "### 🐛 Describe the bug", "Expected: the offload "
+                 "path gives the same greedy tokens", "Actual: offload: request 1 first differs",
+                 "Reproduced without kvdiag: yes", "REPRODUCED", "Found by `kvdiag paths -e vllm -d auto`"):
+        assert part in body, part
+    assert (tmp_path / "repro" / "paths_vllm_m_auto_offload.py").read_text().rstrip() in body
+    p = subprocess.run([sys.executable, "-m", "kvdiag", "report", str(tmp_path), "--bug", "no/such/case"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and rec.id in p.stderr
+
+
+def test_compare_keeps_whether_each_sides_failure_reproduced(tmp_path):
+    from kvdiag.report.baseline import side_of_run
+    from kvdiag.report.compare import compare
+
+    _, old = records("offload", "token", own_floor_layouts=False)
+    _, new = records("offload", "token", own_floor_layouts=False)
+    new.metrics["proof"] = {"script": "/r/repro/x.py", "reproduced": "intermittent", "runs": 3, "hits": 1,
+                            "exit_codes": [0, 0, 1], "output": ""}
+    result = compare(side_of_run(RunRecord("a", "", [old], {}, run_dir="A")),
+                     side_of_run(RunRecord("b", "", [new], {}, run_dir="B")))
+    (said,) = [r for r in result["rows"] if r["what"] == "reproduced without kvdiag"]
+    assert (said["old"], said["new"], said["message"]) == ("-", "yes (1 of 3 runs): intermittent",
+                                                            "python3 /r/repro/x.py")
