@@ -253,7 +253,7 @@ def test_cases_three_times_what_four_gpus_hold_take_about_a_quarter_of_one_gpus_
                                                                                       tmp_path, capsys):
     """Issue 47: a sweep of 36 cases where a GPU holds 3 at once: 12 rounds on one GPU, 3 on four, a freed slot taking
     the next case at once. A case here only sleeps 1 s, so the runner's own work is what the ratio adds to 0.25
-    (on an H200 one GPU ran such an 8B suite in 338 s; docs/vllm-gpu-results.md)."""
+    (such an 8B suite on one GPU: docs/vllm-gpu-results.md, "Several GPUs")."""
     monkeypatch.setattr(os, "cpu_count", lambda: 16)  # the default --jobs is at most the cores
     memory(80, 8)  # 21 GiB a case: three in 64 GiB
     spans = {}
