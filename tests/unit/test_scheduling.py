@@ -385,7 +385,7 @@ def test_isolate_run_gives_vllm_on_a_gpu_a_worker_per_case_and_leaves_the_rest_g
 
 
 def test_selftest_paths_cases_share_a_gpu_by_default_and_memory_cases_do_not(gpus, memory, monkeypatch, tmp_path):
-    """`kvdiag selftest -e vllm -c paths` ran its 19 cases one at a time on an H100, about 45 s each with the worker
+    """`kvdiag selftest -e vllm -c paths` ran its 19 cases one at a time on a GPU, about 45 s each with the worker
     and engine start, and did not finish in 7 minutes. Its cases measure no device memory: by default they run side
     by side on one GPU, as `kvdiag paths` runs its own; with memleak among them too, and each memleak case alone."""
     from kvdiag.checks import selftest as st
