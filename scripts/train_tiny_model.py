@@ -23,8 +23,8 @@ built with transformers' AutoModelForCausalLM, trained the same way. ``--layers`
 sizes; ``--tiny`` takes the preset's CPU-test size (a smoke test). ``llama-outlier`` is trained as ``llama`` and
 its K channels are made large at the end (kvdiag.models.zoo.add_k_outliers; the model's outputs do not change).
 
-The defaults are the shipped recipe: ~1 min on an H100, ~50 min on 2 CPU cores
-(2.36 s/step measured at the longest contexts). The result is saved in bfloat16
+The defaults are the shipped recipe (its time on a GPU and on CPU cores: kvdiag/assets/tiny-llama/README.md,
+which records the run). The result is saved in bfloat16
 with the byte tokenizer (kvdiag.models.gen); training_log.json records the run. A run with a shipped model's recipe
 (``--arch qwen3``, ``gemma3``, ``deepseek-v2``, ``granite-hybrid``) ends with a line comparing its recall with the
 shipped run's, and exits 1 when it learned less than half of it: GPU training is not bit-reproducible.

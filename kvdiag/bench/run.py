@@ -1,5 +1,5 @@
-"""`kvdiag bench`: every measurement of a run (kernel rows, engine rows) on one device, and the H100 targets judged
-on them (BENCHMARKS.md)."""
+"""`kvdiag bench`: every measurement of a run (kernel rows, engine rows) on one device, and the targets judged on
+them (BENCHMARKS.md, "Targets")."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from kvdiag.bench.measure import copy_gbps
 
 KINDS = ("store", "decode", "prefill", "zero", "engine")
-# (what, row filter, value of a row, at least): the issue's H100 targets
+# (what, row filter, value of a row, at least): the issue's targets (BENCHMARKS.md, "Targets")
 TARGETS = [
     ("store >= 90% of copy bandwidth", lambda r: r["kernel"] == "store", lambda r: r["vs_copy"], 0.90),
     ("decode >= 75% of copy bandwidth",

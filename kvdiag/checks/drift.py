@@ -325,7 +325,7 @@ FAMILY_LIMITS = {
     # the identical family when the engine compiles its model (vLLM's defaults): each kv dtype is compiled and
     # autotuned apart (vLLM hashes cache_dtype into the compile cache; Inductor max-autotune picks kernels by
     # timing), so two equal caches can differ in the last bits. Both limits sit ~8x above that noise and 5x below
-    # the S1 fault (bfloat16 run as fp8); the figures: docs/vllm-gpu-log.md, "compiled `bfloat16` against `auto`".
+    # the S1 fault (bfloat16 run as fp8); the figures: docs/DESIGN.md, "Drift limits".
     "recompiled": Limits("recompiled", 1e-4, 2e-3, 0.99, 0.5),
     "unquantized": Limits("unquantized", 2e-3, 0.1, 0.95, 1.0),
     "fp8_e4m3": Limits("fp8_e4m3", 0.02, 1.0, 0.9, 4.0),

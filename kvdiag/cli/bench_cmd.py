@@ -32,7 +32,7 @@ def bench(
     copy and to the baselines (torch reference, a (token, head)-grid store, SDPA over a gathered dequantized
     cache), all measured in the same run; plus builtin-engine decode tokens/s against transformers generate.
 
-    Needs a CUDA GPU. Exit code 1 when a judged target (the H100 targets of BENCHMARKS.md) is missed.
+    Needs a CUDA GPU. Exit code 1 when a judged target (BENCHMARKS.md, "Targets") is missed.
     """
     from kvdiag.bench.run import KINDS
 

@@ -4,8 +4,9 @@ same process layout: tests/support/vllm_gpu_probe.py). Run on a GPU machine with
     KVDIAG_GPU_OUT=/some/dir python3 -m pytest -m "cuda and vllm" tests/gpu/test_vllm_gpu.py
 
 Every kvdiag run lands in $KVDIAG_GPU_OUT/<name>/ and one line per command in $KVDIAG_GPU_OUT/commands.jsonl
-(command, exit code, seconds, each case's status, duration and finding kinds): docs/vllm-gpu-log.md is made
-from it. Engine arguments as in the issue: eager mode and 20% of the GPU per engine (25-40 s a case).
+(command, exit code, seconds, each case's status, duration and finding kinds): tests/support/gpu_results_table.py
+makes a docs table of it (docs/vllm-gpu-results.md). Engine arguments as in the issue: eager mode and 20% of the
+GPU per engine.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def test_memleak_measures_an_engine_whose_worker_is_another_process():
     kept = [a["device_used_mib"] - base for a in truth["after_shutdown"]]  # the probe, 10 s after each shutdown
     mine = m["held_mib"]["driver_used"]
     assert mine == pytest.approx(kept, abs=64), (mine, truth)
-    if max(kept) < 200:  # vLLM 0.24: the worker ends with shutdown and its memory with it (docs/vllm-gpu-log.md)
+    if max(kept) < 200:  # vLLM 0.24: the worker ends with shutdown and its memory with it
         assert c["status"] == "pass" and code == 0, c["findings"]
         assert m["processes_after_shutdown"] == [0, 0]  # the probe may keep a child without GPU memory; in
     else:  # kvdiag's worker no process outlives shutdown (vLLM 0.24)

@@ -93,7 +93,7 @@ def test_a_fault_whose_effect_kills_the_worker_counts_the_firing_its_log_said(tm
 
 
 def test_a_fault_that_hangs_its_case_counts_the_firing_its_log_said_and_is_missed(tmp_path):
-    """On an H200, vLLM's chunk_boundary_token_skipped fired 13 times and its chunked-prefill case then hung to its
+    """On a GPU, vLLM's chunk_boundary_token_skipped fired many times and its chunked-prefill case then hung to its
     timeout; the self-test called it `did not fire`. The timeout's record now carries the log's fault marks: the
     fault fired, and a hang is not the intended finding, so it is `missed`, with the timeout shown."""
     from kvdiag.run.runner import Case, run_cases

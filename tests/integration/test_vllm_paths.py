@@ -67,8 +67,8 @@ def probe(path: str, fault: str = "") -> dict:
 
 def numeric_only(d: dict) -> bool:
     """Whether the probe's path changed no greedy token, or only where the cold run's top two were within 4 x the
-    largest logprob move the path makes before any divergence (a near-tie its numerics can flip: on an H100 the
-    chunked probe flipped one token at position 11 with logprobs moved by 0.033)."""
+    largest logprob move the path makes before any divergence (a near-tie its numerics can flip: on a GPU the
+    chunked probe flipped one token where logprobs had moved by 0.033; docs/vllm-gpu-results.md)."""
     tol = max(1e-4, 4 * d["max_dlogprob"])
     return all(g is not None and g <= tol for g in d.get("gaps", [None] * d["diverged_requests"]))
 

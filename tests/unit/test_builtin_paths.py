@@ -208,9 +208,9 @@ def test_score_is_unchanged_with_prefix_caching_on(cold):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_bf16_preemption_is_held_to_a_recompute_at_its_own_points(tmp_path):
-    """On an H100 in bf16 the builtin engine's cold path gave the same bits in every batch layout, yet its preemption
+    """On a GPU in bf16 the builtin engine's cold path gave the same bits in every batch layout, yet its preemption
     moved one request's logprobs by 0.017 from the point it was preempted at: its recompute, a prefill of 145 tokens,
-    which no cut of the floor's recomputes had (tests/support/builtin_preempt_probe.py). kvdiag's preemption case
+    which no cut of the floor's recomputes had (docs/vllm-gpu-results.md). kvdiag's preemption case
     measures a recompute at the points the engine preempted: the clean engine passes, with the probe's difference
     in its floor, and the fault that resumes on freed blocks is still caught."""
     import json

@@ -1,6 +1,7 @@
 """The docs name only files that exist: every path in the README and the docs it leads to, written as `path`, is a
 file or folder of the repository (a bare name, `engine.py`, must be some file's name; `checks/memleak.py` some file's
-path ending), and every relative link, [text](path), is a file beside the doc."""
+path ending), and every relative link, [text](path) or [text](path#anchor), is a file beside the doc and, into a
+markdown file, one of its headings."""
 
 from __future__ import annotations
 
@@ -28,15 +29,56 @@ def repository_paths() -> set[str]:
 
 
 LINK = re.compile(r"\]\(([\w./-]+)\)")
-DOCS = ["README.md", "docs/DESIGN.md", "docs/commands.md", "docs/ci.md", "docs/development.md"]
+DOCS = ["README.md", "BENCHMARKS.md", "docs/DESIGN.md", "docs/commands.md", "docs/ci.md", "docs/development.md",
+        "docs/vllm-gpu-results.md"]
+
+
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+CODE = re.compile(r"`[^`\n]*`")
+ANY_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def headings(text: str) -> list[str]:
+    """A markdown file's headings, outside fenced code."""
+    return [x.lstrip("#").strip() for x in FENCE.sub("", text).splitlines() if re.match(r"#{1,6} ", x)]
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of the headings: lowercase, punctuation but '-' and '_' dropped, spaces to '-', a repeated
+    one suffixed -1, -2, ..."""
+    out, seen = set(), {}
+    for h in headings(text):
+        slug = re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+LINKED = ["README.md", "BENCHMARKS.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
+
+
+@pytest.mark.parametrize("doc", LINKED)
+def test_every_relative_link_points_at_a_file_and_heading_that_exist(doc):
+    text = CODE.sub("", FENCE.sub("", (ROOT / doc).read_text(encoding="utf-8")))
+    wrong = []
+    for link in ANY_LINK.findall(text):
+        if re.match(r"[a-z]+:", link):
+            continue  # http(s), mailto
+        path, _, anchor = link.partition("#")
+        target = (ROOT / doc).parent.joinpath(path) if path else ROOT / doc
+        if not target.exists():
+            wrong.append(f"{link}: no such file")
+        elif anchor and target.suffix == ".md" and anchor not in anchors(target.read_text(encoding="utf-8")):
+            wrong.append(f"{link}: no such heading in {path or doc}")
+    assert not wrong, wrong
 
 
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_path_the_doc_names_exists(doc):
     paths = repository_paths()
     text = (ROOT / doc).read_text(encoding="utf-8")
-    links = LINK.findall(text)
-    assert not [x for x in links if not (ROOT / doc).parent.joinpath(x).exists()], links
+    links = LINK.findall(text)  # each checked by the test above
     named = set(PATHLIKE.findall(text)) - MADE_BY_A_RUN
     assert len(named) + len(links) >= 5, named  # the patterns still find the doc's paths
     missing = [p for p in sorted(named) if not any(x == p.lstrip("./") or x.endswith("/" + p.lstrip("./"))

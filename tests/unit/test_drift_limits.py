@@ -79,7 +79,7 @@ def test_each_dtype_gets_the_limits_it_had(model_dtype):
         assert _limits(drift.limits_for(n, model_dtype, compiled=True)) == OLD_LIMITS[compiled]
 
 
-# drift.compare's totals from vLLM 0.24 (docs/vllm-gpu-log.md, "Compiled `bfloat16` against `auto`")
+# drift.compare's totals from vLLM 0.24 (docs/vllm-gpu-results.md, "Figures behind the code")
 COMPILED_BF16_VS_AUTO = dict(identical=False, mean_kl=3.2e-6, max_kl=2.46e-4, top1_agreement=1.0,
                              max_abs_dlogprob=0.0567, first_divergence=None)  # zoo:qwen3 compiled
 S1_FAULT = dict(identical=False, mean_kl=7.56e-4, max_kl=9.97e-3, top1_agreement=1.0, max_abs_dlogprob=0.261,

@@ -1,6 +1,6 @@
 """The preemption path's floor of a recompute at the engine's own preemption points
 (``engine_runs.recompute_floor``), on an engine whose every prefill of a prompt longer than the one it was given
-(a recompute) moves logprobs by RECOMPUTE, as the builtin engine's bf16 prefill of 145 tokens did on an H100
+(a recompute) moves logprobs by RECOMPUTE, as the builtin engine's bf16 prefill of 145 tokens did on a GPU
 (docs/vllm-gpu-results.md): a path that moves them no more passes, a fault that moves them far more still fails,
 and a run in which the floor's own runs preempted gives no floor."""
 
@@ -57,7 +57,7 @@ def test_no_floor_where_nothing_was_preempted_or_its_own_runs_preempted():
 
 
 @pytest.mark.parametrize("moved, with_floor, status", [
-    (RECOMPUTE, False, "fail"),  # the H100's false failure: a reference floor of 0 knows nothing of recomputes
+    (RECOMPUTE, False, "fail"),  # the GPU's false failure: a reference floor of 0 knows nothing of recomputes
     (RECOMPUTE, True, "pass"),
     (0.3, True, "fail"),  # a preemption fault: far beyond 4 x the recompute's own movement
 ])

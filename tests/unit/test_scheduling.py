@@ -253,7 +253,7 @@ def test_cases_three_times_what_four_gpus_hold_take_about_a_quarter_of_one_gpus_
                                                                                       tmp_path, capsys):
     """Issue 47: a sweep of 36 cases where a GPU holds 3 at once: 12 rounds on one GPU, 3 on four, a freed slot taking
     the next case at once. A case here only sleeps 1 s, so the runner's own work is what the ratio adds to 0.25
-    (on an H200 one GPU ran such an 8B suite in 338 s; docs/vllm-gpu-results.md)."""
+    (such an 8B suite on one GPU: docs/vllm-gpu-results.md, "Several GPUs")."""
     monkeypatch.setattr(os, "cpu_count", lambda: 16)  # the default --jobs is at most the cores
     memory(80, 8)  # 21 GiB a case: three in 64 GiB
     spans = {}
@@ -385,7 +385,7 @@ def test_isolate_run_gives_vllm_on_a_gpu_a_worker_per_case_and_leaves_the_rest_g
 
 
 def test_selftest_paths_cases_share_a_gpu_by_default_and_memory_cases_do_not(gpus, memory, monkeypatch, tmp_path):
-    """`kvdiag selftest -e vllm -c paths` ran its 19 cases one at a time on an H100, about 45 s each with the worker
+    """`kvdiag selftest -e vllm -c paths` ran its 19 cases one at a time on a GPU, about 45 s each with the worker
     and engine start, and did not finish in 7 minutes. Its cases measure no device memory: by default they run side
     by side on one GPU, as `kvdiag paths` runs its own; with memleak among them too, and each memleak case alone."""
     from kvdiag.checks import selftest as st

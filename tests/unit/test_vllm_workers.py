@@ -1,6 +1,6 @@
 """Issue 47: what vLLM's worker processes hold under tensor parallelism, asked inside them (``collective_rpc``), and
 how memleak and wake-cycle judge it. The worker functions run here on stand-ins of vLLM's objects (a worker with a
-model runner, an ``LLM`` whose executor has no in-process driver worker); on two H200s the same functions answered
+model runner, an ``LLM`` whose executor has no in-process driver worker); on two GPUs the same functions answered
 from vLLM 0.24's workers (tests/gpu/test_vllm_gpu.py, docs/vllm-gpu-results.md)."""
 
 from __future__ import annotations

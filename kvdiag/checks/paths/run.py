@@ -218,7 +218,7 @@ def _offload(engine, prompts, max_tokens, path) -> Trial:
     """Stored to CPU memory by a first run, dropped from the device's prefix cache (the offloaded copy stays), read
     back by the second: the second is held to the cold path. What it reads as cached after the reset came from the
     CPU tier (its counter, ``prefix_hit_tokens``; vLLM 0.24's external_prefix_cache_hits metric stays at 0 in-process
-    while 1024 tokens load: docs/vllm-gpu-log.md). No floor of its own: the offloaded copy outlives a
+    while tokens load: docs/vllm-gpu-results.md). No floor of its own: the offloaded copy outlives a
     reset, so no run of this engine is cold after the first."""
     reset(engine)
     generate(engine, prompts, max_tokens, "offload store")

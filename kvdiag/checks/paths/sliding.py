@@ -133,8 +133,8 @@ def serve(case, ctx, p, path, engine, prompts, spec, need, config, env):
     n = len(at["inside"])
     floor = Floor()
     floor.add(distance(ref[:n], fed[:n]), "decode against prefill inside the window")
-    # past the window a decode and a prefill may differ legitimately (on an H200, vLLM 0.24: 0.017, and 0 inside
-    # it): each prompt decoded alone, where the only request to take the blocks a request frees is itself (its
+    # past the window a decode and a prefill may differ legitimately (docs/vllm-gpu-results.md, "Figures behind the
+    # code"): each prompt decoded alone, where the only request to take the blocks a request frees is itself (its
     # writes land as the old positions leave the window), is that noise, held to the same prefills
     ctx.stage(case, f"path {path.name}: each prompt alone past the window (its floor)")
     alone = [generate(engine, [q], tokens, "each prompt alone")[0] for q in prompts]

@@ -46,8 +46,8 @@ def blocks_needed(waves: list[Wave], block_size: int) -> int:
 def longest_seq(waves: list[Wave], block_size: int) -> int:
     """Tokens of the longest sequence, in whole blocks: the ``max_model_len`` the workload needs. Not the whole
     cache: vLLM refuses to start when one sequence of ``max_model_len`` does not fit, and on a model with several
-    KV cache groups (sliding and full layers: gemma3, gpt-oss) the groups share the blocks (docs/vllm-gpu-log.md,
-    "poison on the zoo")."""
+    KV cache groups (sliding and full layers: gemma3, gpt-oss) the groups share the blocks (docs/vllm-gpu-results.md,
+    "Figures behind the code")."""
     return block_size * max(seq_blocks(p, w.max_tokens, block_size) for w in waves for p in w.prompts)
 
 
@@ -63,7 +63,7 @@ def run(case, ctx):
         needed = blocks_needed(waves, spec.block_size)
         spec.num_blocks = needed + 1  # + the null block an engine may keep (vLLM's block 0)
         # no more sequences than a wave runs at once: vLLM's CUDA graphs of a hybrid need one Mamba block per
-        # sequence, or vLLM refuses to start (docs/vllm-gpu-log.md: granite-hybrid's poison)
+        # sequence, or vLLM refuses to start (docs/vllm-gpu-results.md, "Figures behind the code")
         spec.max_num_seqs = min(spec.max_num_seqs, max(len(w.prompts) for w in waves))
         if case.params.get("max_model_len") is None:
             spec.max_model_len = min(spec.max_model_len, longest_seq(waves, spec.block_size))

@@ -128,8 +128,8 @@ def _cycle(engine, n: int, p: WakeParams, prompts, base, expected: int | None) -
         import torch  # cache: the sleep's empty_cache would free them and the wake never bring them back
 
         torch.cuda.empty_cache()
-        empty = getattr(engine, "empty_worker_caches", None)  # the same in the engine's worker processes: at
-        if callable(empty):  # tensor_parallel_size 2 each held 66 MiB less after a wake (an H200) without it
+        empty = getattr(engine, "empty_worker_caches", None)  # the same in the engine's worker processes, whose
+        if callable(empty):  # cached blocks a wake does not bring back (docs/vllm-gpu-results.md)
             empty()
     before = mem_probe.measure(device, "before", n)
     engine.sleep(p.level)

@@ -5,7 +5,7 @@ instead of paying ~20 s of imports. Nothing here may initialise CUDA (a forked C
 
 It also inspects the run's model architectures once (``warm_model_info``): vLLM inspects a model class the first
 time a machine sees it in a subprocess of its own that imports vLLM again (its cache, ``~/.cache/vllm/modelinfos``,
-serves later runs). Without that cache every case paid for it (~25 s, docs/vllm-gpu-log.md), the cases whose dtype
+serves later runs). Without that cache every case paid for it (docs/vllm-gpu-results.md), the cases whose dtype
 no backend takes included (they are decided by vLLM's config checks, which inspect the model first).
 """
 

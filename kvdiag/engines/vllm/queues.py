@@ -4,9 +4,8 @@ vLLM's MultiprocExecutor talks to its worker processes through ``MessageQueue``s
 zmq context of its own. Its ``shutdown()`` stops the workers and drops the queues without closing their sockets, so
 the contexts are destroyed by the garbage collector, and zmq's ``term()`` waits for every unsent message (LINGER -1)
 to reach a peer: in kvdiag's worker the ``gc.collect()`` after shutdown hung there (docs/vllm-gpu-results.md,
-"Eighteenth session"). vLLM's
-engine-core client closes its own sockets explicitly for this reason; kvdiag does the same for the executor's queues,
-with LINGER 0, after vLLM's shutdown ran.
+"Figures behind the code"). vLLM's engine-core client closes its own sockets explicitly for this reason; kvdiag
+does the same for the executor's queues, with LINGER 0, after vLLM's shutdown ran.
 """
 
 from __future__ import annotations
