@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """A failure kvdiag's ``paths`` check found, shown with vLLM alone.
 
-The reference engine and the path engine each start in a fresh process, with every argument and environment variable
-kvdiag gave them, and run the same prompts (their token ids are below) greedily, batch by batch, as kvdiag did. The
-path's output is then held to the reference's as kvdiag holds it: a greedy token that changes where the reference's
-top two were further apart than the tolerance, a logprob that moves by more than it before that, or a NaN/inf.
+Each engine starts in a fresh process, with every argument and environment variable kvdiag gave it, and runs the
+prompts (their token ids are below) greedily, call by call, as kvdiag did: the reference run (the cold path) and the
+path's run, in one engine or two. The path's output is then held to the reference's as kvdiag holds it: a greedy token
+that changes where the reference's top two were further apart than the tolerance, a logprob that moves by more than
+it before that, or a NaN/inf.
 
     python3 THIS_FILE              # exit 1: the failure reproduces; 0: it does not; 2: an engine did not run
-    python3 THIS_FILE --side path  # one engine's output, as JSON (what the comparison reads)
+    python3 THIS_FILE --run 0      # the first engine's outputs alone, as JSON (what the comparison reads)
 
 Needs only vLLM (and its torch). CASE is what kvdiag recorded; edit it to try another configuration.
 """
@@ -18,41 +19,43 @@ import os
 import subprocess
 import sys
 
-CASE: dict = {}  # filled in by kvdiag: the engines, the batches, the tolerance and what kvdiag saw
+CASE: dict = {}  # filled in by kvdiag: the engines, each engine's calls, the tolerance and what kvdiag saw
 MARK = "@@reproducer-output "
 
 
-def side(name: str) -> dict:
-    """One engine's run: each batch after an empty prefix cache; the offload path stores a batch, drops the device's
-    cache and runs it again (what it then reads as cached came from CPU memory)."""
-    engine = CASE["engines"][name]
+def engine_run(index: int) -> dict:
+    """One engine's steps, in this process: each a generate call after an emptied prefix cache where it says
+    ``reset``; its outputs kept under its ``as`` (reference or path; a step without one only fills the cache)."""
+    run = CASE["runs"][index]
+    engine = CASE["engines"][run["engine"]]
     os.environ.update(engine["env"])
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine["llm"])
-    out = {}
-    for batch in CASE["batches"]:
-        params = SamplingParams(max_tokens=batch["max_tokens"], temperature=0.0, logprobs=CASE["logprobs"],
+    out = {"reference": {}, "path": {}}
+    for step in run["steps"]:
+        params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0, logprobs=CASE["logprobs"],
                                 **engine["sampling"])
-        prompts = [{"prompt_token_ids": p} for p in batch["prompts"]]
-        llm.reset_prefix_cache()
-        if engine.get("store_first"):
-            llm.generate(prompts, params, use_tqdm=False)
+        if step["reset"]:
             llm.reset_prefix_cache()
-        for label, result in zip(batch["labels"], llm.generate(prompts, params, use_tqdm=False)):
+        results = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], params, use_tqdm=False)
+        for label, result in zip(step["labels"], results):
             c = result.outputs[0]
             tops = [sorted((lp.logprob for lp in pos.values()), reverse=True)[:2] for pos in c.logprobs or []]
             chosen = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or [])]
-            out[label] = {"token_ids": list(c.token_ids), "logprobs": chosen, "top": tops}
+            if step.get("as"):
+                out[step["as"]][label] = {"token_ids": list(c.token_ids), "logprobs": chosen, "top": tops}
     return out
 
 
-def run_side(name: str) -> dict | None:
-    """``side(name)`` in a fresh process (an engine that captured CUDA graphs cannot start again in its process)."""
-    proc = subprocess.run([sys.executable, __file__, "--side", name], capture_output=True, text=True)
+def in_fresh_process(index: int) -> dict | None:
+    """``engine_run(index)`` in a fresh process (an engine that captured CUDA graphs cannot start again in its
+    process), None when it did not finish (its output's end is printed)."""
+    proc = subprocess.run([sys.executable, __file__, "--run", str(index)], capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
+    name = CASE["runs"][index]["engine"]
     print(f"the {name} engine did not run (exit {proc.returncode}); the end of its output:", file=sys.stderr)
     print("\n".join((proc.stdout + proc.stderr).splitlines()[-30:]), file=sys.stderr)
     return None
@@ -88,16 +91,18 @@ def held(ref: dict, got: dict, tol: float) -> list[str]:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--side"]:
-        print(MARK + json.dumps(side(sys.argv[2])), flush=True)
+    if sys.argv[1:2] == ["--run"]:
+        print(MARK + json.dumps(engine_run(int(sys.argv[2]))), flush=True)
         return 0
     print(f"reproducing: {CASE['title']}")
     print(f"kvdiag saw: {CASE['kvdiag_saw']}")
-    runs = {}
-    for name in ("reference", "path"):
-        runs[name] = run_side(name)
-        if runs[name] is None:
+    runs = {"reference": {}, "path": {}}
+    for i in range(len(CASE["runs"])):
+        got = in_fresh_process(i)
+        if got is None:
             return 2
+        for role in runs:
+            runs[role].update(got[role])
     tol = CASE["tolerance"]
     said = held(runs["reference"], runs["path"], tol)
     for line in said:

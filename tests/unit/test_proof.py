@@ -77,6 +77,34 @@ def test_a_batch_layout_kvdiag_did_not_compare_is_not_run(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+def own(path: str, fault: str | None, block_size: int = 2):
+    """A prefix-cache path case as the paths check records it: judged in its own engine."""
+    case = Case("paths", "vllm", "/m", "auto", "t", params={"path": path, "max_tokens": 6},
+                id=f"paths/vllm/m/auto/{path}")
+    rec = case.result("fail", metrics={
+        "path": path, "role": "own", "replay": replay(**({"fake_fault": fault} if fault else {})),
+        "prompts": PROMPTS, "tolerance": 0.01, "block_size": block_size})
+    rec.add("error", "divergence", f"{path}: request 0 first differs at generated position 1")
+    return rec
+
+
+@pytest.mark.parametrize("path", ["prefix-hit", "prefix-partial"])
+@pytest.mark.parametrize("fault, code", [("hit", 1), (None, 0)])
+def test_a_prefix_path_reproduces_in_one_engine_its_cold_run_then_its_hit(tmp_path, path, fault, code):
+    """A prefix-cache path runs as kvdiag ran it, in one engine: a fault that changes only what a hit reads back
+    reproduces; prefix-reset, whose second run is cold again, does not see it."""
+    from kvdiag.checks.paths.repro import script
+
+    rec = own(path, fault)
+    text = script(rec, RunRecord("kvdiag paths", "", [rec], {}, run_dir=str(tmp_path)))
+    (tmp_path / "r.py").write_text(text)
+    p = run_script(tmp_path / "r.py")
+    assert p.returncode == code, p.stdout + p.stderr
+    rec = own("prefix-reset", "hit")
+    (tmp_path / "r.py").write_text(script(rec, RunRecord("k", "", [rec], {}, run_dir=str(tmp_path))))
+    assert run_script(tmp_path / "r.py").returncode == 0
+
+
 def test_a_flip_where_the_references_top_two_were_tied_is_noise_as_in_kvdiags_verdict(tmp_path):
     from kvdiag.checks.paths.floor import Floor, distance, judge
     from kvdiag.engines.protocol import Completion
@@ -102,10 +130,11 @@ def test_the_script_names_every_engine_argument_kvdiag_used_and_needs_no_kvdiag(
     script = write(tmp_path)
     text = script.read_text()
     assert "import kvdiag" not in text and "from kvdiag" not in text
-    p = run_script(script, "--side", "path")
+    p = run_script(script, "--run", "1")  # the path engine's outputs alone
     out = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("@@reproducer-output "))
                      .split(" ", 1)[1])
-    assert set(out) == {"0", "1", "2", "3"} | {f"{i} in batches of all but one and one" for i in range(4)}
+    assert set(out["path"]) == {"0", "1", "2", "3"} | {f"{i} in batches of all but one and one" for i in range(4)}
+    assert out["reference"] == {}
     ns: dict = {"__name__": "reproducer"}
     exec(compile(text, str(script), "exec"), ns)
     assert ns["CASE"]["engines"]["path"]["llm"] == {"model": "/m", "fake_fault": "token"}

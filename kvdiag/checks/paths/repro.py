@@ -1,7 +1,8 @@
-"""The reproducer of a failing path case (``kvdiag.proof``): a path that ran in an engine of its own, held to its
-reference case, on an engine that says how it was started (``protocol.Replayable``; vLLM). The script starts both
-engines as kvdiag did and runs the prompts in the batch layouts kvdiag compared: all the prompts in one batch, and
-for a path every run takes (``Path.own_floor``) all but one and one."""
+"""The reproducer of a failing path case (``kvdiag.proof``), on an engine that says how it was started
+(``protocol.Replayable``; vLLM). A path held to its reference case runs in two engines, as kvdiag ran it: the
+reference's and the path's, each calling the prompts in the batch layouts kvdiag compared (all the prompts in one
+batch; for a path every run takes, ``Path.own_floor``, also all but one, then one). A prefix-cache path runs in one
+engine: its cold run, then the path's calls in the same engine."""
 
 from __future__ import annotations
 
@@ -9,27 +10,33 @@ from kvdiag.checks.paths.layouts import NAMES
 
 
 def script(case, run) -> str | None:
-    """The script's text, or None where this case has none (it passed, judged in its own engine, or its engine
-    records no start)."""
+    """The script's text, or None where this case has none (it passed, or its engine records no start)."""
     from kvdiag.checks.paths.catalogue import PATHS
     from kvdiag.checks.paths.params import PathsParams
     from kvdiag.proof.fill import filled
 
     m = case.metrics
-    if case.status != "fail" or m.get("role") != "path" or not m.get("replay"):
+    if case.status != "fail" or not m.get("replay") or m["replay"].get("engine") != "vllm":
         return None
-    path = PATHS[m["path"]]
-    ref = next((c for c in run.cases if c.metrics.get("role") == "reference" and c.metrics.get("path") ==
-                path.reference and (c.engine, c.model, c.kv_dtype) == (case.engine, case.model, case.kv_dtype)), None)
-    if ref is None or not ref.metrics.get("replay") or m["replay"].get("engine") != "vllm":
+    path, max_tokens = PATHS[m["path"]], PathsParams.from_case(case).max_tokens
+    if m.get("role") == "own" and path.name in PREFIX:
+        engines, runs = {"path": m["replay"]}, [{"engine": "path", "steps": PREFIX[path.name](m, max_tokens)}]
+    elif m.get("role") == "path":
+        ref = next((c for c in run.cases if c.metrics.get("role") == "reference" and c.metrics.get("path") ==
+                    path.reference and (c.engine, c.model, c.kv_dtype) == (case.engine, case.model, case.kv_dtype)),
+                   None)
+        if ref is None or not ref.metrics.get("replay"):
+            return None
+        calls = batches(m["prompts"], max_tokens, path.own_floor and "all_but_one" in (m.get("layouts") or {}))
+        engines = {"reference": ref.metrics["replay"], "path": m["replay"]}
+        runs = [{"engine": "reference", "steps": [{**c, "reset": True, "as": "reference"} for c in calls]},
+                {"engine": "path", "steps": [s for c in calls for s in path_steps(path.name, c)]}]
+    else:
         return None
-    prompts, max_tokens = m["prompts"], PathsParams.from_case(case).max_tokens
     return filled("vllm_paths_script.py", {
         "title": f"{case.id}: {path.summary}",
         "kvdiag_saw": "; ".join(f.message for f in case.findings if f.severity == "error"),
-        "tolerance": m["tolerance"], "logprobs": 2,
-        "engines": {"reference": ref.metrics["replay"], "path": {**m["replay"], "store_first": path.name == "offload"}},
-        "batches": batches(prompts, max_tokens, path.own_floor and "all_but_one" in (m.get("layouts") or {}))})
+        "tolerance": m["tolerance"], "logprobs": 2, "engines": engines, "runs": runs})
 
 
 def batches(prompts: list[list[int]], max_tokens: int, all_but_one: bool) -> list[dict]:
@@ -41,3 +48,34 @@ def batches(prompts: list[list[int]], max_tokens: int, all_but_one: bool) -> lis
         out += [{"prompts": batch, "labels": [f"{i} {NAMES['all_but_one']}" for i in ix], "max_tokens": max_tokens}
                 for ix, batch in reordered(prompts, "all_but_one")]
     return out
+
+
+def path_steps(name: str, call: dict) -> list[dict]:
+    """The path engine's steps for one call: offload first stores the batch, drops the device's prefix cache and
+    runs it again (what it then reads as cached came from CPU memory, ``run._offload``)."""
+    if name == "offload":
+        return [{**call, "reset": True, "as": None}, {**call, "reset": True, "as": "path"}]
+    return [{**call, "reset": True, "as": "path"}]
+
+
+def _hit(m: dict, max_tokens: int) -> list[dict]:
+    (call,) = batches(m["prompts"], max_tokens, False)
+    return [{**call, "reset": True, "as": "reference"}, {**call, "reset": False, "as": "path"}]
+
+
+def _reset(m: dict, max_tokens: int) -> list[dict]:
+    (call,) = batches(m["prompts"], max_tokens, False)
+    return [{**call, "reset": True, "as": "reference"}, {**call, "reset": True, "as": "path"}]
+
+
+def _partial(m: dict, max_tokens: int) -> list[dict]:
+    """As ``run._partial``: the partial prompts cold, then the cached prompts, then the partial prompts again."""
+    from kvdiag.checks.paths.workload import partial_prompts
+
+    (other,) = batches(partial_prompts(m["prompts"], m["block_size"]), max_tokens, False)
+    (cached,) = batches(m["prompts"], max_tokens, False)
+    return [{**other, "reset": True, "as": "reference"}, {**cached, "reset": True, "as": None},
+            {**other, "reset": False, "as": "path"}]
+
+
+PREFIX = {"prefix-hit": _hit, "prefix-reset": _reset, "prefix-partial": _partial}

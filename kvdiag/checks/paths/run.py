@@ -119,9 +119,12 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
             "tokens": sum(len(c.token_ids) for c in cold), **_graph_mode(engine, p.path), **_replay(engine, prompts),
             "completions": completions.to_json(cold), "layouts": completions.layouts_to_json(layouts)})
     ctx.stage(case, f"path {path.name}")
-    trial = PREFIX_RUNS[path.name](engine, prompts, cold, p.max_tokens, block_size(engine, spec), path.counter)
+    block = block_size(engine, spec)
+    trial = PREFIX_RUNS[path.name](engine, prompts, cold, p.max_tokens, block, path.counter)
     trial.notes.update(grown)
-    return verdict(case, p, path, config, floor, trial, env)
+    rec = verdict(case, p, path, config, floor, trial, env)
+    rec.metrics.update(_replay(engine, prompts), block_size=block)
+    return rec
 
 
 def _replay(engine, prompts) -> dict:

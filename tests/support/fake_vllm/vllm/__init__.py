@@ -19,14 +19,18 @@ class LLM:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.fault = kwargs.get("fake_fault")
+        self.cached = set()  # the first blocks run since the last reset: a prompt that starts so hits
 
     def reset_prefix_cache(self):
+        self.cached.clear()
         return True
 
     def generate(self, prompts, params, use_tqdm=False):
         batch = len(prompts)
-        return [SimpleNamespace(outputs=[self._one(p["prompt_token_ids"], params.max_tokens, batch)])
-                for p in prompts]
+        out = [SimpleNamespace(outputs=[self._one(p["prompt_token_ids"], params.max_tokens, batch)])
+               for p in prompts]
+        self.cached |= {tuple(p["prompt_token_ids"][:2]) for p in prompts}  # a block of 2 tokens
+        return out
 
     def _one(self, prompt, n, batch):
         ids = [(sum(prompt) + 7 * i) % 101 for i in range(n)]
@@ -37,6 +41,8 @@ class LLM:
             lps = [x - 0.2 for x in lps]
         if self.fault == "batch" and batch == 1:  # only a request alone differs
             ids[2] = (ids[2] + 1) % 101
+        if self.fault == "hit" and tuple(prompt[:2]) in self.cached:  # a prefix-cache hit reads a wrong block
+            ids[1] = (ids[1] + 1) % 101
         if self.fault == "nan":
             lps[0] = math.nan
         # the runner-up token: 1.0 below the chosen one (a decided position), 0.001 at position 3 (a near-tie)
