@@ -64,14 +64,23 @@ def resolve_kv_dtypes(engine: str, user: list[str] | None, *, default_all: bool 
 
 
 def resolve_faults(engine: str, names: list[str] | None) -> list[str]:
-    """--fault names for the builtin engine, aliases expanded and validated (UserError otherwise)."""
+    """--fault names, validated (UserError otherwise): the builtin engine's with their aliases expanded; another
+    engine's from its self-test catalogue (vLLM's re-introduced fixed bugs, ``kvdiag selftest -e vllm --list``)."""
     if not names:
         return []
-    if engine != "builtin":
-        raise UserError("--fault works with the builtin engine only")
-    from kvdiag.engines.builtin.faults import Faults
+    if engine == "builtin":
+        from kvdiag.engines.builtin.faults import Faults
 
-    return list(Faults.parse(names).enabled)
+        return list(Faults.parse(names).enabled)
+    from kvdiag.engines.base import engine_traits
+
+    found = engine_traits(engine).selftest()
+    asked = [n.strip() for part in names for n in part.split(",") if n.strip()]
+    known = list(found.names) if found is not None else []
+    if wrong := [n for n in asked if n not in known]:
+        raise UserError(f"--fault {wrong[0]}: not a fault of engine '{engine}'" + (
+            f"; valid: {', '.join(known)}" if known else " (it has none)"))
+    return asked
 
 
 @dataclass

@@ -90,7 +90,7 @@ CheckIsolateOpt = Annotated[Isolate, typer.Option(
     "after another (the weights load once; a crash ends the dtype running and those after it). vLLM on a GPU: "
     "always case (one vLLM engine per process).")]
 FaultOpt = Annotated[Optional[list[str]], typer.Option(
-    "--fault", help="builtin engine only: re-introduce a known bug class (see `kvdiag selftest --list`).",
+    "--fault", help="Re-introduce a known bug class into the engine (see `kvdiag selftest [-e ENGINE] --list`).",
     hidden=True)]
 
 

