@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -23,6 +24,9 @@ SelftestJobsOpt = Annotated[Optional[int], typer.Option(
     "--jobs", "-j", min=1, help="Cases run at once (each in its own worker). Default: 1 off the GPU; on GPUs one per "
     "visible GPU, or side by side on one where every case is of a check that measures no device memory (-c paths: "
     "each vLLM engine with its own explicit KV cache).")]
+ProveFaultsOpt = Annotated[bool, typer.Option(
+    "--prove", help="Also prove each caught fault outside kvdiag: its failing case's reproducer (RUN_DIR/repro) "
+    "must reproduce with the fault's patch and not without it (two engine starts a fault; paths on vLLM).")]
 ListOpt = Annotated[bool, typer.Option("--list", help="List the faults, their bug class and intended check; "
                                                       "run nothing.")]
 SelftestIsolateOpt = Annotated[Isolate, typer.Option(
@@ -43,6 +47,7 @@ def selftest(
     fmt: FormatOpt = Format.table,
     timeout: TimeoutOpt = 300.0,
     quiet: QuietOpt = False,
+    prove: ProveFaultsOpt = False,
 ) -> None:
     """Run an engine clean and with each known bug re-introduced through kvdiag's checks.
 
@@ -52,7 +57,9 @@ def selftest(
     this engine: the reason is shown) or - (not run), with the finding behind each cell. The clean
     engine runs the same cases and must pass with no error finding (a warning is shown, not failed).
     Exit code 0 only when every applicable fault is caught by its intended check and the clean
-    engine passed; 1 otherwise. Sizes are small (the shipped tiny model, short prompts, one or two cycles): a few
+    engine passed; 1 otherwise. With --prove, each fault caught by a check that writes reproducers
+    (paths on vLLM) must also be proved outside kvdiag: its reproducer reproduces with the fault's
+    patch and not without it. Sizes are small (the shipped tiny model, short prompts, one or two cycles): a few
     minutes on two CPU cores. vLLM's cases run eager, on a GPU each in a worker of its own (the output says why).
     """
     from kvdiag.checks.selftest import plan
@@ -81,7 +88,7 @@ def selftest(
     jobs = gpu_jobs(cases) if jobs is None else jobs  # GPU cases side by side where they may share one
     raise typer.Exit(execute("selftest", cases, run_dir, fmt=fmt, timeout=timeout, quiet=quiet, jobs=jobs, env=env,
                              analyze=lambda run: st.analyze(run, faults, checks, na, cat.engine, cat.note),
-                             finish=_judge, preload=modules))
+                             finish=lambda run: _judge(run, prove and (cat.engine, jobs, quiet)), preload=modules))
 
 
 def _catalogue(engine: str):
@@ -93,10 +100,16 @@ def _catalogue(engine: str):
     return catalogue(resolve_engine(engine))
 
 
-def _judge(run) -> None:
-    """Fault cases are meant to fail: the exit code is the selftest's verdict, not the case statuses."""
+def _judge(run, prove=None) -> None:
+    """Fault cases are meant to fail: the exit code is the selftest's verdict, not the case statuses. ``prove``:
+    (engine, jobs, quiet) to prove each caught fault's reproducer first (``selftest/proofs.py``)."""
     from kvdiag.checks import selftest as st
 
+    if prove:
+        from kvdiag.checks.selftest.proofs import prove_faults
+
+        engine, jobs, quiet = prove
+        prove_faults(run, engine, jobs=jobs, say=None if quiet else lambda line: print(line, file=sys.stderr))
     run.exit_code = st.exit_code(run)
 
 

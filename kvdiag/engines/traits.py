@@ -98,6 +98,11 @@ class EngineTraits:
         None: it has none."""
         return None
 
+    def fault_patch(self, faults: list[str], kv_cache_dtype: str) -> str | None:
+        """Python source that re-introduces ``faults`` into the process that runs it, before any engine starts: a
+        reproducer's ``sitecustomize`` (``kvdiag selftest --prove``). None: the engine has none."""
+        return None
+
     def max_model_len(self, model: str, engine_args: dict) -> int:
         """The tokens a request may hold when the engine runs ``model`` with ``engine_args`` (the ``-a`` values), read
         without starting it. Default: ``-a max_model_len``, else EngineSpec's, capped at the config's

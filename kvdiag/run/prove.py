@@ -31,11 +31,7 @@ def prove_run(run, say=None, timeout: float = 900.0, jobs: int = 1) -> None:
         text = load(check.reproducer)(rec, run)
         if text is None:
             continue
-        script = Path(run.run_dir) / "repro" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", rec.id) + ".py")
-        script.parent.mkdir(exist_ok=True)
-        script.write_text(text)
-        script.chmod(0o755)
-        todo.append((rec, script))
+        todo.append((rec, write_script(run.run_dir, rec.id, text)))
     if say and todo:
         say(f"proving {len(todo)} failure(s) without kvdiag, each in a fresh process ({jobs} at once)")
 
@@ -51,14 +47,38 @@ def prove_run(run, say=None, timeout: float = 900.0, jobs: int = 1) -> None:
         list(pool.map(prove, todo))
 
 
-def attempts(script: Path, timeout: float) -> list[tuple[int | None, str, float]]:
+def write_script(run_dir, case_id: str, text: str) -> Path:
+    """``RUN_DIR/repro/CASE.py`` (the case id made a file name), executable."""
+    script = Path(run_dir) / "repro" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", case_id) + ".py")
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(text)
+    script.chmod(0o755)
+    return script
+
+
+def patched_env(where: Path, patch: str) -> dict:
+    """The environment of a reproducer run whose engine processes (the script's ``--run N`` children) execute
+    ``patch`` first: a ``sitecustomize`` on PYTHONPATH (the self-test's fault, re-introduced outside kvdiag's
+    workers). The script's own process is left alone: it only compares."""
+    import os
+
+    where.mkdir(parents=True, exist_ok=True)
+    body = "".join(f"    {line}\n" for line in patch.splitlines())
+    (where / "sitecustomize.py").write_text(f"import sys\n\nif sys.argv[1:2] == ['--run']:\n{body}")
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(where) + (os.pathsep + path if path else "")}
+
+
+def attempts(script: Path, timeout: float, env: dict | None = None,
+             tries: int = TRIES) -> list[tuple[int | None, str, float]]:
     """(exit code or None on a timeout, output, seconds) of each run: until one reproduces (exit 1), an engine did
-    not run (2), or ``TRIES`` runs."""
+    not run (2), or ``tries`` runs."""
     runs = []
-    while len(runs) < TRIES:
+    while len(runs) < tries:
         t0 = time.monotonic()
         try:
-            p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout)
+            p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+                               env=env)
             runs.append((p.returncode, p.stdout + p.stderr, time.monotonic() - t0))
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")

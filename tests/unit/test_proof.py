@@ -248,3 +248,32 @@ def test_a_vllm_fault_is_named_from_its_self_test_catalogue_and_a_wrong_one_is_r
     with pytest.raises(UserError) as e:
         resolve_faults("vllm", ["prefix_hit_treated_fresh"])  # the builtin engine's, not vLLM's
     assert "not a fault of engine 'vllm'" in str(e.value) and all(n in str(e.value) for n in CATALOGUE.names)
+
+
+@pytest.mark.parametrize("patch, proved", [("import os\nos.environ['FAKE_VLLM_FAULT'] = 'hit'\n", True),
+                                           ("pass\n", False)])
+def test_selftest_prove_holds_each_caught_faults_reproducer_to_its_patch(tmp_path, monkeypatch, patch, proved):
+    """`kvdiag selftest --prove`: the fault's reproducer reproduces with the patch in its engine's process and not
+    without it, or the self-test fails; the patch reaches only the script's engine processes (the `--run` ones)."""
+    from kvdiag.checks.selftest import proofs
+    from kvdiag.checks.selftest.view import verdict
+
+    class Traits:
+        @staticmethod
+        def fault_patch(faults, kv_cache_dtype):
+            assert faults == ["f1"] and kv_cache_dtype == "auto"
+            return patch
+
+    monkeypatch.setattr("kvdiag.engines.base.engine_traits", lambda engine: Traits())
+    monkeypatch.setenv("PYTHONPATH", str(FAKE))
+    rec = own("prefix-hit", None)  # as kvdiag recorded it: the fault was in kvdiag's worker, not in the arguments
+    rec.params["selftest"] = "f1"
+    row = {"fault": "f1", "intended": "paths", "status": "caught", "caught_by_intended": True}
+    run = RunRecord("kvdiag selftest -e vllm --prove", "", [rec], {}, run_dir=str(tmp_path),
+                    analysis={"selftest": {"faults": [row], "clean": {}, "ok": True}})
+    proofs.prove_faults(run, "vllm")
+    assert (row["proof"]["patched"], row["proof"]["plain"]) == ((1, 0) if proved else (0, 0))
+    assert run.analysis["selftest"]["ok"] is proved
+    assert verdict(run.analysis["selftest"])[0] is proved
+    if not proved:
+        assert "not proved outside kvdiag: f1" in verdict(run.analysis["selftest"])[1]

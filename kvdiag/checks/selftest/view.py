@@ -70,7 +70,9 @@ def verdict(a: dict) -> tuple[bool, str]:
         warned = [c for c, x in a["clean"].items() if x["mark"] == "warnings"]
         return True, (f"{len(by['caught'])} fault(s) caught by their intended check{na}; the clean engine has no "
                       + (f"error findings (warnings in: {', '.join(warned)})" if warned else "findings"))
+    unproved = [r["fault"] for r in rows if r.get("proof") and not r["proof"]["ok"]]
     parts = ([f"missed by the intended check: {', '.join(by['missed'])}"] if by["missed"] else []) + \
+        ([f"not proved outside kvdiag: {', '.join(unproved)}"] if unproved else []) + \
         ([f"did not fire (never counted as caught): {', '.join(by['did not fire'])}"] if by["did not fire"] else []) + \
         ([f"clean engine not clean in: {', '.join(dirty)}"] if dirty else [])
     return False, "; ".join(parts)
@@ -113,8 +115,22 @@ def selftest(run, con) -> None:
     show(con, f, heading=3)
     if a.get("note"):
         con.print(f"[dim]{escape(a['note'])}[/]")
+    _proofs(a, con)
     ok, line = verdict(a)
     con.print(("[green]selftest passed[/]: " if ok else "[bold red]selftest failed[/]: ") + escape(line))
+
+
+def _proofs(a: dict, con) -> None:
+    """Each proved fault: whether its reproducer reproduced with the fault's patch and not without (--prove)."""
+    from kvdiag.render.fit import with_path
+
+    proved = [r for r in a["faults"] if r.get("proof")]
+    if proved:
+        con.print("proved outside kvdiag (its reproducer with the fault's patch, then without):")
+    for r in proved:
+        p = r["proof"]
+        said = "proved" if p["ok"] else "[bold red]NOT proved[/]"
+        with_path(con, f"  {r['fault']}: exit {p['patched']}, then {p['plain']}: {said}:", f"python3 {p['script']}")
 
 
 def _mark(mark: str, intended: bool = False) -> str:

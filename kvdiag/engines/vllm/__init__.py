@@ -155,6 +155,10 @@ class VllmTraits(EngineTraits):
 
         return path_config(path, need, cpu=self.cpu_only() or need.get("device") == "cpu")
 
+    def fault_patch(self, faults: list[str], kv_cache_dtype: str) -> str:
+        """The faults patched into vLLM's modules as a worker patches them (faults/), at the script's start."""
+        return (f"from kvdiag.engines.vllm import faults\nfaults.apply({list(faults)!r}, {kv_cache_dtype!r})\n")
+
     def selftest(self) -> Catalogue:
         """vLLM's fixed bugs re-introduced (faults/), as the self-test runs them: selftest.py."""
         from kvdiag.engines.vllm.selftest import CATALOGUE

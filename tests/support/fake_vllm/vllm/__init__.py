@@ -5,6 +5,7 @@ started with ``fake_fault="..."`` changes it as the named fault says, so a test 
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 STARTS = []
@@ -18,7 +19,7 @@ class SamplingParams:
 class LLM:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
-        self.fault = kwargs.get("fake_fault")
+        self.fault = kwargs.get("fake_fault") or os.environ.get("FAKE_VLLM_FAULT")  # a patch put in the process
         self.cached = set()  # the first blocks run since the last reset: a prompt that starts so hits
 
     def reset_prefix_cache(self):
