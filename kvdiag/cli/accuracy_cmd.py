@@ -65,6 +65,7 @@ def accuracy(
     timeout: o.TimeoutOpt = 900.0,
     resume: o.ResumeOpt = None,
     quiet: o.QuietOpt = False,
+    prove: o.ProveOpt = True,
     fault: o.FaultOpt = None,
 ) -> None:
     """Score lm_eval tasks and token-level drift for each kv dtype against a baseline dtype.
@@ -84,7 +85,7 @@ def accuracy(
 
     run = run_check("accuracy", engine=engine, model=model, kv_dtypes=kv_dtype, device=device, engine_args=engine_arg,
                     faults=fault, isolate=isolate, output_dir=output_dir, jobs=jobs, timeout=timeout, resume=resume,
-                    quiet=quiet, fmt=fmt, command=command_line(), given=o.given(ctx), tasks=tasks or [],
+                    quiet=quiet, fmt=fmt, prove=prove, command=command_line(), given=o.given(ctx), tasks=tasks or [],
                     include_paths=[str(x) for x in include_path or ()], needle_lengths=needle_length or [],
                     baseline=baseline, limit=limit, num_fewshot=num_fewshot, seed=seed, batch_size=batch_size,
                     apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,

@@ -23,9 +23,7 @@ def common_options(check) -> list[tuple[str, object, object]]:
            ("output_dir", o.OutputDirOpt, None), ("fmt", o.FormatOpt, o.Format.table),
            ("timeout", o.TimeoutOpt, check.timeout),
            ("resume", o.ResumeOpt, None), ("quiet", o.QuietOpt, False), ("fault", o.FaultOpt, None)]
-    if check.reproducer:
-        out.append(("prove", o.ProveOpt, True))
-    return out
+    return out + [("prove", o.ProveOpt, True)]  # every check: a crash inside the engine has its command
 
 
 def own_options(check) -> list[tuple[str, object, object]]:

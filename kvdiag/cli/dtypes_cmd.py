@@ -36,6 +36,7 @@ def dtypes(
     timeout: o.TimeoutOpt = CHECK.timeout,
     resume: o.ResumeOpt = None,
     quiet: o.QuietOpt = False,
+    prove: o.ProveOpt = True,
     fault: o.FaultOpt = None,
 ) -> None:
     """List the kv-cache dtypes an engine supports: storage, scale rule, bytes per element.
@@ -45,7 +46,7 @@ def dtypes(
     """
     if check:
         raise typer.Exit(_check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs,
-                                output_dir, timeout, resume, quiet, fault, o.given(ctx)))
+                                output_dir, timeout, resume, quiet, fault, o.given(ctx), prove))
     _list(engine, kv_dtype, fmt)
 
 
@@ -80,13 +81,13 @@ def _list(engine, kv_dtype, fmt) -> None:
 
 
 def _check(engine, kv_dtype, fmt, model, device, engine_arg, max_kl, min_top1, isolate, jobs, output_dir, timeout,
-           resume, quiet, fault, given) -> int:
+           resume, quiet, fault, given, prove) -> int:
     from kvdiag.api import run_check
     from kvdiag.run.orchestrate import command_line
 
     return run_check("dtypes", engine=engine, model=model, kv_dtypes=kv_dtype, device=device, engine_args=engine_arg,
                      faults=fault, isolate=isolate, output_dir=output_dir, jobs=jobs, timeout=timeout, resume=resume,
-                     quiet=quiet, fmt=fmt, command=command_line(), given=given, max_kl=max_kl,
+                     quiet=quiet, fmt=fmt, prove=prove, command=command_line(), given=given, max_kl=max_kl,
                      min_top1=min_top1).exit_code
 
 

@@ -1,19 +1,9 @@
-"""After a run: write each failing case's reproducer, run it in a fresh process, and record whether it reproduces.
-
-vLLM is not always deterministic from one process to the next, so one run that disagrees with kvdiag proves little:
-a reproducer that does not reproduce at once runs again, up to ``TRIES`` times, and the outcome gives the rate."""
+"""After a run: write each failing case's reproducer (its check's, or a crash's own command), run it in a fresh
+process, and record whether it reproduces (``kvdiag.proof.runs``)."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-TRIES = 3  # runs of a reproducer that disagrees with kvdiag before it is called intermittent or not reproduced
-TAIL = 20  # lines of a reproducer's output kept in the case's record (the whole goes to repro/CASE.log)
-FINDINGS = ("reproduced", "reproduced_intermittently", "not_reproduced", "proof_not_run")
+from kvdiag.proof.runs import attempts, record, write_script
 
 
 def prove_run(run, say=None, timeout: float = 900.0, jobs: int = 1) -> None:
@@ -22,13 +12,15 @@ def prove_run(run, say=None, timeout: float = 900.0, jobs: int = 1) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from kvdiag.checks.registry import get, load
+    from kvdiag.proof.crash import script as crash_script
 
     todo = []
     for rec in run.cases:
         check = get(rec.check)
-        if rec.status not in ("fail", "crashed") or check is None or not check.reproducer:
+        if rec.status not in ("fail", "crashed") or check is None:
             continue
-        text = load(check.reproducer)(rec, run)
+        text = load(check.reproducer)(rec, run) if check.reproducer else None
+        text = text or crash_script(rec)  # a crash inside the engine: its own command, whatever the check
         if text is None:
             continue
         todo.append((rec, write_script(run.run_dir, rec.id, text)))
@@ -47,78 +39,3 @@ def prove_run(run, say=None, timeout: float = 900.0, jobs: int = 1) -> None:
         list(pool.map(prove, todo))
 
 
-def write_script(run_dir, case_id: str, text: str) -> Path:
-    """``RUN_DIR/repro/CASE.py`` (the case id made a file name), executable."""
-    script = Path(run_dir) / "repro" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", case_id) + ".py")
-    script.parent.mkdir(exist_ok=True)
-    script.write_text(text)
-    script.chmod(0o755)
-    return script
-
-
-def patched_env(where: Path, patch: str) -> dict:
-    """The environment of a reproducer run whose engine processes (the script's ``--run N`` children) execute
-    ``patch`` first: a ``sitecustomize`` on PYTHONPATH (the self-test's fault, re-introduced outside kvdiag's
-    workers). The script's own process is left alone: it only compares."""
-    import os
-
-    where.mkdir(parents=True, exist_ok=True)
-    body = "".join(f"    {line}\n" for line in patch.splitlines())
-    (where / "sitecustomize.py").write_text(f"import sys\n\nif sys.argv[1:2] == ['--run']:\n{body}")
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": str(where) + (os.pathsep + path if path else "")}
-
-
-def attempts(script: Path, timeout: float, env: dict | None = None,
-             tries: int = TRIES) -> list[tuple[int | None, str, float]]:
-    """(exit code or None on a timeout, output, seconds) of each run: until one reproduces (exit 1), an engine did
-    not run (2), or ``tries`` runs."""
-    runs = []
-    while len(runs) < tries:
-        t0 = time.monotonic()
-        try:
-            p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
-                               env=env)
-            runs.append((p.returncode, p.stdout + p.stderr, time.monotonic() - t0))
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            runs.append((None, out + f"\n(timed out after {timeout:g} s)", time.monotonic() - t0))
-        if runs[-1][0] != 0:
-            break
-    return runs
-
-
-def record(rec, script: Path, runs: list) -> None:
-    """The outcome of ``runs`` on ``rec``: ``metrics.proof`` and one finding that says it."""
-    codes = [code for code, _, _ in runs]
-    hits = codes.count(1)
-    counted = [c for c in codes if c in (0, 1)]
-    if codes[-1] not in (0, 1):
-        verdict = "not run"
-    elif hits == len(counted):
-        verdict = "yes"
-    elif hits:
-        verdict = "intermittent"
-    else:
-        verdict = "no"
-    log = script.with_suffix(".log")
-    log.write_text("".join(f"=== run {i + 1}: exit {code} in {s:.0f} s\n{out}\n" for i, (code, out, s) in
-                           enumerate(runs)))
-    rec.metrics["proof"] = {"script": str(script), "reproduced": verdict, "runs": len(counted), "hits": hits,
-                            "exit_codes": codes, "seconds": round(sum(s for _, _, s in runs), 1),
-                            "output": "\n".join(runs[-1][1].splitlines()[-TAIL:])}
-    rec.findings = [f for f in rec.findings if f.kind not in FINDINGS]
-    command = f"python3 {script}"
-    if verdict == "yes":
-        rec.add("info", "reproduced", f"reproduced without kvdiag, in a fresh process: {command} (exit 1"
-                + (f", {hits} of {len(counted)} runs" if len(counted) > 1 else "") + ")")
-    elif verdict == "intermittent":
-        rec.add("warning", "reproduced_intermittently", f"reproduced {hits} of {len(counted)} runs without kvdiag: "
-                f"{command}; the failure is intermittent")
-    elif verdict == "no":
-        rec.add("warning", "not_reproduced", f"did not reproduce without kvdiag in {len(counted)} runs: {command}; "
-                "it may come from kvdiag's own use of the engine")
-    else:
-        why = "timed out" if codes[-1] is None else f"exit {codes[-1]}"
-        rec.add("info", "proof_not_run", f"the reproducer did not run its engines ({why}; its output: {log}): "
-                f"{command}")

@@ -226,6 +226,7 @@ def test_a_failed_restart_is_held_to_a_plain_restart_in_a_fresh_process(plain_ok
         assert "a plain script in a fresh process fails the same way: RuntimeError: it->second->use_count" \
             in f.message and "docs/vllm-findings.md 16" in f.message
         assert f.evidence["plain_restart"]["restarted"] is False
+        assert f.evidence["reproduce"] == f.evidence["plain_restart"]["command"]  # what kvdiag.proof runs again
     assert f.evidence["cycle"] == 2 and f.evidence["plain_restart"]["command"] in f.message
     assert rec.status == "fail" and not kinds, kinds
 

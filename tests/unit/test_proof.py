@@ -166,7 +166,7 @@ def flaky(tmp_path, codes: list[int]) -> Path:
     ([2], "not run", 0, "proof_not_run"),
 ])
 def test_a_reproducer_that_disagrees_runs_again_and_the_verdict_gives_the_rate(tmp_path, codes, verdict, runs, kind):
-    from kvdiag.run.prove import attempts, record
+    from kvdiag.proof.runs import attempts, record
 
     script = flaky(tmp_path, codes)
     rec = Case("paths", "vllm", "/m", "auto", "t", params={}, id="c").result("fail")
@@ -277,3 +277,43 @@ def test_selftest_prove_holds_each_caught_faults_reproducer_to_its_patch(tmp_pat
     assert verdict(run.analysis["selftest"])[0] is proved
     if not proved:
         assert "not proved outside kvdiag: f1" in verdict(run.analysis["selftest"])[1]
+
+
+@pytest.mark.parametrize("code, verdict", [("raise RuntimeError('CUDA error: an illegal memory access')", "yes"),
+                                           ("print('started')", "no")])
+def test_a_crash_inside_the_engine_is_proved_with_its_own_command_whatever_the_check(tmp_path, code, verdict):
+    """A crashed case whose finding carries the engine's command (kvdiag.engines.base.reproducer): the command in a
+    script, run without kvdiag; it reproduces when the command dies again."""
+    import shlex
+
+    from kvdiag.run.prove import prove_run
+
+    rec = Case("accuracy", "vllm", "/m", "fp8", "t", params={}, id="accuracy/vllm/m/fp8").result("crashed")
+    rec.add("error", "crashed", "engine start: RuntimeError", reproduce="python3 -c " + shlex.quote(code))
+    run = RunRecord("kvdiag accuracy -e vllm", "", [rec], {}, run_dir=str(tmp_path))
+    prove_run(run)
+    assert rec.metrics["proof"]["reproduced"] == verdict
+    if verdict == "yes":
+        assert "illegal memory access" in rec.metrics["proof"]["output"]
+
+
+def test_a_restart_that_fails_in_one_fresh_process_of_two_is_said_intermittent(tmp_path):
+    """memleak's restart_impossible carries the plain restart's command: where the engine restarts in one fresh
+    process and asserts in the next (vLLM's defaults on an H200), the proof says the rate, not "the same way"."""
+    import shlex
+
+    from kvdiag.run.prove import prove_run
+
+    count = tmp_path / "n"
+    code = (f"import pathlib, sys; c = pathlib.Path({str(count)!r}); n = int(c.read_text()) if c.exists() else 0; "
+            "c.write_text(str(n + 1)); print('plain restart: started again') if n % 2 == 0 else "
+            "sys.exit('RuntimeError: it->second->use_count > 0')")
+    rec = Case("memleak", "vllm", "/m", "auto", "t", params={}, id="memleak/vllm/m/auto").result("fail")
+    rec.add("error", "restart_impossible", "cycle 2: the engine cannot be started again in this process",
+            reproduce="python3 -c " + shlex.quote(code))
+    run = RunRecord("kvdiag memleak -e vllm", "", [rec], {}, run_dir=str(tmp_path))
+    prove_run(run)
+    proof = rec.metrics["proof"]
+    assert (proof["reproduced"], proof["hits"], proof["runs"]) == ("intermittent", 1, 2)
+    (said,) = [f for f in rec.findings if f.kind == "reproduced_intermittently"]
+    assert "reproduced 1 of 2 runs without kvdiag" in said.message and "intermittent" in said.message

@@ -202,6 +202,7 @@ def _restart_finding(rec, restart: dict, held: dict[str, list[int]]) -> None:
     if plain:
         how = "fails the same way" if plain["restarted"] is False else "gave no answer either"
         why = f"; a plain script in a fresh process {how}: {plain['cause']}; reproduce: {plain['command']}"
+        evidence["reproduce"] = plain["command"]  # kvdiag.proof runs it again: one plain run may be luck either way
     if "use_count > 0" in restart["message"]:
         why += ("; the CUDA caching allocator refuses to capture into a graph pool whose graphs are all gone but "
                 "which still holds memory (vLLM 0.24 shares one graph pool among every engine of the process: "

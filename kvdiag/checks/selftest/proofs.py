@@ -13,7 +13,7 @@ def prove_faults(run, engine: str, say=None, jobs: int = 1, timeout: float = 900
     from concurrent.futures import ThreadPoolExecutor
 
     from kvdiag.engines.base import engine_traits
-    from kvdiag.run.prove import attempts, patched_env, write_script
+    from kvdiag.proof.runs import attempts, patched_env, write_script
 
     a = run.analysis.get("selftest")
     if not a:
