@@ -24,7 +24,7 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
               faults: list[str] | None = None, isolate: str = "case", output_dir: str | Path | None = None,
               jobs: int | None = None, timeout: float | None = None, resume: str | Path | None = None,
               quiet: bool = False, fmt: str | None = None, command: str | None = None,
-              given: set[str] | None = None, prove: bool = True, **options):
+              given: set[str] | None = None, prove: bool | None = None, **options):
     """Run ``check`` (a registered check's name: ``kvdiag.checks.registry.checks()``) and return its finished run
     (:class:`kvdiag.results.RunRecord`: ``cases``, ``analysis``, ``summary``, ``exit_code``, ``run_dir``).
 
@@ -38,8 +38,9 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
     (default: this call; a command passes its command line). report.md and report.html are written into the run
     directory.
 
-    ``prove``: each failing case's standalone reproducer (``RUN_DIR/repro/CASE.py``, for the checks that write one)
-    is run in a fresh process after the run, and the case says whether it reproduced (``kvdiag.proof``).
+    ``prove``: each failing case's standalone reproducer (``RUN_DIR/repro/CASE.py``, where kvdiag can write one) is
+    run in a fresh process after the run, and the case says whether it reproduced (``kvdiag.proof``); None: yes,
+    unless ``KVDIAG_PROVE=0``.
 
     ``resume``: the run goes on with the engine, model, dtypes and options it was made with (run.json's ``call``);
     an argument given again must equal the run's (``given``: the names of those given; default: the arguments that
@@ -47,6 +48,7 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
     """
     from kvdiag.checks.cases import Target
     from kvdiag.checks.registry import check_cases, checks, get
+    from kvdiag.proof.runs import prove_default
     from kvdiag.report import write_reports
     from kvdiag.run.orchestrate import make_run_dir, record
     from kvdiag.run.scheduling import case_threads, default_jobs, gpu_jobs
@@ -76,7 +78,8 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
         jobs = default_jobs(cases) if found.gpu_share else gpu_jobs(cases)
     threads = case_threads(cases, isolate, jobs) if found.gpu_share else 1
     return record(cases, run_dir, timeout=found.timeout if timeout is None else timeout, resume=resume is not None,
-                  quiet=quiet, fmt=fmt, jobs=jobs, analyze=analyze, threads=threads, call=call, prove=prove,
+                  quiet=quiet, fmt=fmt, jobs=jobs, analyze=analyze, threads=threads, call=call,
+                  prove=prove_default() if prove is None else prove,
                   finish=lambda run: write_reports(run, run_dir, ("md", "html")),
                   command=command or _call_text(check, engine, model, kv_dtypes, engine_args, options))
 

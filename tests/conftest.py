@@ -18,6 +18,9 @@ for _folder in ("gpu", "integration", "unit", "support"):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# no proofs after the tests' runs (each a fresh engine start, up to three): tests/unit/test_proof.py and
+# tests/integration/test_vllm_proof.py prove on purpose
+os.environ.setdefault("KVDIAG_PROVE", "0")
 for _var in ("COLUMNS", "LINES"):  # set for child processes by readline (which pytest imports), not by the user:
     if _var not in os.environ:  # kvdiag's tables honour COLUMNS, and a test's kvdiag should see the shell's width
         os.unsetenv(_var)

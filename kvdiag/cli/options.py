@@ -62,8 +62,9 @@ def given(ctx) -> set[str]:
 
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
 ProveOpt = Annotated[bool, typer.Option(
-    "--prove/--no-prove", help="Write each failing case's reproducer (RUN_DIR/repro/CASE.py: the engine alone, no "
-    "kvdiag), run it in a fresh process and say whether it reproduces (up to 3 runs when it does not at once).")]
+    "--prove/--no-prove", envvar="KVDIAG_PROVE", help="Write each failing case's reproducer (RUN_DIR/repro/CASE.py: "
+    "the engine alone, no kvdiag), run it in a fresh process and say whether it reproduces (up to 3 runs when it "
+    "does not at once).")]
 EngineArgOpt = Annotated[Optional[list[str]], typer.Option(
     "--engine-arg", "-a", help="key=value passed to the engine, several comma-separated as lm_eval's --model_args; "
     "values JSON-ish (2, 0.5, true, none, [1,2], \"a,b\"); repeatable; a name the engine does not take exits 2 with "

@@ -14,6 +14,14 @@ from pathlib import Path
 TRIES = 3  # runs of a reproducer that disagrees with kvdiag before it is called intermittent or not reproduced
 TAIL = 20  # lines of a reproducer's output kept in the case's record (the whole goes to repro/CASE.log)
 FINDINGS = ("reproduced", "reproduced_intermittently", "not_reproduced", "proof_not_run")
+PROVE_ENV = "KVDIAG_PROVE"  # 0, false, no or off: no proofs where --prove/--no-prove is not given
+
+
+def prove_default() -> bool:
+    """Whether a run proves its failures unless told (``PROVE_ENV``; default yes)."""
+    import os
+
+    return os.environ.get(PROVE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def write_script(run_dir, case_id: str, text: str) -> Path:
