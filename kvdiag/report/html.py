@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from html import escape
 
+from kvdiag.proof.said import proof_said
 from kvdiag.render.cells import fmt_value, incomplete, run_versions
 from kvdiag.report.tables import tables
 
@@ -44,6 +45,10 @@ def render_html(run) -> str:
         shown = [(k, v) for k, v in c.metrics.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)]
         metrics = "<br>".join(f"{escape(k)}={escape(fmt_value(v))}" for k, v in shown[:8])
         findings = "<br>".join(f"<b>{escape(f.kind)}</b>: {escape(f.message)}" for f in c.findings[:6])
+        if c.metrics.get("proof"):  # kvdiag.proof: said whatever the findings before it
+            proof = c.metrics["proof"]
+            findings += (f"<br><b>reproduced without kvdiag</b>: {escape(proof_said(proof))}: "
+                         f"<code>python3 {escape(proof['script'])}</code>")
         out.append(f"<tr><td>{escape(c.id)}</td><td class='{c.status}'>{c.status}</td>"
                    f"<td>{metrics}</td><td>{findings}</td><td>{c.duration_s:.1f}s</td></tr>")
     out.append("</table>")

@@ -179,7 +179,7 @@ def test_a_reproducer_that_disagrees_runs_again_and_the_verdict_gives_the_rate(t
     assert log.count("=== run") == len(codes) and f"run {len(codes) - 1}" in log
 
 
-def test_kvdiag_writes_each_failing_cases_script_into_the_run_and_records_its_proof(tmp_path, monkeypatch):
+def test_kvdiag_writes_each_failing_cases_script_into_the_run_and_records_its_proof(tmp_path, monkeypatch, capsys):
     from kvdiag.run.prove import prove_run
 
     monkeypatch.setenv("PYTHONPATH", str(FAKE))
@@ -193,6 +193,18 @@ def test_kvdiag_writes_each_failing_cases_script_into_the_run_and_records_its_pr
     assert said[1] == f"  {rec.id}: reproduced yes (1 of 1 runs, {took:.0f} s): python3 {script}"
     assert rec.metrics["proof"]["reproduced"] == "yes" and "REPRODUCED" in rec.metrics["proof"]["output"]
     assert "proof" not in ref.metrics  # a passing case has nothing to prove
+    from kvdiag.report.html import render_html
+    from kvdiag.report.junit import render_junit
+    from kvdiag.report.markdown import render_markdown
+    from kvdiag.report.table import print_run
+
+    run.exit_code, command = 1, f"python3 {script}"
+    for text in (render_markdown(run), render_html(run), render_junit(run)):  # every report says it
+        assert command in text
+    monkeypatch.setenv("COLUMNS", "80")
+    print_run(run)
+    out = capsys.readouterr().out
+    assert f"{rec.id}: yes:" in out and command in out.splitlines()  # the command whole, on a line of its own
 
 
 def test_report_bug_writes_an_issue_body_a_maintainer_can_act_on(tmp_path, monkeypatch):
