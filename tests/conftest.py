@@ -105,7 +105,17 @@ def vllm_zoo_check(tmp_path_factory):
     return ZooChecks(tmp_path_factory.mktemp("vllm-zoo"))
 
 
-SHARED = ("installed", "vllm_zoo_check")  # session fixtures built once per worker: their modules share one worker
+@pytest.fixture(scope="session")
+def vllm_selftest(installed, tmp_path_factory):
+    """``kvdiag selftest -e vllm`` of the faults CI runs, each fault's intended check, from the wheel: run once for
+    the modules that read it (tests/support/vllm_selftest_run.py)."""
+    import vllm_selftest_run
+
+    return vllm_selftest_run.run(installed, tmp_path_factory.mktemp("vllm-selftest"))
+
+
+# session fixtures built once per worker: their modules share one worker (vllm_selftest's go with installed's)
+SHARED = ("installed", "vllm_zoo_check", "vllm_selftest")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the node ids

