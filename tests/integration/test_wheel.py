@@ -67,12 +67,15 @@ def test_the_main_job_runs_from_the_wheel_as_the_readme_shows_it(installed):
     verdict; each drift row; `OK: 7 pass — results in reports/<timestamp>-accuracy` (exit 0), in at most 3x the time
     the README states; and what the text says of the dtypes: the shipped tasks' 200 and 100 documents, bfloat16 and
     float16 bit for bit `auto` and `ok`, every quantized dtype `inconclusive` (a pass) with the documents that would
-    settle it, each storing its own codes and drifting. The docs' inventory (test_docs_examples.py) names this test."""
+    settle it, each storing its own codes and drifting. The docs' inventory (test_docs_examples.py) names this test.
+    The same run, in an 80-column terminal, holds what other tests ran their own small sweeps for: the table fits
+    with every name whole and names its reports; each case's worker takes the tasks its fork server loaded; lm_eval's
+    hint to pass --metadata is not printed for kvdiag's own tasks, nor logged."""
     from doc_examples import idle_seconds, readme_main_job
 
     doc = readme_main_job()
     t = time.perf_counter()
-    p = installed.run("accuracy")
+    p = installed.run("accuracy", COLUMNS="80")
     took = time.perf_counter() - t
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = p.stdout.strip().splitlines()
@@ -116,7 +119,16 @@ def test_the_main_job_runs_from_the_wheel_as_the_readme_shows_it(installed):
     assert not [(d, f["kind"]) for d, c in cases.items() for f in c["findings"]
                 if f["kind"] in ("not_quantized", "identical_to_baseline")]
     assert cases["int8_per_token_head"]["metrics"]["storage"]["layer_dtypes"][0] == "int8"  # the storage audit ran
-    assert (installed.cwd / "reports" / f"{m.group(1)}-accuracy" / "report.html").exists()
+    run_dir = installed.cwd / "reports" / f"{m.group(1)}-accuracy"
+    assert "score 95% CI" in (run_dir / "report.md").read_text() and "score 95% CI" in (run_dir / "report.html"
+                                                                                         ).read_text()
+
+    assert all(len(line) <= 80 for line in lines) and "…" not in p.stdout, p.stdout  # 80 columns, names whole
+    assert set(cases) | {"kv_recall", "kv_recall_long"} <= set(re.findall(r"[\w.-]+", p.stdout))
+    assert "report.md, report.html" in p.stdout  # the promise, kept
+    assert all(c["metrics"]["lm_eval"]["tasks_preloaded"] for c in cases.values())  # by the fork server
+    logs = "".join(f.read_text() for f in (run_dir / "logs").iterdir())
+    assert "accuracy/builtin" in p.stderr and logs and "--metadata" not in p.stderr + logs
 
 
 @pytest.mark.slow
