@@ -114,8 +114,18 @@ def vllm_selftest(installed, tmp_path_factory):
     return vllm_selftest_run.run(installed, tmp_path_factory.mktemp("vllm-selftest"))
 
 
+@pytest.fixture(scope="session")
+def shipped_suite(tmp_path_factory):
+    """The README's CI command as written: the repository's suite (kvdiag.toml) against its committed baseline, run
+    once for the modules that read it (test_ci_run.py: the run and its outputs; test_paths.py: its paths cases);
+    tests/support/doc_examples.py."""
+    from doc_examples import run_readme_ci
+
+    return run_readme_ci(tmp_path_factory.mktemp("ci"))
+
+
 # session fixtures built once per worker: their modules share one worker (vllm_selftest's go with installed's)
-SHARED = ("installed", "vllm_zoo_check", "vllm_selftest")
+SHARED = ("installed", "vllm_zoo_check", "vllm_selftest", "shipped_suite")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the node ids

@@ -124,8 +124,11 @@ def _run_dir(cfg, output_dir, resume) -> Path:
     from kvdiag.errors import UserError
     from kvdiag.run.orchestrate import make_run_dir
 
+    # the config's output_dir is where a new run goes: --resume RUN_DIR goes on in RUN_DIR (docs/ci.md), only an
+    # --output-dir given with it that is not RUN_DIR is refused
+    default = Path(cfg.output_dir) if cfg.output_dir and resume is None else None
     try:
-        return make_run_dir(output_dir or (Path(cfg.output_dir) if cfg.output_dir else None), "ci", resume)
+        return make_run_dir(output_dir or default, "ci", resume)
     except UserError as e:
         if output_dir is None and resume is None and cfg.output_dir:
             raise cfg.error(str(e), None, "output_dir") from None

@@ -105,23 +105,6 @@ def test_report_write_holds_every_score_with_its_interval_and_change(run_dir):
         row[:5] for row in scored]
 
 
-@pytest.mark.slow
-def test_accuracy_writes_its_reports_and_prints_a_table_for_80_columns(tmp_path):
-    out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "kvdiag", "accuracy", "-d", "auto", "-d", "fp8", "--limit", "4", "-o",
-                        str(out)], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "COLUMNS": "80"},
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    words = re.findall(r"[\w.-]+", r.stdout)
-    assert all(len(line) <= 80 for line in r.stdout.splitlines()) and "…" not in r.stdout
-    assert {"auto", "fp8", "kv_recall", "kv_recall_long"} <= set(words)
-    assert "report.md, report.html" in r.stdout  # the promise, kept:
-    rows = md_rows((out / "report.md").read_text(), "score 95% CI")
-    assert {(x["kv dtype"], x["task"], x["metric"]) for x in rows} == {
-        (d, t, m) for d in ("auto", "fp8") for t in TASKS for m in ("acc", "acc_norm")}
-    assert "score 95% CI" in (out / "report.html").read_text()
-
-
 def test_ci_keeps_a_score_table_per_engine_and_model(run_dir):
     from kvdiag.report.markdown import render_markdown
     from kvdiag.results import load_run

@@ -1,8 +1,7 @@
-"""`kvdiag ci` end to end on the shipped model: outputs, baselines and `kvdiag compare` on real runs.
-
-Two runs of one small config (memleak, accuracy on auto + fp8, wake-cycle) are shared by the tests:
-A, then B with --baseline A. Planted regressions edit a copy of B's records, or come from a
-builtin fault (global_kv_list keeps every KV tensor alive: memory grows per cycle).
+"""`kvdiag ci` end to end: the README's CI command, as written (the repository's suite, kvdiag.toml, against its
+committed baseline, baselines/ci-tiny-llama.json; docs/ci.md's GitHub Actions step runs the same), once for every
+test here: its outputs, the baseline, `kvdiag compare` on real runs. Planted regressions edit a copy of its records,
+or come from a builtin fault (global_kv_list keeps every KV tensor alive: memory grows per cycle).
 """
 
 import json
@@ -15,61 +14,57 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from doc_examples import BASELINE, ROOT, find_command
 
 from kvdiag.checks.stats import mean_stderr
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-CONFIG = """
-kv_dtypes = ["auto"]
-timeout = 400
-
-[memleak]
-cycles = 2
-max_tokens = 4
-
-[accuracy]
-kv_dtypes = ["auto", "fp8"]
-tasks = ["kv_recall"]
-limit = 10
-isolate = "run"
-
-[wake-cycle]
-cycles = 1
-max_tokens = 8
-"""
 pytestmark = pytest.mark.slow
 
 
-def kvdiag(*args, env=None, check=None):
+def kvdiag(*args, env=None, check=None, cwd=None):
     r = subprocess.run([sys.executable, "-m", "kvdiag", *map(str, args)], capture_output=True, text=True,
-                       env={**os.environ, **(env or {})}, timeout=900)
+                       env={**os.environ, **(env or {})}, timeout=900, cwd=cwd)
     if check is not None:
         assert r.returncode == check, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
 
+def suite_ids(config: Path) -> set:
+    from kvdiag.ci.config import load_config
+    from kvdiag.ci.suite import build_suite
+
+    return {c.id for c in build_suite(load_config(config))[0]}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ci")
-    (root / "kvdiag.toml").write_text(CONFIG)
-    summary = root / "summary.md"
-    summary.write_text("## earlier step\n")
-    a = kvdiag("ci", "--config", root / "kvdiag.toml", "-o", root / "A", "-q",
-               env={"GITHUB_STEP_SUMMARY": str(summary)})
-    b = kvdiag("ci", "--config", root / "kvdiag.toml", "-o", root / "B", "-q", "--baseline", root / "A")
-    return {"root": root, "A": root / "A", "B": root / "B", "a": a, "b": b, "summary": summary}
+def runs(shipped_suite):
+    """The README's CI command, run once for this module and test_paths.py (tests/conftest.py)."""
+    return shipped_suite
 
 
 def test_ci_run_writes_every_output(runs):
+    """Exit 0 (nothing regressed against the committed baseline); every output docs/ci.md names; the suite is the
+    cases docs/ci.md counts, each in the baseline; report.md appended to the job summary."""
     a, run_dir = runs["a"], runs["A"]
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    n = len(suite_ids(ROOT / "kvdiag.toml"))
+    assert a.stdout.strip().splitlines()[-1] == f"OK: {n} pass — results in reports/ci", a.stdout[-2000:]
     for name in ("results.jsonl", "run.json", "report.md", "report.html", "junit.xml"):
         assert (run_dir / name).stat().st_size > 0, name
     run = json.loads((run_dir / "run.json").read_text())
     ids = {c["id"] for c in run["cases"]}
-    assert ids == {"memleak/builtin/tiny-llama/auto", "accuracy/builtin/tiny-llama/auto",
-                   "accuracy/builtin/tiny-llama/fp8", "wake-cycle/builtin/tiny-llama/auto/L1"}
+    assert ids == suite_ids(ROOT / "kvdiag.toml")
+    ci_md = (ROOT / "docs" / "ci.md").read_text(encoding="utf-8")
+    toml = (ROOT / "kvdiag.toml").read_text()
+    said = {int(n) for n in re.findall(r"shipped tiny model, (\d+) cases", " ".join(ci_md.split()))}
+    said |= {int(n) for n in re.findall(r"^# (\d+) cases, every one held by", toml, re.M)}
+    assert said == {len(ids)}, said  # docs/ci.md and kvdiag.toml count the suite's cases
+    held = {c["id"] for c in json.loads((ROOT / BASELINE).read_text())["cases"]}
+    assert ids <= held
     assert run["exit_code"] == 0 and run["analysis"]["accuracy"]["baseline"] == "auto"
+    workers = {c["metrics"]["worker"]["pid"] for c in run["cases"] if c["check"] == "accuracy"}
+    assert len(workers) == 1  # isolate = "run": the check's dtypes in one worker
     md = (run_dir / "report.md").read_text()
     assert md.startswith("# kvdiag: passed") and runs["summary"].read_text() == "## earlier step\n" + md
     for cid in ids:
@@ -77,8 +72,8 @@ def test_ci_run_writes_every_output(runs):
 
 
 def test_report_table_is_what_the_command_printed(runs):
-    again = kvdiag("report", runs["B"], "--format", "table", check=0)
-    assert again.stdout == runs["b"].stdout and "against baseline" in again.stdout, again.stdout
+    again = kvdiag("report", "reports/ci", "--format", "table", check=0, cwd=runs["root"])
+    assert again.stdout == runs["a"].stdout and "against baseline" in again.stdout, again.stdout
 
 
 def test_junit_validates_against_the_schema(runs):
@@ -86,9 +81,10 @@ def test_junit_validates_against_the_schema(runs):
     doc = etree.parse(str(runs["A"] / "junit.xml"))
     etree.XMLSchema(etree.parse(str(DATA / "junit.xsd"))).assertValid(doc)
     cases = doc.findall(".//testcase")
-    assert len(cases) == 4 and not doc.findall(".//failure") and not doc.findall(".//error")
+    assert len(cases) == len(suite_ids(ROOT / "kvdiag.toml"))
+    assert not doc.findall(".//failure") and not doc.findall(".//error")
     assert {s.get("name") for s in doc.findall("testsuite")} == {"kvdiag.memleak", "kvdiag.accuracy",
-                                                                  "kvdiag.wake-cycle"}
+                                                                  "kvdiag.wake-cycle", "kvdiag.poison", "kvdiag.paths"}
 
 
 def svgs(html: str) -> list[str]:
@@ -122,15 +118,18 @@ def test_html_renders_in_headless_chromium(runs, tmp_path):
     assert r.returncode == 0 and shot.stat().st_size > 20_000, r.stderr[-2000:]
 
 
-def test_two_clean_runs_do_not_regress(runs):
-    b = runs["b"]
-    assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
-    comp = json.loads((runs["B"] / "run.json").read_text())["analysis"]["baseline"]
-    assert comp["regressed"] is False and comp["counts"]["regression"] == 0
+def test_the_suite_does_not_regress_against_its_committed_baseline(runs):
+    """The run against the committed baseline (a run of another day, on another machine): every score compared by
+    the paired test on the baseline's samples, nothing regressed; `kvdiag compare BASELINE RUN` (docs/ci.md's merge
+    job, on this run) says the same, exit 0."""
+    comp = json.loads((runs["A"] / "run.json").read_text())["analysis"]["baseline"]
+    assert comp["regressed"] is False and comp["counts"]["regression"] == 0 and comp["counts"]["missing"] == 0
     score_rows = [r for r in comp["rows"] if r["what"] == "kv_recall acc"]
-    assert {r["test"] for r in score_rows} == {"mcnemar"} and len(score_rows) == 2  # samples kept: paired
-    assert "Against baseline" in (runs["B"] / "report.md").read_text()
-    r = kvdiag("compare", runs["A"], runs["B"], "--format", "json", check=0)
+    assert {r["test"] for r in score_rows} == {"mcnemar"} and len(score_rows) == 3  # samples kept: paired
+    assert "Against baseline" in (runs["A"] / "report.md").read_text()
+    _, merged = find_command("docs/ci.md", "- run: kvdiag report --merge run-*")[0].split(" && ")
+    assert merged == f"kvdiag compare {BASELINE} merged", merged
+    r = kvdiag("compare", BASELINE, "reports/ci", "--format", "json", cwd=runs["root"], check=0)
     assert json.loads(r.stdout)["regressed"] is False
 
 
@@ -156,7 +155,7 @@ def plant_score_drop(src: Path, dst: Path, wrong: int) -> None:
 
 
 def test_compare_flags_a_planted_score_regression(runs, tmp_path):
-    plant_score_drop(runs["B"], tmp_path / "B2", wrong=8)
+    plant_score_drop(runs["A"], tmp_path / "B2", wrong=8)
     r = kvdiag("compare", runs["A"], tmp_path / "B2", "--format", "json", check=1)
     bad = [x for x in json.loads(r.stdout)["rows"] if x["verdict"] == "regression"]
     assert [(x["id"], x["what"], x["test"]) for x in bad] == [
@@ -174,18 +173,19 @@ def test_compare_flags_a_planted_score_regression(runs, tmp_path):
     assert (drop.id, drop.what, drop.test) == ("accuracy/builtin/tiny-llama/fp8", "kv_recall acc", "mcnemar")
     assert drop.delta == pytest.approx(-0.8) and drop.p_value == pytest.approx(2 / 2 ** 8)
     # one wrong document out of ten is within --max-drop's reach of noise: not a regression
-    plant_score_drop(runs["B"], tmp_path / "B3", wrong=1)
+    plant_score_drop(runs["A"], tmp_path / "B3", wrong=1)
     kvdiag("compare", runs["A"], tmp_path / "B3", check=0)
 
 
 def test_baseline_file_round_trip(runs, tmp_path):
     base = tmp_path / "baselines" / "ci.json"
     kvdiag("ci", "--config", runs["root"] / "kvdiag.toml", "--resume", runs["A"], "--update-baseline", "--baseline",
-           base, "-q", check=0)  # nothing left to run: writes the baseline from A
+           base, "-q", check=0)  # nothing left to run: writes the baseline from the run
     data = json.loads(base.read_text())
-    assert data["format"] == "kvdiag-baseline/1" and len(data["cases"]) == 4 and len(data["samples"]) == 2
-    kvdiag("compare", base, runs["B"], check=0)
-    plant_score_drop(runs["B"], tmp_path / "B2", wrong=8)
+    assert data["format"] == "kvdiag-baseline/1" and len(data["cases"]) == len(suite_ids(ROOT / "kvdiag.toml"))
+    assert len(data["samples"]) == 3  # the accuracy dtypes'
+    kvdiag("compare", base, runs["A"], check=0)
+    plant_score_drop(runs["A"], tmp_path / "B2", wrong=8)
     r = kvdiag("ci", "--config", runs["root"] / "kvdiag.toml", "--resume", tmp_path / "B2", "--baseline", base, "-q")
     assert r.returncode == 1, r.stderr[-2000:]
     assert "REGRESSED" in (tmp_path / "B2" / "report.md").read_text()

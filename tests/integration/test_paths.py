@@ -1,5 +1,6 @@
-"""`kvdiag paths` on the builtin engine, as a user runs it: every path the engine has is taken (its counter grew)
-and passes against the cold path; paths it lacks are unsupported in seconds, with the reason; each of the engine's
+"""`kvdiag paths` on the builtin engine, as a user runs it (the paths it has as the repository's suite runs them, in
+the README's CI command): every path the engine has is taken (its counter grew) and passes against the cold path;
+paths it lacks are unsupported in seconds, with the reason; each of the engine's
 path faults fails exactly its own path, naming the first diverging token; bad input exits 2 before any worker; and
 the run compares with another (`kvdiag compare`)."""
 
@@ -19,11 +20,18 @@ def kvdiag(*args, timeout=600):
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory):
-    out = tmp_path_factory.mktemp("paths") / "clean"
+def clean(shipped_suite, tmp_path_factory):
+    """The paths the engine has as the repository's suite runs them (kvdiag.toml's [paths], in the README's CI
+    command: tests/conftest.py runs it once for this module and test_ci_run.py), and the paths it lacks, run here:
+    {"has": {path: case}, "lacks": {path: case}, "has_dir", "lacks_dir": their run directories}."""
+    out = tmp_path_factory.mktemp("paths") / "lacks"
     r = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "-o", str(out),
-               *[a for p in HAS + LACKS for a in ("-p", p)])
-    return r, out
+               *[a for p in LACKS for a in ("-p", p)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert shipped_suite["a"].returncode == 0, shipped_suite["a"].stderr[-2000:]
+    suite = [json.loads(x) for x in (shipped_suite["A"] / "results.jsonl").read_text().splitlines()]
+    return {"has": by_path({"cases": [c for c in suite if c["check"] == "paths"]}),
+            "lacks": by_path(json.loads(r.stdout)), "has_dir": shipped_suite["A"], "lacks_dir": out}
 
 
 def by_path(run: dict) -> dict:
@@ -31,11 +39,10 @@ def by_path(run: dict) -> dict:
 
 
 def test_every_path_the_engine_has_is_taken_and_matches_the_cold_path(clean):
-    r, _ = clean
-    assert r.returncode == 0, r.stderr[-2000:]
-    cases = by_path(json.loads(r.stdout))
+    has, lacks = clean["has"], clean["lacks"]
+    assert set(has) == {"cold", *HAS}  # the suite's [paths]
     for name in HAS:
-        c = cases[name]
+        c = has[name]
         m = c["metrics"]
         assert c["status"] == "pass", (name, c["findings"])
         assert m["diverged_requests"] == 0 and m["max_dlogprob"] <= m["tolerance"]
@@ -45,7 +52,7 @@ def test_every_path_the_engine_has_is_taken_and_matches_the_cold_path(clean):
         else:
             assert m["counted"] > 0, name  # the path was taken: hits, preemptions, chunks
     for name in LACKS:
-        c = cases[name]
+        c = lacks[name]
         assert c["status"] == "unsupported" and c["duration_s"] < 10
         assert "builtin engine" in c["findings"][0]["message"]
 
@@ -61,10 +68,10 @@ def test_sliding_window_is_unsupported_in_seconds_without_a_window():
 
 
 def test_report_has_the_path_by_dtype_grid(clean):
-    _, out = clean
-    md = (out / "report.md").read_text()
-    assert "## paths: path x kv dtype" in md and "| prefix-hit | pass |" in md and "| offload | unsupported |" in md
-    assert "paths: path x kv dtype" in (out / "report.html").read_text()
+    has, lacks = [(clean[k] / "report.md").read_text() for k in ("has_dir", "lacks_dir")]
+    assert "## paths: path x kv dtype" in has and "| prefix-hit | pass |" in has
+    assert "| offload | unsupported |" in lacks
+    assert "paths: path x kv dtype" in (clean["has_dir"] / "report.html").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +111,7 @@ def test_each_path_fault_fails_its_own_path_only(fault, path, faulty):
 
 
 def test_compare_with_a_faulty_run_regresses(clean, faulty):
-    _, old = clean
+    old = clean["has_dir"]
     _, new = faulty("chunk_context_dropped")
     r = kvdiag("compare", str(old), str(new), "-f", "json")
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]

@@ -1,14 +1,21 @@
 """Results as data: a run's scores and per-document samples as pandas DataFrames (kvdiag.results), and
-`kvdiag report RUN --format csv / parquet` writing the same rows."""
+`kvdiag report RUN --format csv / parquet` writing the same rows. The run is the README's Python calls, run as
+written: `kvdiag.run_check("accuracy", kv_dtypes=["auto", "fp8"], limit=20)`, then the frames of its run directory
+(the docs' inventory, test_docs_examples.py, names the test here that holds it to what the README says)."""
 
+import ast
 import io
 import json
+import os
+import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from doc_examples import find_block
 
 from kvdiag.results import CaseResult, RunRecord, append_jsonl, cases_frame, samples_frame, scores_frame, write_run_json
 
@@ -20,13 +27,81 @@ def kvdiag(*args):
                           cwd=ROOT, timeout=300)
 
 
+def capture(code: str) -> str:
+    """``code`` with each top-level expression (a doc's ``run.exit_code, run.summary`` line) appended to
+    ``_values``, so that a script run as written shows what each line gave."""
+    tree = ast.parse(code)
+    for i, node in enumerate(tree.body):
+        if isinstance(node, ast.Expr):
+            call = ast.parse("_values.append(None)").body[0]
+            call.value.args = [node.value]
+            tree.body[i] = call
+    return ast.unparse(ast.fix_missing_locations(tree))
+
+
+NOT_RUN = 'kvdiag.run_check("memleak", engine="vllm"'  # every dtype vLLM lists: test_docs_examples.py says why
+
+
 @pytest.fixture(scope="module")
-def accuracy_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("acc") / "run"
-    r = kvdiag("accuracy", "-d", "auto", "-d", "int8", "-t", "kv_recall,kv_recall_long", "--limit", 8, "-o", out,
-               "-q")
-    assert r.returncode in (0, 1), r.stderr
-    return out
+def readme_run(tmp_path_factory) -> dict:
+    """The README's two Python blocks as one script, in a folder of its own (the run goes to reports/ there), each
+    line as written but the vLLM memleak call: `kvdiag.run_check("accuracy", kv_dtypes=["auto", "fp8"], limit=20)`,
+    then the three frames of its run directory. {"got": what each line gave, "run_dir", "blocks": the two blocks}."""
+    cwd = tmp_path_factory.mktemp("readme")
+    calls = find_block("README.md", "import kvdiag")
+    first = textwrap.dedent("\n".join(x for x in calls.lines if not x.strip().startswith(NOT_RUN)))
+    assert len(first.splitlines()) == len(calls.lines) - 1
+    frames_block = find_block("README.md", "from kvdiag.results import")
+    frames = textwrap.dedent("\n".join(frames_block.lines))
+    assert frames.count('"reports/RUN"') == 3
+    script = "\n".join(["_values = []", capture(first), "run_dir = str(run.run_dir)",
+                        capture(frames.replace('"reports/RUN"', "run_dir"))])
+    script += """
+import json
+(code, summary), scores, samples, cases = _values
+print(json.dumps({"code": code, "summary": summary, "run_dir": run_dir, "scores": [len(scores), list(scores.columns)],
+                  "samples": [len(samples), list(samples.columns)], "cases": [len(cases), list(cases.columns)]}))
+"""
+    r = subprocess.run([sys.executable, "-"], input=script, cwd=cwd, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"got": got, "run_dir": cwd / got["run_dir"], "cwd": cwd, "frames_block": frames_block}
+
+
+@pytest.fixture(scope="module")
+def accuracy_run(readme_run) -> Path:
+    return readme_run["run_dir"]
+
+
+@pytest.mark.slow
+def test_the_readme_python_calls_run_as_written(readme_run):
+    """What the README's comments promise: exit code 0 (20 documents cannot see a 2-point drop: fp8 `inconclusive`,
+    a pass, with the documents that would settle it), the case counts, report.md and report.html in run.run_dir
+    (reports/STAMP-accuracy); scores_frame's case x task x metric rows with the columns its comment names,
+    samples_frame's a row a document, cases_frame's a row a case with the flattened metrics its comment names."""
+    got, run_dir = readme_run["got"], readme_run["run_dir"]
+    assert got["code"] == 0 and got["summary"]["pass"] == 2 and sum(got["summary"].values()) == 2, got
+    assert run_dir.parent == readme_run["cwd"] / "reports" and run_dir.name.endswith("-accuracy")
+    assert (run_dir / "report.md").is_file() and (run_dir / "report.html").is_file()
+    rec = json.loads((run_dir / "run.json").read_text())
+    rows = [x for x in rec["analysis"]["accuracy"]["rows"] if x["kv_dtype"] == "fp8"]
+    assert rows and all(x["verdict"] == "inconclusive" and x["mdd"] > 0.02 and x["n_needed"] > 20 for x in rows), rows
+    (case,) = [c for c in rec["cases"] if c["kv_dtype"] == "fp8"]
+    assert case["status"] == "pass" and {f["kind"] for f in case["findings"]} >= {"inconclusive"}
+
+    said = " ".join(" ".join(readme_run["frames_block"].lines).split())
+    said_cases = said[said.index("one row per case"):]
+    said = said[said.index("case x task x metric:") + len("case x task x metric:"):said.index("; # a crashed")]
+    n_scores, columns = got["scores"]
+    assert n_scores == 2 * 2 * 2  # case x task (kv_recall, kv_recall_long) x metric (acc, acc_norm)
+    named = {x for x in re.split(r"[,/;]\s*|\s+", re.sub(r"\([^)]*\)|#", " ", said)) if x}
+    assert named and named <= set(columns) and {"task", "metric"} <= set(columns), (named, columns)
+    n_samples, columns = got["samples"]
+    assert n_samples == 2 * (20 + 20) * 2 and "doc_id" in columns  # each case's documents, each metric
+    n_cases, columns = got["cases"]
+    flattened = re.findall(r"\b\w+\.\w+\b", said_cases)
+    assert n_cases == 2 and flattened and set(flattened) <= set(columns), (flattened, columns)
 
 
 @pytest.mark.slow
@@ -62,15 +137,15 @@ def test_samples_average_to_lm_evals_scores(accuracy_run):
     scores = scores_frame(accuracy_run).set_index(["kv_dtype", "task", "metric"])
     assert len(means) == len(scores) == 8
     for key, m in means.iterrows():
-        assert m["mean"] == pytest.approx(scores.loc[key, "value"]) and m["count"] == scores.loc[key, "n"] == 8
+        assert m["mean"] == pytest.approx(scores.loc[key, "value"]) and m["count"] == scores.loc[key, "n"] == 20
 
 
 @pytest.mark.slow
 def test_cases_frame_flattens_the_metrics(accuracy_run):
     cases = cases_frame(accuracy_run).set_index("kv_dtype")
-    assert list(cases.index) == ["auto", "int8_per_token_head"]  # int8: its alias
+    assert list(cases.index) == ["auto", "fp8"]
     assert cases.loc["auto", "verdict"] == "baseline"
-    assert cases.loc["int8_per_token_head", "timings.lm_eval"] > 0 and "scores" not in cases.columns
+    assert cases.loc["fp8", "timings.lm_eval"] > 0 and "scores" not in cases.columns
 
 
 def test_a_check_without_task_scores_gives_a_row_per_scalar_metric(tmp_path):

@@ -57,9 +57,12 @@ def build(tmp: Path) -> Installed:
     prefix = tmp / "venv"
     venv.EnvBuilder(with_pip=False).create(prefix)
     outer_packages(prefix)
+    # without PYTHONPATH: a checkout on it (its build's kvdiag.egg-info) is an installed kvdiag to the new venv's
+    # pip, which then installs nothing ("already installed with the same version")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-m", "pip", "--python", str(prefix / "bin" / "python"), "install", "-q",
                     "--no-deps", "--disable-pip-version-check", str(wheel)], check=True, capture_output=True,
-                   timeout=600)
+                   timeout=600, env=env)
     cwd = tmp / "elsewhere"
     cwd.mkdir()
     return Installed(wheel, prefix, cwd)

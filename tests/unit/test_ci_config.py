@@ -83,6 +83,23 @@ def test_config_is_found_in_the_current_folder(tmp_path, monkeypatch, capsys):
     assert find_config() == Path("kvdiag.toml")
 
 
+def test_the_configs_output_dir_is_for_new_runs_and_resume_goes_on_in_its_own(tmp_path):
+    """`kvdiag ci --config kvdiag.toml --resume RUN_DIR` (docs/ci.md) with the repository's kvdiag.toml, whose
+    output_dir is reports/ci: the run goes on in RUN_DIR; an --output-dir that is not RUN_DIR is still refused."""
+    from kvdiag.ci.config import load_config
+    from kvdiag.cli.ci_cmd import _run_dir
+    from kvdiag.errors import UserError
+
+    cfg = tmp_path / "kvdiag.toml"
+    cfg.write_text('output_dir = "reports/ci"\n[memleak]\ncycles = 1\n')
+    config = load_config(cfg)
+    assert _run_dir(config, None, None) == tmp_path / "reports" / "ci"
+    (tmp_path / "earlier").mkdir()
+    assert _run_dir(config, None, tmp_path / "earlier") == tmp_path / "earlier"
+    with pytest.raises(UserError, match="a resumed run stays in its directory"):
+        _run_dir(config, tmp_path / "elsewhere", tmp_path / "earlier")
+
+
 def test_bad_baseline_exits_2_before_anything_runs(tmp_path, capsys):
     cfg = tmp_path / "kvdiag.toml"
     cfg.write_text('kv_dtypes = ["auto"]\nbaseline = "missing.json"\n[memleak]\n')
