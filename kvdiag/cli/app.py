@@ -43,23 +43,13 @@ def _root(
     pass
 
 
-# (command name, module under kvdiag.cli, function); module None: the command is made from the check's registry
-# entry (cli/check_cmd.py), as for every plug-in check, listed after these. Command modules import only typer and
-# kvdiag's light modules at top level.
-COMMANDS = [
-    ("accuracy", "accuracy_cmd", "accuracy"),
-    ("dtypes", "dtypes_cmd", "dtypes"),
-    ("memleak", None, None),
-    ("wake-cycle", None, None),
-    ("poison", None, None),
-    ("paths", None, None),
-    ("bench", "bench_cmd", "bench"),
-    ("ci", "ci_cmd", "ci"),
-    ("report", "report_cmd", "report"),
-    ("compare", "compare_cmd", "compare"),
-    ("selftest", "selftest_cmd", "selftest"),
-]
-
+# The commands: every check of the registry, in its order (kvdiag's own, then plug-ins'), then the tools. A check's
+# command is made from its class (cli/check_cmd.py) unless it has a module of its own here; a command NAME of
+# ``kvdiag.cli.MODULE`` is its function NAME. Command modules import only typer and kvdiag's light modules at top
+# level.
+OWN_MODULES = {"accuracy": "accuracy_cmd", "dtypes": "dtypes_cmd"}
+TOOLS = {"bench": "bench_cmd", "ci": "ci_cmd", "report": "report_cmd", "compare": "compare_cmd",
+         "selftest": "selftest_cmd"}
 
 # an option's value as --help shows it (typer's own reads <list[str]>, <float range>): by name, else by type
 METAVARS = {"engine": "ENGINE", "model": "MODEL", "kv_dtype": "DTYPE", "engine_arg": "KEY=VALUE", "output_dir": "DIR",
@@ -97,17 +87,12 @@ def _register() -> None:
     from kvdiag.checks.registry import checks
     from kvdiag.cli.check_cmd import command_for
 
-    registry = checks()
-    for name, module, attr in COMMANDS:
-        if module is None:
-            app.command(name, cls=Command)(command_for(registry[name]))
-        else:
-            app.command(name, cls=Command)(getattr(importlib.import_module(f"kvdiag.cli.{module}"), attr))
-    listed = {name for name, _, _ in COMMANDS}
-    for name, check in registry.items():  # plug-in checks
-        if name not in listed:
-            app.command(name, cls=Command)(command_for(check))
-
+    for name, check in checks().items():
+        module = OWN_MODULES.get(name)
+        fn = getattr(importlib.import_module(f"kvdiag.cli.{module}"), name) if module else command_for(check)
+        app.command(name, cls=Command)(fn)
+    for name, module in TOOLS.items():
+        app.command(name, cls=Command)(getattr(importlib.import_module(f"kvdiag.cli.{module}"), name))
 
 _register()
 

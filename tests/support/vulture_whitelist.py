@@ -9,7 +9,7 @@ _ = Whitelist()
 _.load_json  # tasks/*.yaml: custom_dataset: !function kv_utils.load_json
 _.load_needle  # tasks/kv_needle.yaml: custom_dataset: !function kv_utils.load_needle
 _.process_decode, _.process_turns  # kv_decode.yaml, kv_multiturn.yaml: process_results: !function kv_turns.NAME
-_.bench, _.report  # cli/app.py: COMMANDS (module, function name)
+_.bench, _.report  # cli/app.py: TOOLS (a command NAME is its module's function NAME)
 
 # called by a framework
 _._root  # typer: @app.callback()

@@ -30,7 +30,7 @@ def cases(target: Target, p) -> tuple:
         from kvdiag.evaluation.lm_eval_adapter import check_tasks_load
 
         check_tasks_load(task_names, tuple(params["include_paths"]), need_defaults, params.get("metadata"))
-    cases = sweep_cases("accuracy", "kvdiag.checks.accuracy.run:run_case", sweep, params, target.isolate)
+    cases = sweep_cases("accuracy", sweep, params, target.isolate)
     return cases, lambda run: analyze(run, baseline=sweep.baseline, max_drop=p.max_drop, alpha=p.alpha,
                                       max_kl=p.max_kl, min_top1=p.min_top1, strict=p.strict)
 

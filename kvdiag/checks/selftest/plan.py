@@ -27,10 +27,11 @@ No torch import here: ``kvdiag selftest --list`` stays instant.
 
 from __future__ import annotations
 
+from kvdiag.checks.registry import BUILTIN
 from kvdiag.engines.selftest import Catalogue, Fault
 
-CHECKS = ("accuracy", "dtypes", "memleak", "wake-cycle", "poison", "paths")
-# The sizes of a self-test case (case.params) are each check's ``Check.selftest`` (kvdiag.checks.registry).
+# kvdiag's own checks with self-test sizes (``Check.selftest``: a case's params), in the registry's order
+CHECKS = tuple(c.name for c in BUILTIN if c.selftest is not None)
 BASELINE = "auto"  # accuracy and dtypes compare every dtype with the same engine's 'auto'
 COMPARES_TO_BASELINE = ("accuracy", "dtypes")
 
