@@ -23,7 +23,7 @@ def resolve_model(model: str | None) -> str:
     Hugging Face cache (kvdiag.models). Resolved here, once, so that the workers only see a folder."""
     if model is None:
         return default_model()
-    from kvdiag.evaluation.lm_eval_options import refuse_backend
+    from kvdiag.checks.accuracy.harness.lm_eval_options import refuse_backend
     from kvdiag.models import resolve
 
     refuse_backend(model)

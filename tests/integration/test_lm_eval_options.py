@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from kvdiag.checks.accuracy.harness.lm_eval_options import key_values
 from kvdiag.cli.app import optional_values
 from kvdiag.errors import UserError
-from kvdiag.evaluation.lm_eval_options import key_values
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_DOC = json.loads((ROOT / "kvdiag/tasks/data/kv_recall.jsonl").read_text().splitlines()[0])
@@ -241,7 +241,7 @@ def test_engine_args_naming_spec_fields_reach_the_builtin_engine(tmp_path):
 
 
 def test_a_long_prompt_is_kept_by_its_ends():
-    from kvdiag.evaluation.lm_eval_results import EXAMPLE_CHARS, _clip
+    from kvdiag.checks.accuracy.harness.lm_eval_results import EXAMPLE_CHARS, _clip
 
     text = "".join(chr(97 + i % 26) for i in range(50_000))
     got = _clip(text)

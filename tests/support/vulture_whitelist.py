@@ -34,7 +34,7 @@ _.captures, _.replays  # engines/builtin/cuda_graph.py counters (tests/unit/test
 _.ptr_table, _.stride_table  # the builtin engine's derived tables that the S2 fault leaves stale
 _.used_slots  # bench/measure.py: PagedBatch (tests/unit/test_triton_kernels.py)
 _.used_bytes  # engine_processes.py: GpuView (tests/integration/test_engine_processes.py)
-_.mean_stderr  # checks/stats.py (tests/unit/test_stats.py, tests/integration/test_ci_run.py)
+_.mean_stderr  # checks/sweep/stats.py (tests/unit/test_stats.py, tests/integration/test_ci_run.py)
 _.PAIR_TOKENS  # tasks/recall.py (scripts/train_tiny_model.py)
 _.cuda_untouched  # engines/vllm/preimport.py: asserted by tests/gpu/test_vllm_gpu.py on a GPU
 _.postfix, _.format_dict, _.refresh  # engines/vllm/progress.py's bar: read and called by vLLM's LLM._run_engine

@@ -25,7 +25,7 @@ LAYERS = [
                     "kvdiag.assets", "kvdiag.case", "kvdiag.gpus", "kvdiag.keyvalue", "kvdiag.death"]),
     ("kernels", ["kvdiag.kernels"]),
     ("engines", ["kvdiag.engines"]),
-    ("measuring and evaluation", ["kvdiag.measure", "kvdiag.bench", "kvdiag.evaluation", "kvdiag.tasks"]),
+    ("measuring and evaluation", ["kvdiag.measure", "kvdiag.bench", "kvdiag.tasks"]),
     ("tables and charts", ["kvdiag.render"]),
     ("reproducers", ["kvdiag.proof"]),
     ("checks", ["kvdiag.checks"]),

@@ -1,7 +1,7 @@
 """The accuracy check: lm_eval + token-level drift per kv dtype, judged against a baseline dtype.
 
 Worker side (``run_case``, one call per dtype): start the engine, save the drift probe
-(``checks/drift.py``) and lm_eval's per-document results as artifacts. Parent side
+(``checks/sweep/drift.py``) and lm_eval's per-document results as artifacts. Parent side
 (``analyze``): pair every dtype's documents with the baseline's, run the paired test,
 measure drift, and give each dtype a verdict (``verdicts.py``).
 
