@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvdiag.checks.accuracy.harness.lm_eval_options import key_values
-from kvdiag.cli.app import optional_values
+from kvdiag.cli.app import options_of
+from kvdiag.cli.lm_eval_spellings import translate
 from kvdiag.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,10 +209,10 @@ def test_key_values_take_pairs_with_brackets_and_json_objects():
 
 
 def test_apply_chat_template_takes_an_optional_name():
-    assert optional_values(["accuracy", "--apply-chat-template"]) == ["accuracy", "--apply-chat-template=default"]
-    assert optional_values(["accuracy", "--apply-chat-template", "--limit", "3"])[1] == "--apply-chat-template=default"
-    assert optional_values(["accuracy", "--apply-chat-template", "chatml"]) == [
-        "accuracy", "--apply-chat-template", "chatml"]
+    for flag in ("--apply-chat-template", "--apply_chat_template"):
+        assert translate(["accuracy", flag], options_of) == ["accuracy", "--apply-chat-template=default"]
+        assert translate(["accuracy", flag, "--limit", "3"], options_of)[1] == "--apply-chat-template=default"
+        assert translate(["accuracy", flag, "chatml"], options_of) == ["accuracy", "--apply-chat-template", "chatml"]
 
 
 @pytest.mark.slow
