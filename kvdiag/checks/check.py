@@ -36,6 +36,9 @@ class Check:
     isolate = True  # takes --isolate (memleak: every dtype always in its own worker)
     timeout = 900.0  # seconds a case may run
     selftest: dict | None = None  # the params of its `kvdiag selftest` cases: small sizes that keep it short
+    observes: frozenset[str] = frozenset()  # what it can see move (kvdiag.engines.selftest.OBSERVATIONS): the
+    # self-test runs a fault's cases in the checks its catalogue names and calls n/a those that observe none of
+    # what the fault moves
 
     # Optional methods; None: not provided (above: what is done instead).
     cases = None  # (target, params) -> (cases, analyze) when not one case per dtype and variant (accuracy, dtypes:

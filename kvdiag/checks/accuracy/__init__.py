@@ -22,6 +22,7 @@ class Accuracy(Check):
     name, params = "accuracy", AccuracyParams
     help = "Score lm_eval tasks and token-level drift for each kv dtype against a baseline dtype."
     gpu_share = True
+    observes = frozenset({"scores", "tokens"})
     # 10 documents of kv_recall: enough for a collapse; drift (measured in every case) catches what they cannot
     selftest = {"tasks": ["kv_recall"], "include_paths": [], "include_defaults": False, "limit": 10,
                 "num_fewshot": None, "seed": 0, "num_prompts": 2}

@@ -33,6 +33,7 @@ class Dtypes(Check):
             "or within drift of 'auto', and what its cache stores.")
     timeout = 300.0
     gpu_share = True
+    observes = frozenset({"scores", "tokens"})
     selftest = {"num_prompts": 2}
 
     def run(self, case, ctx):

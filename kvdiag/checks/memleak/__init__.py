@@ -44,6 +44,7 @@ from kvdiag.checks.memleak.params import HELP, LeakParams
 class Memleak(Check):
     name, params, help = "memleak", LeakParams, HELP
     isolate = False
+    observes = frozenset({"memory"})
     selftest = {"cycles": 2, "num_prompts": 2, "max_tokens": 4, "num_blocks": 16}
 
     def run(self, case, ctx):

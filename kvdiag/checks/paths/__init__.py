@@ -24,6 +24,7 @@ class Paths(Check):
     name, params, help = "paths", PathsParams, HELP
     kv_dtypes = ("auto", "fp8")
     gpu_share = True
+    observes = frozenset({"kv_paths", "tokens"})
     selftest = {"num_prompts": 4, "max_tokens": 12, "seed": 0}
 
     def run(self, case, ctx):

@@ -30,6 +30,7 @@ from kvdiag.checks.poison.params import HELP, PoisonParams
 class Poison(Check):
     name, params, help = "poison", PoisonParams, HELP
     gpu_share = True
+    observes = frozenset({"kv_blocks", "tokens"})
     selftest = {"value": "nan", "num_prompts": 2, "seed": 0}
 
     def run(self, case, ctx):

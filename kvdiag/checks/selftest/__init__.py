@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kvdiag.checks.registry import get
 from kvdiag.checks.selftest import plan
-from kvdiag.engines.selftest import Catalogue, Item, cell_plan
+from kvdiag.engines.selftest import Catalogue, Item
 
 CLEAN = "clean"
 INCONCLUSIVE = ("timeout", "not_run", "no_baseline")  # error findings that do not show a detection
@@ -166,13 +166,13 @@ def fault_row(f, checks: list[str], jobs: dict, not_applicable: str | None = Non
     reason = not_applicable or _worker_not_applicable(f, jobs)
     cells = {}
     for check in plan.CHECKS:
-        mark = cell_plan(f, check)
+        mark = plan.cell_plan(f, check)
         if reason and mark == "run":
             cells[check] = {"mark": NA, "reason": reason}
         elif mark == "run" and check in checks:
             cells[check] = _run_cell(f, check, jobs.get((f.name, check), []))
         elif mark == "n/a":
-            cells[check] = {"mark": NA, "reason": f.na[check]}
+            cells[check] = {"mark": NA, "reason": plan.na_of(f)[check]}
         else:
             cells[check] = {"mark": "-"}
     intended = cells[f.intended]

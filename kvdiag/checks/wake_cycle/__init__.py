@@ -20,6 +20,7 @@ from kvdiag.checks.wake_cycle.params import HELP, WakeParams
 
 class WakeCycle(Check):
     name, params, help = "wake-cycle", WakeParams, HELP
+    observes = frozenset({"sleep", "tokens"})  # sleep: what a sleep frees and a wake brings back, outputs after it
     selftest = {"cycles": 1, "num_prompts": 2, "max_tokens": 8, "num_blocks": 16, "seed": 0}
 
     def run(self, case, ctx):
