@@ -31,9 +31,10 @@ _CACHE: dict[str, Check] = {}
 
 
 def register(check) -> Check:
-    """Add a check (a :class:`Check` subclass or instance: a test's toy check) for this process. A case runs in a
-    fresh worker, which finds its check by name among kvdiag's own and the entry point's: a check whose cases run
-    in workers is a plug-in (the entry point), or is registered when a module the worker imports is imported."""
+    """Add a check (a :class:`Check` subclass or instance) for this process: its command, config table, reports and
+    compare rules. Its cases run in fresh workers, which find a check by name among kvdiag's own and the entry
+    point's (:func:`run_case`): a check whose cases must run there is a plug-in (the ``kvdiag.checks`` entry
+    point)."""
     check = _instance(check)
     _EXTRA[check.name] = check
     _CACHE.clear()
