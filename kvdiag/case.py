@@ -31,7 +31,8 @@ class Case:
     engine: str
     model: str
     kv_dtype: str
-    target: str  # "package.module:function", called in the worker as function(case, ctx)
+    target: str | None = None  # None: the worker runs the check's ``run``, found by ``check`` in the registry;
+    # else "package.module:function", called as function(case, ctx) (the self-test's wrapper, the runner's tests)
     params: dict = field(default_factory=dict)
     id: str = ""
     timeout: float | None = None  # seconds; None: the runner's default

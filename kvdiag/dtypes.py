@@ -24,7 +24,7 @@ class KVDType:
     same_as: str | None = None  # another name of the same dtype
     scale_rule: str = "-"
     aliases: tuple[str, ...] = field(default=())
-    drift: str = ""  # its drift limits (checks/drift.py: FAMILY_LIMITS) when not bit-identical to the model dtype
+    drift: str = ""  # its drift limits (checks/sweep/drift.py: FAMILY_LIMITS) when not bit-identical to the model dtype
 
     @property
     def quantized(self) -> bool:

@@ -142,7 +142,7 @@ class RunRecord:
     summary: dict = field(default_factory=dict)
     analysis: dict = field(default_factory=dict)  # cross-case results (comparisons, matrices)
     shard: dict = field(default_factory=dict)  # kvdiag ci --shard: suite, index, count (kvdiag.run.shards)
-    # model folder -> revision and content hash (kvdiag.evaluation.provenance)
+    # model folder -> revision and content hash (kvdiag.run.provenance)
     models: dict = field(default_factory=dict)
     call: dict | None = None  # the check, engine, model, dtypes and options the run was made with (kvdiag.run.resume)
     plan: list = field(default_factory=list)  # [case id, hash of its arguments] per case: what --resume must match

@@ -23,7 +23,7 @@ def resolve_model(model: str | None) -> str:
     Hugging Face cache (kvdiag.models). Resolved here, once, so that the workers only see a folder."""
     if model is None:
         return default_model()
-    from kvdiag.evaluation.lm_eval_options import refuse_backend
+    from kvdiag.checks.accuracy.harness.lm_eval_options import refuse_backend
     from kvdiag.models import resolve
 
     refuse_backend(model)
@@ -141,14 +141,14 @@ def resolve_sweep(target: Target, baseline: str, *, all_names=False) -> Sweep:
     return Sweep(engine, model, [base] + [d for d in names if d != base], base, spec)
 
 
-def sweep_cases(check: str, target: str, sweep: Sweep, params: dict, isolate) -> list:
+def sweep_cases(check: str, sweep: Sweep, params: dict, isolate) -> list:
     """One case per dtype of the sweep, the baseline first (role 'baseline'), the others 'test'."""
     from kvdiag.case import Case
     from kvdiag.models import label
 
     group = check if isolate == "run" else None
     name = label(sweep.model)  # a hub snapshot's repo name, not its commit hash
-    return [Case(check, sweep.engine, sweep.model, d, target, group=group, id=f"{check}/{sweep.engine}/{name}/{d}",
+    return [Case(check, sweep.engine, sweep.model, d, group=group, id=f"{check}/{sweep.engine}/{name}/{d}",
                  params={**sweep.spec, **params, "role": "baseline" if d == sweep.baseline else "test"})
             for d in sweep.kv_dtypes]
 

@@ -121,7 +121,7 @@ def start_failed(case, exc: BaseException, alone: bool = False):
 def refused_own_dtype(case, reason: str) -> str | None:
     """Why refusing the case's kv dtype is wrong, else None: an explicit unquantized dtype equal to the model's
     dtype (its config's) is what ``auto`` stores (``drift.wrongly_refused`` judges the same against an auto case)."""
-    from kvdiag.checks.drift import family
+    from kvdiag.checks.sweep.drift import family
     from kvdiag.models import config_dtype
 
     own = config_dtype(case.model)

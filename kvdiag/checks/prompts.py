@@ -11,7 +11,7 @@ Deterministic: the same prompts in every run, every process, every Python versio
 - ``text``: short English passages for any other model.
 
 Each prompt also has a long continuation of its generation prompt (``long``, at least ``LONG_CHARS``
-characters; the drift probe scores its first ``drift.LONG_TOKENS`` tokens teacher-forced, checks/drift.py):
+characters; the drift probe scores its first ``drift.LONG_TOKENS`` tokens teacher-forced, checks/sweep/drift.py):
 for ``recall``, the answer to the asked key, then every pair of the context asked again in the training format
 (`` k1=v1 k2=v2 ...``, shuffled, repeated until long enough), so every value read back comes from further along
 the cache; for ``text``, the passage's continuation and then the other passages in turn. It is fixed text, the

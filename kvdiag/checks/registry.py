@@ -1,52 +1,59 @@
-"""The checks kvdiag knows: each check module declares one ``Check``; plug-ins add theirs under the
-``kvdiag.checks`` entry point (``name = "package.module:CHECK"``) or with :func:`register`.
+"""The checks kvdiag knows: each check folder declares one :class:`Check` subclass; plug-ins add theirs under the
+``kvdiag.checks`` entry point (``name = "package.module:CheckClass"``) or with :func:`register`.
 
 A check's ``params`` is a dataclass whose fields are its options, each default written once. From it come the
 check's command-line options (a plug-in without a command of its own gets one: ``kvdiag NAME``), the keys and
-validation of its ``kvdiag ci`` table, and the params its cases carry into the worker. The other fields name, as
-``module:function``, what the worker runs for one case and what the parent does with the results: the cross-case
-verdict, the terminal table, the plots of report.html and the rules of ``kvdiag compare``. Nothing here imports
-torch: ``kvdiag --help`` and the config check stay instant.
+validation of its ``kvdiag ci`` table, and the params its cases carry into the worker. Its methods are what the
+worker runs for one case (``run``, found here by the case's check name) and what the parent does with the results:
+the cross-case verdict, the terminal table, the plots of report.html and the rules of ``kvdiag compare``. Nothing
+here imports torch: each method imports its module when called, so ``kvdiag --help`` and the config check stay
+instant.
 """
 
 from __future__ import annotations
 
-import importlib
 import typing
 from dataclasses import MISSING
 
+from kvdiag.checks.accuracy import Accuracy
 from kvdiag.checks.check import Check, option  # noqa: F401 - plug-ins import both from here
+from kvdiag.checks.dtypes import Dtypes
+from kvdiag.checks.memleak import Memleak
+from kvdiag.checks.paths import Paths
+from kvdiag.checks.poison import Poison
+from kvdiag.checks.wake_cycle import WakeCycle
 
 ENTRY_POINT_GROUP = "kvdiag.checks"
-BUILTIN = ("kvdiag.checks.accuracy:CHECK", "kvdiag.checks.dtypes:CHECK", "kvdiag.checks.memleak:CHECK",
-           "kvdiag.checks.wake_cycle:CHECK", "kvdiag.checks.poison:CHECK", "kvdiag.checks.paths:CHECK")
-
-
-def load(ref: str):
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
+BUILTIN = (Accuracy, Dtypes, Memleak, WakeCycle, Poison, Paths)  # kvdiag's own checks, in the commands' order
 
 _EXTRA: dict[str, Check] = {}
 _CACHE: dict[str, Check] = {}
 
 
-def register(check: Check) -> Check:
-    """Add a check (a plug-in, a test's toy check) for this process."""
+def register(check) -> Check:
+    """Add a check (a :class:`Check` subclass or instance) for this process: its command, config table, reports and
+    compare rules. Its cases run in fresh workers, which find a check by name among kvdiag's own and the entry
+    point's (:func:`run_case`): a check whose cases must run there is a plug-in (the ``kvdiag.checks`` entry
+    point)."""
+    check = _instance(check)
     _EXTRA[check.name] = check
     _CACHE.clear()
     return check
 
 
+def _instance(check) -> Check:
+    return check() if isinstance(check, type) else check
+
+
 def checks() -> dict[str, Check]:
     """Every check: kvdiag's own, then the entry point's, then those registered in this process."""
     if not _CACHE:
-        found = [load(ref) for ref in BUILTIN]
+        found = [c() for c in BUILTIN]
         from importlib.metadata import entry_points
 
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             try:
-                found.append(ep.load())
+                found.append(_instance(ep.load()))
             except Exception as e:  # noqa: BLE001 - a broken plug-in must not break kvdiag
                 import sys
 
@@ -59,6 +66,15 @@ def checks() -> dict[str, Check]:
 
 def get(name: str) -> Check | None:
     return checks().get(name)
+
+
+def run_case(case, ctx):
+    """The worker's call for one case: its check's ``run``, the check found by the case's name."""
+    check = get(case.check)
+    if check is None:
+        raise LookupError(f"no check '{case.check}' in this worker; valid: {', '.join(checks())} (a check of a "
+                          f"plug-in is found through its entry point '{ENTRY_POINT_GROUP}')")
+    return check.run(case, ctx)
 
 
 # ------------------------------------------------------------------ config values (kvdiag ci)
@@ -175,7 +191,7 @@ def check_cases(name: str, target, p) -> tuple:
 
     check = get(name)
     if check.cases:
-        return load(check.cases)(target, p)
+        return check.cases(target, p)
     from kvdiag.case import Case
     from kvdiag.engines.args import parse_engine_args
     from kvdiag.engines.base import check_engine_args, resolve_engine
@@ -186,7 +202,7 @@ def check_cases(name: str, target, p) -> tuple:
     base = {"device": target.device, "engine_args": check_engine_args(engine, parse_engine_args(target.engine_args)),
             "faults": resolve_faults(engine, target.faults),
             **{f.name: getattr(p, f.name) for f in check.option_fields()}}
-    variants = load(check.variants)(p) if check.variants else ({"suffix": None},)
+    variants = check.variants(p) if check.variants else ({"suffix": None},)
     group = name if check.isolate and target.isolate == "run" else None
     cases = []
     for d in resolve_kv_dtypes(engine, target.kv_dtypes or _default_dtypes(check, engine)):
@@ -194,7 +210,7 @@ def check_cases(name: str, target, p) -> tuple:
             v = dict(v)
             suffix = v.pop("suffix")
             cid = f"{name}/{engine}/{model_label(model)}/{d}" + (f"/{suffix}" if suffix else "")
-            case = Case(name, engine, model, d, check.target, params={**base, **v}, id=cid, group=group)
-            cases.append(load(check.spread)(case) if check.spread else case)
-    analyze = (lambda run: load(check.analyze)(run, p)) if check.analyze else None
+            case = Case(name, engine, model, d, params={**base, **v}, id=cid, group=group)
+            cases.append(check.spread(case) if check.spread else case)
+    analyze = (lambda run: check.analyze(run, p)) if check.analyze else None
     return cases, analyze

@@ -1,4 +1,5 @@
-"""The kvdiag command line. This module only registers commands; each lives in its own module.
+"""The kvdiag command line. This module only registers commands, the registry's checks first; each lives in its own
+module. Typer parses the command line, after lm_eval's spellings are rewritten (``lm_eval_spellings.translate``).
 
 Heavy imports (torch, lm_eval, vllm) happen inside commands so that `kvdiag --help` is instant.
 """
@@ -43,23 +44,13 @@ def _root(
     pass
 
 
-# (command name, module under kvdiag.cli, function); module None: the command is made from the check's registry
-# entry (cli/check_cmd.py), as for every plug-in check, listed after these. Command modules import only typer and
-# kvdiag's light modules at top level.
-COMMANDS = [
-    ("accuracy", "accuracy_cmd", "accuracy"),
-    ("dtypes", "dtypes_cmd", "dtypes"),
-    ("memleak", None, None),
-    ("wake-cycle", None, None),
-    ("poison", None, None),
-    ("paths", None, None),
-    ("bench", "bench_cmd", "bench"),
-    ("ci", "ci_cmd", "ci"),
-    ("report", "report_cmd", "report"),
-    ("compare", "compare_cmd", "compare"),
-    ("selftest", "selftest_cmd", "selftest"),
-]
-
+# The commands: every check of the registry, in its order (kvdiag's own, then plug-ins'), then the tools. A check's
+# command is made from its class (cli/check_cmd.py) unless it has a module of its own here; a command NAME of
+# ``kvdiag.cli.MODULE`` is its function NAME. Command modules import only typer and kvdiag's light modules at top
+# level.
+OWN_MODULES = {"accuracy": "accuracy_cmd", "dtypes": "dtypes_cmd"}
+TOOLS = {"bench": "bench_cmd", "ci": "ci_cmd", "report": "report_cmd", "compare": "compare_cmd",
+         "selftest": "selftest_cmd"}
 
 # an option's value as --help shows it (typer's own reads <list[str]>, <float range>): by name, else by type
 METAVARS = {"engine": "ENGINE", "model": "MODEL", "kv_dtype": "DTYPE", "engine_arg": "KEY=VALUE", "output_dir": "DIR",
@@ -90,6 +81,41 @@ class Command(TyperCommand):
             kind = typing.get_args(d.annotation)[0] if d.is_list else d.annotation
             param.metavar = "PATH" if d.is_path else TYPE_METAVARS.get(kind, "TEXT")
 
+    def make_parser(self, ctx):
+        """click's parser, which also refuses an option that takes one value given twice: click would keep the last
+        one silently (``accuracy -m A -m B`` ran only B)."""
+        parser = super().make_parser(ctx)
+        parse = parser.parse_args
+
+        def once(args):
+            opts, rest, order = parse(args)  # order: the parameters as given, a repeated one each time
+            for p in dict.fromkeys(order):
+                n = order.count(p)
+                if n > 1 and p.param_type_name == "option" and not (p.multiple or p.is_flag or p.count):
+                    from kvdiag.errors import UserError
+
+                    hint = " (several models: one run each, or `kvdiag ci` with models = [...])" \
+                        if "--model" in p.opts else ""
+                    raise UserError(f"{'/'.join(_names(p))} given {n} times; '{self.name}' takes one value{hint}")
+            return opts, rest, order
+
+        parser.parse_args = once
+        return parser
+
+    def parse_args(self, ctx, args):
+        """The parameters, then ``-a help``: the ``-a`` names of the command's engine (``-e``, else its default),
+        what an unknown engine argument's error points to; nothing runs."""
+        rest = super().parse_args(ctx, args)
+        if "help" in (ctx.params.get("engine_arg") or ()) and "engine" in ctx.params:
+            from kvdiag.engines.base import engine_arg_names
+
+            engine = ctx.params["engine"]
+            names = engine_arg_names(engine)
+            typer.echo("\n".join(names) if names is not None else
+                       f"engine '{engine}' does not list its arguments: -a passes them unchecked")
+            ctx.exit(0)
+        return rest
+
 
 def _register() -> None:
     import importlib
@@ -97,35 +123,14 @@ def _register() -> None:
     from kvdiag.checks.registry import checks
     from kvdiag.cli.check_cmd import command_for
 
-    registry = checks()
-    for name, module, attr in COMMANDS:
-        if module is None:
-            app.command(name, cls=Command)(command_for(registry[name]))
-        else:
-            app.command(name, cls=Command)(getattr(importlib.import_module(f"kvdiag.cli.{module}"), attr))
-    listed = {name for name, _, _ in COMMANDS}
-    for name, check in registry.items():  # plug-in checks
-        if name not in listed:
-            app.command(name, cls=Command)(command_for(check))
-
+    for name, check in checks().items():
+        module = OWN_MODULES.get(name)
+        fn = getattr(importlib.import_module(f"kvdiag.cli.{module}"), name) if module else command_for(check)
+        app.command(name, cls=Command)(fn)
+    for name, module in TOOLS.items():
+        app.command(name, cls=Command)(getattr(importlib.import_module(f"kvdiag.cli.{module}"), name))
 
 _register()
-
-
-OPTIONAL_VALUE = {"--apply-chat-template": "default"}  # options whose value may be left out (as in lm_eval)
-
-
-def optional_values(args: list[str]) -> list[str]:
-    """``--apply-chat-template`` alone (last, or before another option) means its default value: click's options
-    take a value or none, not either."""
-    out = []
-    for i, a in enumerate(args):
-        out.append(a)
-        if a in OPTIONAL_VALUE and (i + 1 == len(args) or args[i + 1].startswith("-")):
-            out[-1] = f"{a}={OPTIONAL_VALUE[a]}"
-        if a == "--":
-            return out + args[i + 1:]
-    return out
 
 
 def _click_command(command: str | None):
@@ -147,58 +152,6 @@ def options_of(command: str | None) -> set[str] | None:
     return {o for p in found.params for o in _names(p)}
 
 
-def repeated_single_values(args: list[str]) -> None:
-    """UserError when an option that takes one value is given twice (click would keep the last one silently:
-    ``accuracy -m A -m B`` ran only B)."""
-    from kvdiag.errors import UserError
-
-    command = next((a for a in args if not a.startswith("-")), None)
-    found = _click_command(command)
-    if found is None:
-        return
-    head = args[:args.index("--")] if "--" in args else args
-    for p in found.params:
-        opts = _names(p)
-        if getattr(p, "multiple", True) or getattr(p, "is_flag", True) or getattr(p, "count", False):
-            continue
-        n = sum(a in opts or a.split("=", 1)[0] in opts and "=" in a for a in head)
-        if n > 1:
-            hint = " (several models: one run each, or `kvdiag ci` with models = [...])" if "--model" in opts else ""
-            raise UserError(f"{'/'.join(opts)} given {n} times; '{command}' takes one value{hint}")
-
-
-def _values(args: list[str], opts: list[str]) -> list[str]:
-    """The values given to an option named ``opts`` in ``args``: ``-a V``, ``--engine-arg=V``, ``-aV``."""
-    out = []
-    for i, a in enumerate(args):
-        if a in opts and i + 1 < len(args):
-            out.append(args[i + 1])
-        elif "=" in a and a.split("=", 1)[0] in opts:
-            out.append(a.split("=", 1)[1])
-        elif len(a) > 2 and not a.startswith("--") and a[:2] in opts:
-            out.append(a[2:])
-    return out
-
-
-def engine_arg_help(args: list[str]) -> list[str] | None:
-    """``-a help``, what an unknown engine argument's error points to: the ``-a`` names of the command's engine
-    (``-e``, else its default); None when not asked."""
-    from kvdiag.engines.base import engine_arg_names
-
-    command = next((a for a in args if not a.startswith("-")), None)
-    found = _click_command(command)
-    params = {p.name: p for p in getattr(found, "params", ())}
-    if "engine_arg" not in params or "engine" not in params:
-        return None
-    head = args[:args.index("--")] if "--" in args else args
-    if "help" not in _values(head, _names(params["engine_arg"])):
-        return None
-    engine = (_values(head, _names(params["engine"])) or [params["engine"].default])[-1]
-    names = engine_arg_names(engine)
-    return names if names is not None else [f"engine '{engine}' does not list its arguments: -a passes them "
-                                            "unchecked"]
-
-
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one line on stderr for bad input (exit 2) or an internal failure (exit 3)."""
     try:  # typer >= 0.20 vendors click
@@ -215,12 +168,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         args = translate(sys.argv[1:] if argv is None else list(argv), options_of)
-        listed = engine_arg_help(args)
-        if listed is not None:
-            print("\n".join(listed))
-            sys.exit(0)
-        repeated_single_values(args)
-        rv = app(args=optional_values(args), standalone_mode=False, prog_name="kvdiag")
+        rv = app(args=args, standalone_mode=False, prog_name="kvdiag")
     except UserError as e:
         print(f"kvdiag: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

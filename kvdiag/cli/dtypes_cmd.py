@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvdiag.checks.dtypes import CHECK
+from kvdiag.checks.dtypes import Dtypes
 from kvdiag.cli import options as o
 from kvdiag.cli.accuracy_cmd import MaxKLOpt, MinTop1Opt
 
@@ -33,7 +33,7 @@ def dtypes(
     isolate: o.IsolateOpt = o.Isolate.case,
     jobs: o.SweepJobsOpt = None,
     output_dir: o.OutputDirOpt = None,
-    timeout: o.TimeoutOpt = CHECK.timeout,
+    timeout: o.TimeoutOpt = Dtypes.timeout,
     resume: o.ResumeOpt = None,
     quiet: o.QuietOpt = False,
     prove: o.ProveOpt = True,

@@ -3,7 +3,12 @@
 line is parsed, for a command that has that option (hidden: ``--help`` shows kvdiag's); so are their hyphenated
 spellings (``--model-args``) where kvdiag has no option of that name. lm_eval's options whose meaning differs in
 kvdiag, or that kvdiag has no use for, are one line naming what to give instead (exit 2).
-lm_eval's ``--model hf|vllm`` (its backend) is answered where models are resolved (lm_eval_options.backend_names)."""
+lm_eval's ``--model hf|vllm`` (its backend) is answered where models are resolved (lm_eval_options.backend_names).
+
+This is the one place kvdiag reads its command line by hand (``kvdiag.cli.app.main``; the rest is Typer's): Typer
+cannot do it. An option of Typer has one value or a fixed number (lm_eval's ``--model_args`` takes several words,
+``--apply_chat_template`` a value or none), and its names are shown in ``--help`` (lm_eval's would double every
+option there); an option Typer does not know is an error, never a hint for lm_eval's users."""
 
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ NO_EQUIVALENT = {  # lm_eval's options kvdiag has no use for -> what to do inste
     "--max_batch_size": "give --batch-size N (requests per engine call)",
 }
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+OPTIONAL_VALUE = {"--apply-chat-template": "default"}  # alone (last, or before another option): its default value
 
 
 def translate(args: list[str], options_of) -> list[str]:
@@ -54,6 +60,10 @@ def translate(args: list[str], options_of) -> list[str]:
         if flag in IGNORED and flag not in known and "--tasks" in known:  # a command that runs lm_eval
             continue
         target = ALIASES.get(flag)
+        name = target if target in known else flag  # kvdiag's spelling
+        if name in OPTIONAL_VALUE and name in known and not eq and (i == len(args) or args[i].startswith("-")):
+            out.append(f"{name}={OPTIONAL_VALUE[name]}")
+            continue
         if target is not None and target not in known and command == "ci":
             raise UserError(f"kvdiag ci reads lm_eval's {flag} from its config: "
                             f"{CI_KEYS.get(flag, flag[2:] + ' = ... in the [accuracy] table')}")
@@ -70,7 +80,7 @@ def translate(args: list[str], options_of) -> list[str]:
                                 "--fewshot-as-multiturn / --no-fewshot-as-multiturn)")
             out.append(target if on else "--no-" + target[2:])
             continue
-        if flag == "--apply_chat_template":  # its value is optional: app.optional_values reads the next word
+        if flag == "--apply_chat_template":  # with its value as the next word
             out.append(f"{target}={value}" if eq else target)
             continue
         if not eq and i < len(args):

@@ -117,7 +117,7 @@ def _list(faults, checks, fmt, cat, na: dict) -> None:
     from kvdiag.checks.selftest import plan
 
     rows = [{"fault": f.name, "bug_class": f.bug_class, "intended": f.intended, "also": list(f.also),
-             "na": sorted(f.na), "what": f.what, "not_applicable": na.get(f.name)} for f in faults]
+             "na": sorted(plan.na_of(f)), "what": f.what, "not_applicable": na.get(f.name)} for f in faults]
     if fmt == Format.json:
         typer.echo(json.dumps({"engine": cat.engine, "checks": checks, "faults": rows}, indent=2))
         return

@@ -4,9 +4,11 @@
 (``kvdiag.engines.traits``). How the checks run and judge them is ``kvdiag/checks/selftest/``.
 
 A fault names its bug class (docs/DESIGN.md, "Bug classes"), the check meant to catch it (``intended``), the cases
-it runs in each check (:class:`Item` s: a kv dtype, variant params, a model), and why each other check cannot
-observe it by design (``na``: one of the reasons below, or the fault's own). A check named in neither is ``-``:
-it could observe the fault but is left out to keep the self-test short.
+it runs in each check (:class:`Item` s: a kv dtype, variant params, a model), and what it must move (``moves``: one
+or more of :data:`OBSERVATIONS`). It names no other check: each check says what it observes (``Check.observes``),
+and a check the fault does not run in is ``n/a`` when it observes none of what the fault moves (why: :data:`BLIND`),
+or when it observes something the fault says cannot show it (``unseen``: observation -> why); else ``-``: it could
+observe the fault but is left out to keep the self-test short (:func:`not_observed`).
 
 No torch import here: ``kvdiag selftest --list`` stays instant.
 """
@@ -44,13 +46,20 @@ def items(*specs, model: str | None = None) -> tuple[Item, ...]:
     return tuple(Item(s, model=model) if isinstance(s, str) else Item(s[0], dict(s[1]), model) for s in specs)
 
 
-# Why a check cannot observe a fault by design (a Fault's ``na``).
+# What a check observes and a fault moves: memory after shutdown, sleep and wake (memory freed, outputs after), KV
+# blocks nothing wrote, the paths a request's KV takes, scores against a baseline dtype, output tokens.
+OBSERVATIONS = ("memory", "sleep", "kv_blocks", "kv_paths", "scores", "tokens")
+OUTPUTS = ("scores", "tokens")
+
+# Why a check cannot observe a fault by design: the words of a check that does not observe what the fault moves.
 NEVER_SLEEPS = "never sleeps or wakes the engine"
 NO_MEMORY = "does not measure memory"
 SELF_COMPARE = "compares the engine only with itself, on one dtype"
 MEMORY_ONLY = "looks at memory, not at outputs"
 NO_POISON = "never puts non-finite data in free KV blocks (wake-cycle zeroes them), and 0 x finite = 0"
 ONE_PATH = "runs every request by one path: one cold prefill, then decode"
+BLIND = {"memory": NO_MEMORY, "sleep": NEVER_SLEEPS, "kv_blocks": NO_POISON, "kv_paths": ONE_PATH,
+         "scores": SELF_COMPARE, "tokens": MEMORY_ONLY}  # a check that observes no output: MEMORY_ONLY
 
 
 @dataclass(frozen=True)
@@ -59,24 +68,38 @@ class Fault:
     bug_class: str  # S0-S5 (docs/DESIGN.md, "Bug classes") or accuracy
     intended: str  # the check that must catch it
     runs: dict  # check -> items; the intended check first
-    na: dict  # check -> why it cannot observe the fault
+    moves: tuple  # the observations it must move (OBSERVATIONS); empty: not said, no check is n/a by design
     what: str
     leaves_process_state: bool = False  # leaks into the worker: its cases get workers of their own
     kinds: dict = field(default_factory=dict)  # check -> the finding kinds that count as catching it (else any error)
+    unseen: dict = field(default_factory=dict)  # observation -> why a check that observes it still cannot see this
+
+    def __post_init__(self):
+        odd = sorted(set(self.moves) - set(OBSERVATIONS)) + sorted(set(self.unseen) - set(OBSERVATIONS))
+        if odd:
+            raise ValueError(f"fault {self.name}: no observation {', '.join(odd)}; known: {', '.join(OBSERVATIONS)}")
 
     @property
     def also(self) -> tuple[str, ...]:
         return tuple(c for c in self.runs if c != self.intended)
 
 
-def na_for(reason_by_check: dict, *checks: str) -> dict:
-    """A Fault's ``na`` for ``checks``: each check's reason in ``reason_by_check``, else its ``"*"`` reason."""
-    return {c: reason_by_check.get(c, reason_by_check.get("*")) for c in checks}
-
-
-def cell_plan(f: Fault, check: str) -> str:
-    """What the plan says for a cell: ``run``, ``n/a`` or ``-`` (could observe it, not run)."""
-    return "run" if check in f.runs else "n/a" if check in f.na else "-"
+def not_observed(f: Fault, observes: dict) -> dict:
+    """check -> why it cannot observe fault ``f`` by design, for the checks ``f`` does not run in; ``observes``:
+    check -> what it observes (``Check.observes``). The fault's own reason where the check observes something the
+    fault names in ``unseen``; else, where the check observes none of what the fault moves, the first such
+    observation's :data:`BLIND` reason (:data:`MEMORY_ONLY` for an output when the check observes no output)."""
+    out = {}
+    for check, seen in observes.items():
+        if check in f.runs or not f.moves:
+            continue
+        own = next((f.unseen[o] for o in OBSERVATIONS if o in seen and o in f.unseen), None)
+        if own is None and not set(seen) & set(f.moves):
+            first = next(o for o in OBSERVATIONS if o in f.moves)
+            own = MEMORY_ONLY if first in OUTPUTS and not set(seen) & set(OUTPUTS) else BLIND[first]
+        if own is not None:
+            out[check] = own
+    return out
 
 
 @dataclass(frozen=True)

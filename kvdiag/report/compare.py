@@ -33,14 +33,14 @@ def compare(old, new, *, max_drop: float = A.max_drop, alpha: float = A.alpha,
 
 
 def _check_rows(o, n, settings: dict) -> list[dict]:
-    """The rows of the case's check (its registry entry's ``compare`` rule); scores where a check has none."""
-    from kvdiag.checks.registry import get, load
+    """The rows of the case's check (its check's ``compare`` rule); scores where a check has none."""
+    from kvdiag.checks.registry import get
 
     check = get(n.check)
     if check is not None and check.compare:
-        return load(check.compare)(o, n, settings)
+        return check.compare(o, n, settings)
     if "scores" in n.metrics:  # a run of an older kvdiag, or of a plug-in check, that kept accuracy scores
-        return load(get("accuracy").compare)(o, n, settings)
+        return get("accuracy").compare(o, n, settings)
     return []
 
 

@@ -7,14 +7,14 @@ from collections import defaultdict
 
 
 def plots_for(run) -> list[str]:
-    from kvdiag.checks.registry import checks, load
+    from kvdiag.checks.registry import checks
 
     figures: list[str] = []
     present = {c.check for c in run.cases}
-    for check in checks().values():  # each check's plots, from its registry entry
+    for check in checks().values():  # each check's plots, from its check class
         if check.plots and check.name in present:
             for suffix, cases in _groups([c for c in run.cases if c.check == check.name]):
-                figures += load(check.plots)(cases, suffix)
+                figures += check.plots(cases, suffix)
     return figures
 
 

@@ -14,7 +14,7 @@ from kvdiag.render.fit import show, with_path
 def view_for(run) -> Callable | None:
     """The tables the command printed: selftest's matrix, ci's cases and baseline, else the check's own table (its
     registry entry's ``render``) when all the cases are of one check."""
-    from kvdiag.checks.registry import get, load
+    from kvdiag.checks.registry import get
     if run.analysis.get("selftest"):
         from kvdiag.checks.selftest.view import selftest
 
@@ -23,7 +23,7 @@ def view_for(run) -> Callable | None:
         return ci
     names = {c.check for c in run.cases}
     check = get(next(iter(names))) if len(names) == 1 else None
-    return load(check.render) if check is not None and check.render else None
+    return check.render if check is not None and check.render else None
 
 
 def print_run(run, render: Callable | None = None) -> None:

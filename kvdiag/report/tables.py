@@ -6,13 +6,13 @@ from __future__ import annotations
 
 def tables(run) -> list[tuple[str, tuple[str, ...], list[list[str]]]]:
     """(title, header, rows) of every table the run's checks supply; none when they supply none."""
-    from kvdiag.checks.registry import checks, load
+    from kvdiag.checks.registry import checks
 
     out = []
     present = {c.check for c in run.cases} | {key.partition("/")[0] for key in run.analysis}
     for check in checks().values():
         if check.tables and check.name in present:
-            out += load(check.tables)(run)
+            out += check.tables(run)
     a = run.analysis.get("selftest")
     if isinstance(a, dict) and a.get("faults") is not None:
         out += _selftest(a)

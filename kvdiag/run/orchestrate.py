@@ -50,7 +50,7 @@ def _version(dist: str) -> str | None:
 def environment() -> dict:
     """Versions (kvdiag's and its git commit), devices, without importing torch or initialising CUDA in kvdiag's
     own process."""
-    from kvdiag.evaluation.provenance import kvdiag_git
+    from kvdiag.run.provenance import kvdiag_git
     from kvdiag.version import __version__
 
     git = kvdiag_git()
@@ -142,9 +142,9 @@ def record(
     with (``kvdiag.run.resume``); with ``resume`` the cases must be the recorded run's (UserError, before any worker).
     ``prove``: each failing case's reproducer is written and run once the run is judged (``kvdiag.proof``).
     """
-    from kvdiag.evaluation.provenance import models_record
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_jsonl, write_run_json
     from kvdiag.run.progress import make_progress
+    from kvdiag.run.provenance import models_record
     from kvdiag.run.resume import jsonable, plan, same_plan
     from kvdiag.run.runner import run_cases
     from kvdiag.run.scheduling import cap_jobs, own_workers, place, worker_setup

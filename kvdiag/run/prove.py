@@ -11,7 +11,7 @@ def prove_run(run, say=None, timeout: float = 900.0, jobs: int = 1) -> None:
     engines were sized to share the device so); ``say(line)`` tells progress."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvdiag.checks.registry import get, load
+    from kvdiag.checks.registry import get
     from kvdiag.proof.crash import script as crash_script
 
     todo = []
@@ -19,7 +19,7 @@ def prove_run(run, say=None, timeout: float = 900.0, jobs: int = 1) -> None:
         check = get(rec.check)
         if rec.status not in ("fail", "crashed") or check is None:
             continue
-        text = load(check.reproducer)(rec, run) if check.reproducer else None
+        text = check.reproducer(rec, run) if check.reproducer else None
         text = text or crash_script(rec)  # a crash inside the engine: its own command, whatever the check
         if text is None:
             continue

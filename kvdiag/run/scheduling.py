@@ -262,14 +262,15 @@ def worker_setup(cases: list, jobs: int) -> tuple[tuple[str, ...], dict]:
 
 
 # what the fork server imports for accuracy cases: lm_eval, kvdiag's adapter, and the module that loads the tasks
-ACCURACY_PRELOAD = ("kvdiag.evaluation.lm_eval_adapter", "lm_eval.evaluator", "kvdiag.evaluation.preloaded")
+ACCURACY_PRELOAD = ("kvdiag.checks.accuracy.harness.lm_eval_adapter", "lm_eval.evaluator",
+                    "kvdiag.checks.accuracy.harness.preloaded")
 
 def fork_server(cases: list) -> tuple[tuple[str, ...], dict]:
     """(modules, environment) of the workers' fork server: what it imports once (``preload``; with accuracy cases
-    also lm_eval and those cases' tasks, loaded once: kvdiag.evaluation.preloaded) and what the engine's server
-    needs to know of the run (``preload_env``: vLLM's inspects the run's model architectures once)."""
+    also lm_eval and those cases' tasks, loaded once: kvdiag.checks.accuracy.harness.preloaded) and what the engine's
+    server needs to know of the run (``preload_env``: vLLM's inspects the run's model architectures once)."""
+    from kvdiag.checks.accuracy.harness import preloaded
     from kvdiag.engines.base import preload_env
-    from kvdiag.evaluation import preloaded
 
     accuracy = any(c.check == "accuracy" for c in cases)
     modules = preload(cases, *(ACCURACY_PRELOAD if accuracy else ()))

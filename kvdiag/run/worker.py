@@ -109,6 +109,15 @@ def _started(cd: dict) -> tuple:
     return "start", (cd["id"], os.fstat(1).st_size)
 
 
+def _case_function(case: Case):
+    """What runs ``case``: its target where it names one, else its check's ``run`` (found in the registry)."""
+    if case.target:
+        return call_target(case.target)
+    from kvdiag.checks.registry import run_case
+
+    return run_case
+
+
 def _run_one(case: Case, ctx: WorkerContext) -> str:
     """One case in this worker: its record as JSON (an exception becomes an ``error`` record, its finding
     ``resource`` when the device ran out of memory, else ``exception``)."""
@@ -117,9 +126,9 @@ def _run_one(case: Case, ctx: WorkerContext) -> str:
     take_engine_notes()  # a note left by an earlier case of this thread is not this case's
     take_kept(ctx.run_dir, case.id)  # kept by a run of this case that was interrupted (resumed now)
     try:
-        rec = call_target(case.target)(case, ctx)
+        rec = _case_function(case)(case, ctx)
         if not isinstance(rec, CaseResult):
-            raise TypeError(f"{case.target} returned {type(rec).__name__}, not CaseResult")
+            raise TypeError(f"{case.target or case.check} returned {type(rec).__name__}, not CaseResult")
     except BaseException as e:  # noqa: BLE001 - a case's failure is its record
         tb = traceback.format_exc()
         print(tb, flush=True)

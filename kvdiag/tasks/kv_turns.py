@@ -2,7 +2,8 @@
 ``!function kv_turns.process_...``).
 
 A document's ``context`` holds its turns separated by ``TURN``: kvdiag's lm_eval model
-(``kvdiag/evaluation/conversation.py``) runs them in sequence, each turn's prompt the one before, the model's answer
+(``kvdiag/checks/accuracy/harness/conversation.py``) runs them in sequence, each turn's prompt the one before, the
+model's answer
 and the next turn's text, and answers with the turns' answers joined by ``TURN``. A document's ``answers`` are the
 gold answer of each turn. Self-contained on purpose, as ``kv_utils.py``: lm_eval imports it by file path.
 """

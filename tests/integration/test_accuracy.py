@@ -12,8 +12,8 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from kvdiag.checks import drift, verdicts
 from kvdiag.checks.accuracy import verdict as accuracy
+from kvdiag.checks.sweep import drift, verdicts
 from kvdiag.results import CaseResult, RunRecord, read_jsonl
 
 # ------------------------------------------------------------------ drift math
@@ -86,7 +86,7 @@ def test_drift_artifacts_round_trip_and_the_parent_reads_them_without_torch(tmp_
         assert {k: v for k, v in back.items() if k != "dists"} == {k: v for k, v in data.items() if k != "dists"}
         assert [d.tobytes() for d in back.get("dists", [])] == [d.numpy().tobytes() for d in data.get("dists", [])]
         assert drift.compare(data, back)["identical"] is (name == "topk")  # NaN is never equal to itself
-    script = (f"import sys; from kvdiag.checks import drift; "
+    script = (f"import sys; from kvdiag.checks.sweep import drift; "
               f"p = drift.load({str(tmp_path / 'full.drift.npz')!r}); "
               f"m = drift.compare(p, p); print(m['positions'], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -312,7 +312,7 @@ def test_default_jobs_share_the_cpu_cores_only_for_builtin_cases_on_cpu(monkeypa
 
 def test_process_age_counts_from_when_the_process_started():
     # the 'startup' timing of a case; psutil's create_time can be up to 1 s early (boot time in whole seconds)
-    script = "import time; from kvdiag.checks.engine_use import process_age; print(time.time() - process_age())"
+    script = "import time; from kvdiag.checks.sweep.engine_use import process_age; print(time.time() - process_age())"
     t0 = time.time()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     started = float(out.stdout)

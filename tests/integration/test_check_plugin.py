@@ -23,7 +23,7 @@ def plugin(tmp_path_factory) -> dict:
     """A folder that holds the toy package and its dist-info with the entry point, on PYTHONPATH."""
     from plugins import install
 
-    env = {**install(tmp_path_factory.mktemp("plugin"), "toy_kvcheck", TOY, "kvdiag.checks", "toy = toy_kvcheck:CHECK"),
+    env = {**install(tmp_path_factory.mktemp("plugin"), "toy_kvcheck", TOY, "kvdiag.checks", "toy = toy_kvcheck:Toy"),
            "COLUMNS": "200"}
     return env
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from doc_examples import BASELINE, ROOT, find_command
 
-from kvdiag.checks.stats import mean_stderr
+from kvdiag.checks.sweep.stats import mean_stderr
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 pytestmark = pytest.mark.slow

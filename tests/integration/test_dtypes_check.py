@@ -73,8 +73,8 @@ def test_refusing_the_models_own_dtype_is_wrong_not_unsupported(tmp_path):
     """Bug S1: an explicit dtype equal to the model's (what auto stores) must start; other refusals are fine."""
     import torch
 
-    from kvdiag.checks import drift
     from kvdiag.checks.dtypes import verdict as dtypes_matrix
+    from kvdiag.checks.sweep import drift
     from kvdiag.results import CaseResult, RunRecord
 
     (tmp_path / "artifacts").mkdir()

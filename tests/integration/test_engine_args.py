@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from kvdiag.checks.accuracy.harness.lm_eval_options import key_values
 from kvdiag.engines.args import parse_engine_args
 from kvdiag.errors import UserError
-from kvdiag.evaluation.lm_eval_options import key_values
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

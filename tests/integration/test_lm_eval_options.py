@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.cli.app import optional_values
+from kvdiag.checks.accuracy.harness.lm_eval_options import key_values
+from kvdiag.cli.app import options_of
+from kvdiag.cli.lm_eval_spellings import translate
 from kvdiag.errors import UserError
-from kvdiag.evaluation.lm_eval_options import key_values
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_DOC = json.loads((ROOT / "kvdiag/tasks/data/kv_recall.jsonl").read_text().splitlines()[0])
@@ -208,10 +209,10 @@ def test_key_values_take_pairs_with_brackets_and_json_objects():
 
 
 def test_apply_chat_template_takes_an_optional_name():
-    assert optional_values(["accuracy", "--apply-chat-template"]) == ["accuracy", "--apply-chat-template=default"]
-    assert optional_values(["accuracy", "--apply-chat-template", "--limit", "3"])[1] == "--apply-chat-template=default"
-    assert optional_values(["accuracy", "--apply-chat-template", "chatml"]) == [
-        "accuracy", "--apply-chat-template", "chatml"]
+    for flag in ("--apply-chat-template", "--apply_chat_template"):
+        assert translate(["accuracy", flag], options_of) == ["accuracy", "--apply-chat-template=default"]
+        assert translate(["accuracy", flag, "--limit", "3"], options_of)[1] == "--apply-chat-template=default"
+        assert translate(["accuracy", flag, "chatml"], options_of) == ["accuracy", "--apply-chat-template", "chatml"]
 
 
 @pytest.mark.slow
@@ -241,7 +242,7 @@ def test_engine_args_naming_spec_fields_reach_the_builtin_engine(tmp_path):
 
 
 def test_a_long_prompt_is_kept_by_its_ends():
-    from kvdiag.evaluation.lm_eval_results import EXAMPLE_CHARS, _clip
+    from kvdiag.checks.accuracy.harness.lm_eval_results import EXAMPLE_CHARS, _clip
 
     text = "".join(chr(97 + i % 26) for i in range(50_000))
     got = _clip(text)

@@ -80,9 +80,9 @@ def faulty(tmp_path_factory):
     (the compare test reads chunk_context_dropped's run too). ``--isolate run``, one worker for the cases: a path fault
     lives in each case's engine object, not in the process; the clean run keeps the default isolation. The prompts
     and tokens are those `kvdiag selftest` holds each path fault to (the check's ``selftest`` sizes)."""
-    from kvdiag.checks.paths import CHECK
+    from kvdiag.checks.paths import Paths
 
-    sizes = CHECK.selftest
+    sizes = Paths.selftest
     runs = {}
 
     def run(fault):

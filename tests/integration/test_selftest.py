@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from kvdiag.checks import selftest
+from kvdiag.checks.registry import get
 from kvdiag.checks.selftest import plan
 from kvdiag.dtypes import BUILTIN_DTYPES
 from kvdiag.engines.builtin.faults import Faults
 from kvdiag.engines.builtin.selftest import CATALOGUE as BUILTIN
 from kvdiag.engines.builtin.selftest import FAULTS
-from kvdiag.engines.selftest import cell_plan
 from kvdiag.results import CaseResult
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,8 +31,10 @@ def test_plan_covers_every_fault_switch_and_explains_every_na():
     for f in FAULTS:
         assert Faults.parse([f.name]).enabled  # a name the builtin engine takes
         assert next(iter(f.runs)) == f.intended
-        assert set(f.runs) | set(f.na) <= set(plan.CHECKS) and not set(f.runs) & set(f.na)
-        assert all(f.na.values()), f.name
+        na = plan.na_of(f)  # the checks that observe none of what the fault moves
+        assert set(f.runs) | set(na) <= set(plan.CHECKS) and not set(f.runs) & set(na)
+        assert all(na.values()), f.name
+        assert set(f.moves) & get(f.intended).observes, f.name  # its intended check can see it move
         assert all(it.kv_dtype in BUILTIN_DTYPES for its in f.runs.values() for it in its)
 
 
@@ -111,7 +113,7 @@ def test_selftest_catches_every_fault_with_its_intended_check(tmp_path):
         f = BUILTIN.fault(name)
         assert row["caught_by_intended"], (name, row["cells"][f.intended])
         for check, cell in row["cells"].items():
-            assert cell["mark"] == {"run": "caught", "n/a": "n/a", "-": "-"}[cell_plan(f, check)], (name, check)
+            assert cell["mark"] == {"run": "caught", "n/a": "n/a", "-": "-"}[plan.cell_plan(f, check)], (name, check)
     finding = {n: rows[n]["cells"][BUILTIN.fault(n).intended]["finding"] for n in rows}
     assert "held by module global kvdiag.engines.builtin.faults._SCALE_CACHES" in finding["scale_cache_registry"]
     assert "Unsupported data type of kv cache: bfloat16" in finding["explicit_bf16_rejected"]

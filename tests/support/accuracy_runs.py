@@ -5,8 +5,8 @@ import json
 
 import torch
 
-from kvdiag.checks import drift
 from kvdiag.checks.accuracy import verdict as accuracy
+from kvdiag.checks.sweep import drift
 from kvdiag.results import CaseResult, RunRecord, exit_code_for, summarize, write_run_json
 
 DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"]

@@ -159,7 +159,7 @@ def fires_then_hangs(case, ctx):
 
 
 def probe(seed: int, noise: float = 0.0, n: int = 3, t: int = 5, v: int = 11) -> dict:
-    """A drift probe (``kvdiag.checks.drift.collect``'s shape, full distributions) from numpy alone: the same seed
+    """A drift probe (``kvdiag.checks.sweep.drift.collect``'s shape, full distributions) from numpy alone: the same seed
     gives the same distributions, ``noise`` moves the dtype's logits away from them."""
     import numpy as np
 
@@ -176,7 +176,7 @@ def keeps_then_dies(case, ctx):
     """As an accuracy case whose engine segfaults: its drift probe finishes and is kept (``WorkerContext.keep``),
     then, with ``scores``, lm_eval finishes those tasks and they are kept too; the worker dies in the next stage
     (``lm_eval``, or ``shutdown`` after the tasks); with ``raises``, the case raises there instead."""
-    from kvdiag.checks import drift
+    from kvdiag.checks.sweep import drift
 
     ctx.stage(case, "drift probe")
     path = ctx.artifact(case, drift.DRIFT)

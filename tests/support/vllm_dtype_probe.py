@@ -21,7 +21,7 @@ import os
 import sys
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-MAX_TOKENS = 16  # kvdiag's greedy tokens (kvdiag.checks.drift.GREEDY_TOKENS)
+MAX_TOKENS = 16  # kvdiag's greedy tokens (kvdiag.checks.sweep.drift.GREEDY_TOKENS)
 TOP_K = 5
 
 

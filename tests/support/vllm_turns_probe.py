@@ -1,5 +1,6 @@
 """Plain vLLM, no kvdiag engine and no lm_eval: the conversation tasks (kv_decode, kv_multiturn) run turn by turn
-as a chat is served, the oracle of kvdiag's turn runner (kvdiag/evaluation/conversation.py). Every conversation's
+as a chat is served, the oracle of kvdiag's turn runner (kvdiag/checks/accuracy/harness/conversation.py). Every
+conversation's
 turn k goes in one ``generate`` call: its prompt is turn k-1's prompt, vLLM's own answer to it and turn k's text;
 the prefix cache (on) serves the earlier turns. Scored with the tasks' own ``kv_turns.process_*``; one line
 ``PROBE {json}``: per task, the score and each document's right or wrong.

@@ -9,7 +9,7 @@ _ = Whitelist()
 _.load_json  # tasks/*.yaml: custom_dataset: !function kv_utils.load_json
 _.load_needle  # tasks/kv_needle.yaml: custom_dataset: !function kv_utils.load_needle
 _.process_decode, _.process_turns  # kv_decode.yaml, kv_multiturn.yaml: process_results: !function kv_turns.NAME
-_.bench, _.report  # cli/app.py: COMMANDS (module, function name)
+_.bench, _.report  # cli/app.py: TOOLS (a command NAME is its module's function NAME)
 
 # called by a framework
 _._root  # typer: @app.callback()
@@ -34,7 +34,7 @@ _.captures, _.replays  # engines/builtin/cuda_graph.py counters (tests/unit/test
 _.ptr_table, _.stride_table  # the builtin engine's derived tables that the S2 fault leaves stale
 _.used_slots  # bench/measure.py: PagedBatch (tests/unit/test_triton_kernels.py)
 _.used_bytes  # engine_processes.py: GpuView (tests/integration/test_engine_processes.py)
-_.mean_stderr  # checks/stats.py (tests/unit/test_stats.py, tests/integration/test_ci_run.py)
+_.mean_stderr  # checks/sweep/stats.py (tests/unit/test_stats.py, tests/integration/test_ci_run.py)
 _.PAIR_TOKENS  # tasks/recall.py (scripts/train_tiny_model.py)
 _.cuda_untouched  # engines/vllm/preimport.py: asserted by tests/gpu/test_vllm_gpu.py on a GPU
 _.postfix, _.format_dict, _.refresh  # engines/vllm/progress.py's bar: read and called by vLLM's LLM._run_engine

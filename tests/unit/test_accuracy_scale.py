@@ -7,8 +7,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kvdiag.checks import drift
 from kvdiag.checks.accuracy import verdict as accuracy
+from kvdiag.checks.sweep import drift
 from kvdiag.results import CaseResult, RunRecord
 
 DOCS = 10_000

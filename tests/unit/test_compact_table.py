@@ -6,8 +6,8 @@ import io
 import numpy as np
 from rich.console import Console
 
+from kvdiag.checks.accuracy.harness.lm_eval_results import task_groups
 from kvdiag.checks.accuracy.view import render as accuracy
-from kvdiag.evaluation.lm_eval_results import task_groups
 from kvdiag.render.compact import compact_rows
 from kvdiag.results import CaseResult, RunRecord
 

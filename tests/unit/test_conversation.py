@@ -1,5 +1,6 @@
 """The conversation tasks (kv_decode, kv_multiturn) through kvdiag's lm_eval model: their turns run in sequence on
-the model's own answers (kvdiag/evaluation/conversation.py), the engine's prefix cache serves the earlier turns, and
+the model's own answers (kvdiag/checks/accuracy/harness/conversation.py), the engine's prefix cache serves the earlier
+turns, and
 their scores are exact match of what the model wrote (kvdiag/tasks/kv_turns.py), each against a by-hand oracle."""
 
 import json
@@ -8,7 +9,7 @@ import pytest
 from lm_eval.api.instance import Instance
 
 from kvdiag.assets import TINY_MODEL
-from kvdiag.evaluation.lm_eval_adapter import EngineLM, cut_at_stop
+from kvdiag.checks.accuracy.harness.lm_eval_adapter import EngineLM, cut_at_stop
 from kvdiag.tasks import TASKS_DIR
 from kvdiag.tasks.kv_turns import TURN, process_decode, process_turns
 
@@ -98,10 +99,10 @@ def test_exact_match_is_every_turn_right_by_hand(engine):
 
 
 def test_conversation_tasks_start_their_engines_with_a_prefix_cache():
-    from kvdiag.checks.accuracy import CHECK
+    from kvdiag.checks.accuracy import Accuracy
     from kvdiag.checks.cases import Target
     from kvdiag.checks.registry import check_cases
 
     cases, _ = check_cases("accuracy", Target(kv_dtypes=["auto", "fp8"], device="cpu"),
-                           CHECK.make({"tasks": ["kv_recall,kv_multiturn"]}))
+                           Accuracy().make({"tasks": ["kv_recall,kv_multiturn"]}))
     assert [c.params.get("prefix_caching") for c in cases] == [True, True]

@@ -1,12 +1,13 @@
-"""Decoded drift (``--drift-decoded``, kvdiag/checks/drift_decoded.py): each dtype's own greedy continuation scored
-teacher-forced by it and by the baseline dtype, compared by position; its option from one definition."""
+"""Decoded drift (``--drift-decoded``, kvdiag/checks/accuracy/drift_decoded.py): each dtype's own greedy continuation
+scored teacher-forced by it and by the baseline dtype, compared by position; its option from one definition."""
 
 import pytest
 
 from kvdiag.assets import TINY_MODEL
 from kvdiag.case import Case
-from kvdiag.checks import drift, drift_decoded
+from kvdiag.checks.accuracy import drift_decoded
 from kvdiag.checks.prompts import recall_prompts
+from kvdiag.checks.sweep import drift
 
 TOKENS = 48
 PROMPTS = recall_prompts()[:4]
@@ -78,17 +79,19 @@ def test_the_decoded_section_survives_the_artifact(decoded, tmp_path):
 
 
 def test_the_option_reaches_the_cases_the_config_and_the_command_line(capsys):
-    from kvdiag.checks.accuracy import CHECK
+    from kvdiag.checks.accuracy import Accuracy
     from kvdiag.checks.cases import Target
     from kvdiag.checks.registry import check_cases, toml_schema
     from kvdiag.cli.app import main
 
+    accuracy = Accuracy()
     cases, _ = check_cases("accuracy", Target(kv_dtypes=["auto", "fp8"], device="cpu"),
-                           CHECK.make({"tasks": ["kv_recall"], "drift_decoded": 64}))
+                           accuracy.make({"tasks": ["kv_recall"], "drift_decoded": 64}))
     assert [(c.params["drift_decoded"], c.params["baseline"]) for c in cases] == [(64, "auto")] * 2
-    plain, _ = check_cases("accuracy", Target(kv_dtypes=["auto"], device="cpu"), CHECK.make({"tasks": ["kv_recall"]}))
+    plain, _ = check_cases("accuracy", Target(kv_dtypes=["auto"], device="cpu"),
+                           accuracy.make({"tasks": ["kv_recall"]}))
     assert "drift_decoded" not in plain[0].params and "prefix_caching" not in plain[0].params
-    check = toml_schema(CHECK)["drift_decoded"]
+    check = toml_schema(accuracy)["drift_decoded"]
     assert check(128) == 128
     with pytest.raises(ValueError):
         check(-1)

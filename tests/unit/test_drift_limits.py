@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from kvdiag import dtypes
-from kvdiag.checks import drift
+from kvdiag.checks.sweep import drift
 
 # family -> (mean KL, max KL, min top-1 agreement, max |d logprob|, bit-identical required), as calibrated
 OLD_LIMITS = {

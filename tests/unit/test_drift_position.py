@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from kvdiag.checks import drift
+from kvdiag.checks.sweep import drift
 
 BUCKETS = [(1, 16), (17, 32), (33, 64), (65, 128)]  # written out: the oracle does not use the code's bucketing
 
@@ -101,7 +101,7 @@ def test_growth_is_flagged_and_a_constant_error_is_not():
 
 
 def test_growth_rule_edges():
-    from kvdiag.checks.drift_position import grows
+    from kvdiag.checks.sweep.drift_position import grows
 
     def rows(*kls, n=16):
         return [{"from": 0, "to": 0, "positions": n, "mean_kl": k} for k in kls]

@@ -13,8 +13,8 @@ import torch  # noqa: E402
 from hf_engine import HFEngine  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from kvdiag.checks.accuracy.harness.lm_eval_adapter import EngineLM, resolve_tasks, run_tasks  # noqa: E402
 from kvdiag.errors import UserError  # noqa: E402
-from kvdiag.evaluation.lm_eval_adapter import EngineLM, resolve_tasks, run_tasks  # noqa: E402
 from kvdiag.tasks import SHIPPED_TASKS  # noqa: E402
 
 
@@ -190,7 +190,7 @@ def test_the_probe_stays_off_while_any_thread_evaluates_and_comes_back_after_the
     # cases on threads (--isolate run on the CPU) overlap: A in, B in, A out, B out
     import lm_eval.evaluator as ev
 
-    from kvdiag.evaluation.lm_eval_adapter import _without_env_probe
+    from kvdiag.checks.accuracy.harness.lm_eval_adapter import _without_env_probe
 
     own = ev.add_env_info
     a, b = _without_env_probe(), _without_env_probe()
@@ -229,8 +229,8 @@ class Reporting(HFEngine):
 def test_progress_moves_inside_one_engine_call_with_rate_and_time_left(model_path, monkeypatch):
     """One call of 12 requests (the whole task, as vLLM gets it): the lines come while it runs, from the engine's
     own count, not once at its end; the count never steps back; the engine's hook is cleared after the call."""
+    from kvdiag.checks.accuracy.harness import lm_eval_adapter
     from kvdiag.engines.protocol import ReportsFinished
-    from kvdiag.evaluation import lm_eval_adapter
 
     monkeypatch.setattr(lm_eval_adapter, "PROGRESS_S", 0.0)
     engine = Reporting(model_path)

@@ -142,6 +142,6 @@ def test_a_folder_named_like_a_backend_is_a_model(caught, tmp_path, monkeypatch)
 def test_backend_names_are_lm_evals():
     from lm_eval.models import MODEL_MAPPING
 
-    from kvdiag.evaluation.lm_eval_options import backend_names
+    from kvdiag.checks.accuracy.harness.lm_eval_options import backend_names
 
     assert backend_names() == set(MODEL_MAPPING)

@@ -1,4 +1,5 @@
-"""The smallest drop a paired comparison detects, and the documents that detect a given drop (kvdiag/checks/power.py),
+"""The smallest drop a paired comparison detects, and the documents that detect a given drop
+(kvdiag/checks/sweep/power.py),
 held to simulations of kvdiag's own tests (stats.mcnemar_exact, stats.paired_bootstrap): at the n the formula
 gives, a drop of the size given is found in about POWER of the runs; at a quarter of that n, in far fewer. And the
 verdict a user reads: `kvdiag accuracy --limit 20` cannot see a 2-point drop, so it says inconclusive (exit 0),
@@ -13,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvdiag.checks import power, stats
+from kvdiag.checks.sweep import power, stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvdiag.assets import TINY_MODEL
-from kvdiag.evaluation import provenance
 from kvdiag.results import SCHEMA_VERSION, RunRecord
+from kvdiag.run import provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "kvdiag/tasks/data/kv_recall.jsonl"

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvdiag.checks import drift
+from kvdiag.checks.sweep import drift
 from kvdiag.engines.vllm import adapt
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from kvdiag.checks import stats
+from kvdiag.checks.sweep import stats
 
 
 @pytest.mark.parametrize("b,c", [(0, 0), (0, 5), (3, 9), (10, 10), (1, 17), (25, 40), (0, 60)])
@@ -134,7 +134,7 @@ def test_bootstrap_is_scipys_paired_bootstrap():
 
 
 def test_a_dtype_that_collapses_on_a_large_task_gets_a_verdict_not_a_crash():
-    from kvdiag.checks import verdicts
+    from kvdiag.checks.sweep import verdicts
 
     base = {i: 1 if i % 10 else 0 for i in range(5000)}
     paired = stats.paired_test(*verdicts.scalar_pairs(base, {i: 0 for i in range(5000)}))

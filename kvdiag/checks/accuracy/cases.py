@@ -11,9 +11,9 @@ from kvdiag.checks.cases import Target, resolve_sweep, sweep_cases
 def cases(target: Target, p) -> tuple:
     """(cases, analyze) of ``kvdiag accuracy`` with AccuracyParams ``p``: one case per dtype, the baseline first,
     and the analysis that judges them against it."""
+    from kvdiag.checks.accuracy.harness.lm_eval_options import lm_eval_params
     from kvdiag.checks.accuracy.needle_cases import needle_params
     from kvdiag.checks.accuracy.verdict import analyze
-    from kvdiag.evaluation.lm_eval_options import lm_eval_params
     from kvdiag.tasks import CONVERSATION_TASKS, SHIPPED_TASKS
 
     sweep = resolve_sweep(target, p.baseline)
@@ -27,10 +27,10 @@ def cases(target: Target, p) -> tuple:
     if set(task_names) & set(CONVERSATION_TASKS):  # each turn reads the turns before back from the prefix cache
         params["prefix_caching"] = True
     if need_defaults or p.include_paths or set(task_names) - set(SHIPPED_TASKS):  # not only kvdiag's own tasks
-        from kvdiag.evaluation.lm_eval_adapter import check_tasks_load
+        from kvdiag.checks.accuracy.harness.lm_eval_adapter import check_tasks_load
 
         check_tasks_load(task_names, tuple(params["include_paths"]), need_defaults, params.get("metadata"))
-    cases = sweep_cases("accuracy", "kvdiag.checks.accuracy.run:run_case", sweep, params, target.isolate)
+    cases = sweep_cases("accuracy", sweep, params, target.isolate)
     return cases, lambda run: analyze(run, baseline=sweep.baseline, max_drop=p.max_drop, alpha=p.alpha,
                                       max_kl=p.max_kl, min_top1=p.min_top1, strict=p.strict)
 
@@ -45,7 +45,7 @@ def _tasks(tasks, include_path) -> tuple[list[str], bool]:
     names = [n.strip() for t in tasks or () for n in t.split(",") if n.strip()] or list(DEFAULT_TASKS)
     if not include_path and set(names) <= set(SHIPPED_TASKS):  # kvdiag's own tasks: known without lm_eval's
         return list(dict.fromkeys(names)), False  # task index (importing it costs the run ~1.6 s before any worker)
-    from kvdiag.evaluation.lm_eval_adapter import resolve_tasks
+    from kvdiag.checks.accuracy.harness.lm_eval_adapter import resolve_tasks
 
     return resolve_tasks(names, tuple(str(p) for p in include_path or ()))
 

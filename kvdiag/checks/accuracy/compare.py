@@ -1,6 +1,6 @@
 """accuracy's rule in ``kvdiag compare``: per task and metric, the paired per-document test (McNemar / paired
-bootstrap, ``checks/stats.py``) when both sides kept their samples, else a z-test on the two stderrs. A drop larger
-than ``max_drop`` that is significant at ``alpha`` (or a collapse) regresses, judged by the same rule as
+bootstrap, ``checks/sweep/stats.py``) when both sides kept their samples, else a z-test on the two stderrs. A drop
+larger than ``max_drop`` that is significant at ``alpha`` (or a collapse) regresses, judged by the same rule as
 `kvdiag accuracy` (``verdicts.metric_verdict``); a row the rule calls inconclusive (a drop that is not significant,
 or none the paired documents could have seen: ``mdd``, ``n_needed``) says so (``inconclusive``) and is no
 regression."""
@@ -19,8 +19,8 @@ def rows(o, n, settings: dict) -> list[dict]:
 
 
 def _scores(o, n, old_samples, new_samples, max_drop, alpha) -> list[dict]:
-    from kvdiag.checks.stats import paired_test
-    from kvdiag.checks.verdicts import metric_verdict, power_of, scalar_pairs
+    from kvdiag.checks.sweep.stats import paired_test
+    from kvdiag.checks.sweep.verdicts import metric_verdict, power_of, scalar_pairs
 
     rows = []
     for task, per in (n.metrics.get("scores") or {}).items():

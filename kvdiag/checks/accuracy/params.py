@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvdiag.checks.accuracy.drift_decoded import MAX_TOKENS
+from kvdiag.checks.accuracy.harness.lm_eval_options import AUTO_BATCH
 from kvdiag.checks.check import option
-from kvdiag.checks.drift import drift_limit
-from kvdiag.checks.drift_decoded import MAX_TOKENS
-from kvdiag.evaluation.lm_eval_options import AUTO_BATCH
+from kvdiag.checks.sweep.drift import drift_limit
 
 
 @dataclass

@@ -5,8 +5,8 @@ kv_needle's grid per dtype as a heatmap beside the baseline's (``needle_view.py`
 from __future__ import annotations
 
 from kvdiag.checks.accuracy.needle_view import heatmaps
-from kvdiag.checks.drift_position import position_plots
-from kvdiag.checks.stats import Z95
+from kvdiag.checks.sweep.drift_position import position_plots
+from kvdiag.checks.sweep.stats import Z95
 from kvdiag.render.svg import bar_chart
 
 

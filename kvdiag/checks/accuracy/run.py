@@ -6,12 +6,13 @@ import json
 import threading
 import time
 
-from kvdiag.checks import drift, drift_decoded
+from kvdiag.checks.accuracy import drift_decoded
+from kvdiag.checks.accuracy.harness.lm_eval_options import AUTO_BATCH
 from kvdiag.checks.common import compiled, engine_failed, model_dtype, start_or_record
-from kvdiag.checks.drift import DRIFT
-from kvdiag.checks.engine_use import acquire_engine, release_engine, startup_once
+from kvdiag.checks.sweep import drift
+from kvdiag.checks.sweep.drift import DRIFT
+from kvdiag.checks.sweep.engine_use import acquire_engine, release_engine, startup_once
 from kvdiag.errors import UserError
-from kvdiag.evaluation.lm_eval_options import AUTO_BATCH
 
 SAMPLES = ".samples.json"
 
@@ -21,8 +22,8 @@ SAMPLES = ".samples.json"
 
 def run_case(case, ctx):
     """One dtype: drift probe, then the lm_eval tasks."""
+    from kvdiag.checks.accuracy.harness.lm_eval_adapter import EngineLM, run_tasks
     from kvdiag.checks.prompts import case_prompts
-    from kvdiag.evaluation.lm_eval_adapter import EngineLM, run_tasks
 
     p, times = case.params, {"startup": startup_once()}
     t, cpu = time.perf_counter(), _cpu_time()
@@ -109,7 +110,7 @@ LM_EVAL_KEYS = ("apply_chat_template", "fewshot_as_multiturn", "system_instructi
 def cache_storage(engine) -> dict | None:
     """The storage audit of the engine's cache (``storage_audit.cache_storage``, as `kvdiag dtypes --check` has it);
     None when the engine cannot show its cache. Never the case's failure: the audit only informs a warning."""
-    from kvdiag.checks.storage_audit import cache_storage as audit
+    from kvdiag.checks.sweep.storage_audit import cache_storage as audit
 
     try:
         return audit(engine)

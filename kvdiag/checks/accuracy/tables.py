@@ -2,15 +2,15 @@
 x metric (acc_norm and every other metric, not only the primary one the terminal shows) with its score, stderr and
 95% interval, the paired change against the baseline dtype with its 95% interval, p-value and test, and the verdict;
 then each dtype's token-level drift, and its drift by position (mean KL / top-1 agreement per position bucket of the
-prompts' and the long continuations; checks/drift_position.py). Plain strings: markdown.py and html.py each lay them
-out."""
+prompts' and the long continuations; checks/sweep/drift_position.py). Plain strings: markdown.py and html.py each lay
+them out."""
 
 from __future__ import annotations
 
 from kvdiag.checks.accuracy.needle_view import tables as needle_tables
-from kvdiag.checks.drift import TIE_NATS
-from kvdiag.checks.drift_position import position_table
-from kvdiag.checks.stats import Z95
+from kvdiag.checks.sweep.drift import TIE_NATS
+from kvdiag.checks.sweep.drift_position import position_table
+from kvdiag.checks.sweep.stats import Z95
 from kvdiag.render.cells import fmt_value
 
 SCORES = ("kv dtype", "task", "metric", "n", "score", "stderr", "score 95% CI", "Δ vs baseline", "Δ 95% CI", "p",
@@ -46,8 +46,8 @@ def _tables(a: dict, suffix: str) -> list:
 
 
 def decoded_table(rows: list[dict] | None, suffix: str) -> list:
-    """The decoded drift (--drift-decoded; checks/drift_decoded.py) of each dtype, as a one-element list; [] when the
-    run has none."""
+    """The decoded drift (--drift-decoded; checks/accuracy/drift_decoded.py) of each dtype, as a one-element list; []
+    when the run has none."""
     rows = [r for r in rows or () if r.get("decoded")]
     if not rows:
         return []

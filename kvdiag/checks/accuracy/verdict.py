@@ -1,13 +1,13 @@
 """The accuracy analysis in the parent: every dtype's documents paired with the baseline's, the paired test, the
-drift, and a verdict per dtype (``checks/verdicts.py``)."""
+drift, and a verdict per dtype (``checks/sweep/verdicts.py``)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from kvdiag.checks import drift, drift_decoded, power
-from kvdiag.checks.accuracy import needle
+from kvdiag.checks.accuracy import drift_decoded, needle
+from kvdiag.checks.sweep import drift, power
 
 
 def artifact_path(run, rec, kind: str) -> Path:
@@ -17,7 +17,7 @@ def artifact_path(run, rec, kind: str) -> Path:
 def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float | None = None,
             min_top1: float | None = None, strict: bool = False) -> None:
     """Compare every dtype's case with the baseline case; set verdicts, statuses, findings, run.analysis."""
-    from kvdiag.checks import verdicts
+    from kvdiag.checks.sweep import verdicts
 
     for rec in run.cases:
         verdicts.reset(rec)
@@ -68,7 +68,7 @@ def analyze(run, *, baseline: str, max_drop: float, alpha: float, max_kl: float 
 def _kept_drift(run, rec, base, base_probe, max_kl, min_top1) -> dict | None:
     """The drift of a case that did not pass but kept its drift probe (``WorkerContext.keep``: its worker died in
     lm_eval), against the baseline's, judged by its family's limits (``verdicts.judge_kept``); None without one."""
-    from kvdiag.checks import verdicts
+    from kvdiag.checks.sweep import verdicts
 
     name = (rec.metrics.get("artifacts") or {}).get("drift")
     path = Path(run.run_dir) / "artifacts" / name if name else None

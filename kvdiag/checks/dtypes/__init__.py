@@ -26,10 +26,37 @@ from __future__ import annotations
 from kvdiag.checks.check import Check
 from kvdiag.checks.dtypes.params import DtypesParams
 
-CHECK = Check(
-    "dtypes", "kvdiag.checks.dtypes.run:run_case", DtypesParams, timeout=300.0,
-    help="The kv dtype support matrix: does the engine start with each dtype, is the output finite, bit-identical "
-    "or within drift of 'auto', and what its cache stores.",
-    render="kvdiag.checks.dtypes.view:render", plots="kvdiag.checks.dtypes.plots:plots",
-    tables="kvdiag.checks.dtypes.tables:tables", cases="kvdiag.checks.dtypes.cases:cases", gpu_share=True,
-    selftest={"num_prompts": 2})
+
+class Dtypes(Check):
+    name, params = "dtypes", DtypesParams
+    help = ("The kv dtype support matrix: does the engine start with each dtype, is the output finite, bit-identical "
+            "or within drift of 'auto', and what its cache stores.")
+    timeout = 300.0
+    gpu_share = True
+    observes = frozenset({"scores", "tokens"})
+    selftest = {"num_prompts": 2}
+
+    def run(self, case, ctx):
+        from kvdiag.checks.dtypes.run import run_case
+
+        return run_case(case, ctx)
+
+    def cases(self, target, params):
+        from kvdiag.checks.dtypes.cases import cases
+
+        return cases(target, params)
+
+    def render(self, run, console):
+        from kvdiag.checks.dtypes.view import render
+
+        return render(run, console)
+
+    def plots(self, cases, suffix=""):
+        from kvdiag.checks.dtypes.plots import plots
+
+        return plots(cases, suffix)
+
+    def tables(self, run):
+        from kvdiag.checks.dtypes.tables import tables
+
+        return tables(run)

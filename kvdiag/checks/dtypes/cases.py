@@ -11,5 +11,5 @@ def cases(target: Target, p) -> tuple:
     from kvdiag.checks.dtypes.verdict import analyze
 
     sweep = resolve_sweep(target, "auto", all_names=True)
-    cases = sweep_cases("dtypes", "kvdiag.checks.dtypes.run:run_case", sweep, {}, target.isolate)
+    cases = sweep_cases("dtypes", sweep, {}, target.isolate)
     return cases, lambda run: analyze(run, max_kl=p.max_kl, min_top1=p.min_top1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdiag.checks.drift import drift_limit
+from kvdiag.checks.sweep.drift import drift_limit
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvdiag.checks.drift_position import position_plots
+from kvdiag.checks.sweep.drift_position import position_plots
 
 
 def plots(cases, suffix: str = "") -> list[str]:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvdiag.checks import drift
 from kvdiag.checks.common import compiled, engine_failed, model_dtype, start_or_record
-from kvdiag.checks.drift import DRIFT
-from kvdiag.checks.engine_use import acquire_engine, release_engine
-from kvdiag.checks.storage_audit import cache_storage
+from kvdiag.checks.sweep import drift
+from kvdiag.checks.sweep.drift import DRIFT
+from kvdiag.checks.sweep.engine_use import acquire_engine, release_engine
+from kvdiag.checks.sweep.storage_audit import cache_storage
 
 
 def run_case(case, ctx):

@@ -3,7 +3,7 @@ and the drift by position against 'auto'."""
 
 from __future__ import annotations
 
-from kvdiag.checks.drift_position import position_table
+from kvdiag.checks.sweep.drift_position import position_table
 
 STORAGE = ("kv dtype", "result", "stores", "layers (kind, dtype, size)")
 

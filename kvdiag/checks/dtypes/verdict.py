@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvdiag.checks import drift
-from kvdiag.checks.storage_audit import storage_row
+from kvdiag.checks.sweep import drift
+from kvdiag.checks.sweep.storage_audit import storage_row
 from kvdiag.results import NOT_RUN_STATUSES
 
 
 def analyze(run, *, max_kl: float | None = None, min_top1: float | None = None) -> None:
-    from kvdiag.checks.verdicts import position_row, reset
+    from kvdiag.checks.sweep.verdicts import position_row, reset
 
     folder = Path(run.run_dir) / "artifacts"
     for rec in run.cases:

@@ -40,8 +40,29 @@ from __future__ import annotations
 from kvdiag.checks.check import Check
 from kvdiag.checks.memleak.params import HELP, LeakParams
 
-CHECK = Check("memleak", "kvdiag.checks.memleak.run:run", LeakParams, help=HELP,
-              isolate=False, render="kvdiag.checks.memleak.view:render",
-              plots="kvdiag.checks.memleak.plots:plots",
-              compare="kvdiag.checks.memleak.compare:rows",
-              selftest={"cycles": 2, "num_prompts": 2, "max_tokens": 4, "num_blocks": 16})
+
+class Memleak(Check):
+    name, params, help = "memleak", LeakParams, HELP
+    isolate = False
+    observes = frozenset({"memory"})
+    selftest = {"cycles": 2, "num_prompts": 2, "max_tokens": 4, "num_blocks": 16}
+
+    def run(self, case, ctx):
+        from kvdiag.checks.memleak.run import run
+
+        return run(case, ctx)
+
+    def render(self, run, console):
+        from kvdiag.checks.memleak.view import render
+
+        return render(run, console)
+
+    def plots(self, cases, suffix=""):
+        from kvdiag.checks.memleak.plots import plots
+
+        return plots(cases, suffix)
+
+    def compare(self, old, new, settings):
+        from kvdiag.checks.memleak.compare import rows
+
+        return rows(old, new, settings)

@@ -19,10 +19,50 @@ from __future__ import annotations
 from kvdiag.checks.check import Check
 from kvdiag.checks.paths.params import HELP, PathsParams
 
-CHECK = Check("paths", "kvdiag.checks.paths.run:run", PathsParams, help=HELP,
-              variants="kvdiag.checks.paths.params:variants", analyze="kvdiag.checks.paths.params:analyze",
-              render="kvdiag.checks.paths.view:render",
-              tables="kvdiag.checks.paths.tables:tables", compare="kvdiag.checks.paths.compare:rows",
-              spread="kvdiag.checks.paths.params:spread", kv_dtypes=("auto", "fp8"), gpu_share=True,
-              selftest={"num_prompts": 4, "max_tokens": 12, "seed": 0},
-              reproducer="kvdiag.checks.paths.repro:script")
+
+class Paths(Check):
+    name, params, help = "paths", PathsParams, HELP
+    kv_dtypes = ("auto", "fp8")
+    gpu_share = True
+    observes = frozenset({"kv_paths", "tokens"})
+    selftest = {"num_prompts": 4, "max_tokens": 12, "seed": 0}
+
+    def run(self, case, ctx):
+        from kvdiag.checks.paths.run import run
+
+        return run(case, ctx)
+
+    def variants(self, params):
+        from kvdiag.checks.paths.params import variants
+
+        return variants(params)
+
+    def analyze(self, run, params):
+        from kvdiag.checks.paths.params import analyze
+
+        return analyze(run, params)
+
+    def spread(self, case):
+        from kvdiag.checks.paths.params import spread
+
+        return spread(case)
+
+    def render(self, run, console):
+        from kvdiag.checks.paths.view import render
+
+        return render(run, console)
+
+    def tables(self, run):
+        from kvdiag.checks.paths.tables import tables
+
+        return tables(run)
+
+    def compare(self, old, new, settings):
+        from kvdiag.checks.paths.compare import rows
+
+        return rows(old, new, settings)
+
+    def reproducer(self, case, run):
+        from kvdiag.checks.paths.repro import script
+
+        return script(case, run)

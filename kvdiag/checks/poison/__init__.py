@@ -26,6 +26,19 @@ from __future__ import annotations
 from kvdiag.checks.check import Check
 from kvdiag.checks.poison.params import HELP, PoisonParams
 
-CHECK = Check("poison", "kvdiag.checks.poison.run:run", PoisonParams, help=HELP,
-              render="kvdiag.checks.poison.view:render", selftest={"value": "nan", "num_prompts": 2, "seed": 0},
-              gpu_share=True)
+
+class Poison(Check):
+    name, params, help = "poison", PoisonParams, HELP
+    gpu_share = True
+    observes = frozenset({"kv_blocks", "tokens"})
+    selftest = {"value": "nan", "num_prompts": 2, "seed": 0}
+
+    def run(self, case, ctx):
+        from kvdiag.checks.poison.run import run
+
+        return run(case, ctx)
+
+    def render(self, run, console):
+        from kvdiag.checks.poison.view import render
+
+        return render(run, console)

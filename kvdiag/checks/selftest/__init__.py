@@ -14,9 +14,9 @@ the run. The clean engine must report no error or warning finding at all.
 
 from __future__ import annotations
 
-from kvdiag.checks.registry import get, load
+from kvdiag.checks.registry import get
 from kvdiag.checks.selftest import plan
-from kvdiag.engines.selftest import Catalogue, Item, cell_plan
+from kvdiag.engines.selftest import Catalogue, Item
 
 CLEAN = "clean"
 INCONCLUSIVE = ("timeout", "not_run", "no_baseline")  # error findings that do not show a detection
@@ -65,8 +65,7 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
             where = group if group is None or it.model is None else f"{group}/{it.model}"
             params = {"device": device, "engine_args": dict(cat.engine_args),
                       "faults": [] if subject == CLEAN else [subject], **get(check).selftest,
-                      **cat.sizes.get(check, {}), **it.params, "selftest": subject,
-                      "selftest_target": get(check).target}
+                      **cat.sizes.get(check, {}), **it.params, "selftest": subject}
             if check in plan.COMPARES_TO_BASELINE:
                 params["role"] = "baseline" if it.kv_dtype == plan.BASELINE else "test"
             cid = f"{check}/{subject}/{it.kv_dtype}" + (f"/{it.suffix}" if it.suffix else "")
@@ -109,7 +108,7 @@ def analyze(run, faults: list, checks: list[str], not_applicable: dict | None = 
             continue
         sub = RunRecord(command=run.command, started=run.started, cases=recs, environment={}, run_dir=run.run_dir)
         if own:  # as its command does, with its default params
-            load(own)(sub, get(check).make({}))
+            own(sub, get(check).make({}))
             continue
         if check == "accuracy":
             accuracy.analyze(sub, baseline=plan.BASELINE, max_drop=MAX_DROP, alpha=ALPHA)
@@ -167,13 +166,13 @@ def fault_row(f, checks: list[str], jobs: dict, not_applicable: str | None = Non
     reason = not_applicable or _worker_not_applicable(f, jobs)
     cells = {}
     for check in plan.CHECKS:
-        mark = cell_plan(f, check)
+        mark = plan.cell_plan(f, check)
         if reason and mark == "run":
             cells[check] = {"mark": NA, "reason": reason}
         elif mark == "run" and check in checks:
             cells[check] = _run_cell(f, check, jobs.get((f.name, check), []))
         elif mark == "n/a":
-            cells[check] = {"mark": NA, "reason": f.na[check]}
+            cells[check] = {"mark": NA, "reason": plan.na_of(f)[check]}
         else:
             cells[check] = {"mark": "-"}
     intended = cells[f.intended]

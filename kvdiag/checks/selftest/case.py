@@ -13,13 +13,13 @@ TARGET = "kvdiag.checks.selftest.case:run"
 
 
 def run(case, ctx):
-    """Case function (runner target): ``case.params["selftest_target"]`` with the fault state around it."""
-    from kvdiag.case import call_target
+    """Case function (runner target): the case's check's ``run`` with the fault state around it."""
+    from kvdiag.checks.registry import run_case
     from kvdiag.engines.base import engine_traits
 
     traits = engine_traits(case.engine)
     before = traits.fault_state()
-    rec = call_target(case.params["selftest_target"])(case, ctx)
+    rec = run_case(case, ctx)
     if before is not None:
         rec.metrics["faults"] = delta(before, traits.fault_state() or {}, case.params.get("faults") or [])
     return rec

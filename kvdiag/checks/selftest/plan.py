@@ -11,8 +11,8 @@ Cells of the matrix (fault x check):
 - ``missed``: it ran, the fault fired, and the check reported no such finding (or only ran out of time).
 - ``did not fire``: the engine records firing and the fault's patched code never ran in the check's cases:
   whatever the check reported, nothing was shown (never ``caught``).
-- ``n/a``: the check cannot observe that fault by design (the reason is in the fault's ``na``: it never
-  sleeps, never measures memory, only compares the engine with itself on one dtype, ...), or the fault cannot
+- ``n/a``: the check cannot observe that fault by design (:func:`na_of`: it observes none of what the fault moves:
+  it never sleeps, never measures memory, only compares the engine with itself on one dtype, ...), or the fault cannot
   apply to this engine (its code point is absent, the platform lacks what it needs: the whole row, with why).
 - ``-``: not run: the check could observe the fault but is left out of the self-test to keep it
   short, or ``--check``/``--fault`` left it out.
@@ -27,10 +27,11 @@ No torch import here: ``kvdiag selftest --list`` stays instant.
 
 from __future__ import annotations
 
-from kvdiag.engines.selftest import Catalogue, Fault
+from kvdiag.checks.registry import BUILTIN
+from kvdiag.engines.selftest import Catalogue, Fault, not_observed
 
-CHECKS = ("accuracy", "dtypes", "memleak", "wake-cycle", "poison", "paths")
-# The sizes of a self-test case (case.params) are each check's ``Check.selftest`` (kvdiag.checks.registry).
+# kvdiag's own checks with self-test sizes (``Check.selftest``: a case's params), in the registry's order
+CHECKS = tuple(c.name for c in BUILTIN if c.selftest is not None)
 BASELINE = "auto"  # accuracy and dtypes compare every dtype with the same engine's 'auto'
 COMPARES_TO_BASELINE = ("accuracy", "dtypes")
 
@@ -58,6 +59,17 @@ def select(faults: list[str] | None, checks: list[str] | None,
     else:
         chosen = [f for f in cat.faults if f.intended in checks_sel]
     return chosen, [c for c in CHECKS if c in checks_sel]
+
+
+def na_of(f: Fault) -> dict:
+    """check -> why it cannot observe fault ``f`` by design: the checks that observe none of what ``f`` moves, or
+    what ``f`` says they cannot see (``kvdiag.engines.selftest.not_observed``)."""
+    return not_observed(f, {c.name: c.observes for c in BUILTIN if c.name in CHECKS})
+
+
+def cell_plan(f: Fault, check: str) -> str:
+    """What the plan says for a cell: ``run``, ``n/a`` or ``-`` (could observe it, not run)."""
+    return "run" if check in f.runs else "n/a" if check in na_of(f) else "-"
 
 
 def not_applicable(f: Fault, cat: Catalogue) -> str | None:

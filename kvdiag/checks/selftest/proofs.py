@@ -46,7 +46,7 @@ def prove_faults(run, engine: str, say=None, jobs: int = 1, timeout: float = 900
 
 def _script(run, row: dict):
     """(the failing case, its reproducer's text) of the fault's intended check, or None."""
-    from kvdiag.checks.registry import get, load
+    from kvdiag.checks.registry import get
     from kvdiag.results import RunRecord
 
     check = get(row["intended"])
@@ -55,7 +55,7 @@ def _script(run, row: dict):
     recs = jobs_of(run.cases).get((row["fault"], row["intended"]), [])
     sub = RunRecord(command=run.command, started=run.started, cases=recs, environment={}, run_dir=run.run_dir)
     for rec in recs:
-        text = load(check.reproducer)(rec, sub) if rec.status == "fail" else None
+        text = check.reproducer(rec, sub) if rec.status == "fail" else None
         if text:
             return rec, text
     return None

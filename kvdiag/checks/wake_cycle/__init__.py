@@ -17,7 +17,28 @@ from __future__ import annotations
 from kvdiag.checks.check import Check
 from kvdiag.checks.wake_cycle.params import HELP, WakeParams
 
-CHECK = Check("wake-cycle", "kvdiag.checks.wake_cycle.run:run", WakeParams, help=HELP,
-              variants="kvdiag.checks.wake_cycle.params:variants",
-              render="kvdiag.checks.wake_cycle.view:render", plots="kvdiag.checks.wake_cycle.plots:plots",
-              selftest={"cycles": 1, "num_prompts": 2, "max_tokens": 8, "num_blocks": 16, "seed": 0})
+
+class WakeCycle(Check):
+    name, params, help = "wake-cycle", WakeParams, HELP
+    observes = frozenset({"sleep", "tokens"})  # sleep: what a sleep frees and a wake brings back, outputs after it
+    selftest = {"cycles": 1, "num_prompts": 2, "max_tokens": 8, "num_blocks": 16, "seed": 0}
+
+    def run(self, case, ctx):
+        from kvdiag.checks.wake_cycle.run import run
+
+        return run(case, ctx)
+
+    def variants(self, params):
+        from kvdiag.checks.wake_cycle.params import variants
+
+        return variants(params)
+
+    def render(self, run, console):
+        from kvdiag.checks.wake_cycle.view import render
+
+        return render(run, console)
+
+    def plots(self, cases, suffix=""):
+        from kvdiag.checks.wake_cycle.plots import plots
+
+        return plots(cases, suffix)

@@ -18,18 +18,7 @@ No torch or vLLM import here: ``kvdiag selftest -e vllm --list`` stays instant.
 
 from __future__ import annotations
 
-from kvdiag.engines.selftest import (
-    L1,
-    L2,
-    MEMORY_ONLY,
-    NEVER_SLEEPS,
-    NO_MEMORY,
-    SELF_COMPARE,
-    Catalogue,
-    Fault,
-    items,
-    na_for,
-)
+from kvdiag.engines.selftest import L1, L2, Catalogue, Fault, items
 
 OUTPUTS = ("divergence", "logprob_drift", "nan_output", "nan_kv")  # wake-cycle's and poison's output findings
 DEVICE_FAULT = ("engine_error", "crashed")  # the engine raised in a cycle, or its worker died (on a GPU, stale
@@ -41,50 +30,43 @@ NO_OUTPUTS = "looks at memory, not at outputs"
 # path fault broke)
 PATH_FINDINGS = ("divergence", "logprob_drift", "nan_output", "crashed")
 
-def path_fault(name: str, summary: str, *paths: str, model: str | None = None, na: dict | None = None) -> Fault:
-    """An S5 fault for ``paths``, run on each of ``paths`` (auto), left in the process; memleak cannot see it."""
+def path_fault(name: str, summary: str, *paths: str, model: str | None = None, unseen: dict | None = None) -> Fault:
+    """An S5 fault for ``paths``, run on each of ``paths`` (auto), left in the process. It moves output tokens: on
+    vLLM's defaults (prefix caching, chunked prefill) any check's requests may take its path, so a check that
+    reads outputs could see it; memory alone cannot."""
     return Fault(name, "S5", "paths", {"paths": items(*(("auto", {"path": p}) for p in paths), model=model)},
-                 (na or {}) | na_for({"*": NO_OUTPUTS}, "memleak"), summary, leaves_process_state=True,
-                 kinds={"paths": PATH_FINDINGS})
+                 ("tokens",), summary, leaves_process_state=True, kinds={"paths": PATH_FINDINGS}, unseen=unseen or {})
 
 
 FAULTS: tuple[Fault, ...] = (
     Fault("kv_cache_kept_after_shutdown", "S4", "memleak", {"memleak": items("auto")},
-          na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison", "paths"),
-          "the model runner's KV cache kept in a module-level list at shutdown (vLLM #38503, #54246)",
+          ("memory",), "the model runner's KV cache kept in a module-level list at shutdown (vLLM #38503, #54246)",
           leaves_process_state=True, kinds={"memleak": ("kv_cache_survived",)}),
-    Fault("scale_caches_kept_after_shutdown", "S0", "memleak", {"memleak": items("int8_per_token_head")},
-          na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison", "paths"),
+    Fault("scale_caches_kept_after_shutdown", "S0", "memleak", {"memleak": items("int8_per_token_head")}, ("memory",),
           "the per-token-head K/V scale views kept at shutdown, int8/fp8_per_token_head only (vLLM #39224)",
           leaves_process_state=True, kinds={"memleak": ("kv_cache_survived",)}),
     Fault("tensor_kept_per_start", "S4", "memleak", {"memleak": items("auto")},
-          na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison", "paths"),
-          "one more 1 MiB tensor in a module-level list at every engine start",
+          ("memory",), "one more 1 MiB tensor in a module-level list at every engine start",
           leaves_process_state=True, kinds={"memleak": ("tensor_survived", "growth")}),
-    Fault("kv_sized_buffer_kept_after_shutdown", "S0", "memleak", {"memleak": items("auto")},
-          na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison", "paths"),
+    Fault("kv_sized_buffer_kept_after_shutdown", "S0", "memleak", {"memleak": items("auto")}, ("memory",),
           "a buffer of 1/32 of the KV cache (per-token-head scales' size) kept at every start, the same size each "
           "time, under the retention limit", leaves_process_state=True, kinds={"memleak": ("kv_scaled_survived",)}),
     Fault("explicit_bf16_as_fp8", "S1", "dtypes", {"dtypes": items("bfloat16"), "accuracy": items("bfloat16")},
-          na_for({"*": SELF_COMPARE, "memleak": MEMORY_ONLY}, "memleak", "wake-cycle", "poison", "paths"),
-          "an explicit 'bfloat16' cache resolves to fp8: not bit-identical to 'auto' (vLLM #38922)",
+          ("scores",), "an explicit 'bfloat16' cache resolves to fp8: not bit-identical to 'auto' (vLLM #38922)",
           leaves_process_state=True, kinds={"dtypes": ("wrong",)}),
-    Fault("block_tables_not_rebuilt_on_wake", "S2", "wake-cycle", {"wake-cycle": items(("auto", L1))},
-          na_for({"*": NEVER_SLEEPS}, "accuracy", "dtypes", "memleak", "poison", "paths"),
+    Fault("block_tables_not_rebuilt_on_wake", "S2", "wake-cycle", {"wake-cycle": items(("auto", L1))}, ("sleep",),
           "the V2 runner's post_kv_cache_wake_up does nothing: block tables not rebuilt after a wake (vLLM #40648)",
           leaves_process_state=True, kinds={"wake-cycle": (*OUTPUTS, *DEVICE_FAULT)}),
     Fault("fp8_scales_not_reset_on_wake", "S2", "wake-cycle", {"wake-cycle": items(("fp8", L2))},
-          na_for({"*": NEVER_SLEEPS}, "accuracy", "dtypes", "memleak", "poison", "paths"),
-          "a wake that skips the fp8 scale reset (the V1 runner's init_fp8_kv_scales)",
+          ("sleep",), "a wake that skips the fp8 scale reset (the V1 runner's init_fp8_kv_scales)",
           leaves_process_state=True, kinds={"wake-cycle": OUTPUTS}),
     Fault("fresh_blocks_not_zeroed", "S3", "poison", {"poison": items("auto", model=HYBRID)},
-          na_for({"*": "never puts non-finite data in free KV blocks"}, "accuracy", "dtypes", "wake-cycle", "paths") |
-          na_for({"*": NO_OUTPUTS}, "memleak"),
-          "fresh blocks of a hybrid (Mamba) model not zeroed where vLLM zeroes them (vLLM #43990)",
-          leaves_process_state=True, kinds={"poison": OUTPUTS}),
+          ("kv_blocks",), "fresh blocks of a hybrid (Mamba) model not zeroed where vLLM zeroes them (vLLM #43990)",
+          leaves_process_state=True, kinds={"poison": OUTPUTS},
+          unseen={"tokens": "never puts non-finite data in free KV blocks", "memory": NO_OUTPUTS}),
     path_fault("prefix_hit_block_dropped", "a prefix-cache hit counted one block longer than the blocks it hands "
                "out: attention reads a fresh block for the hit's last block", "prefix-hit", "prefix-partial",
-               na=na_for({"*": "runs with prefix caching off: no request hits the prefix cache"}, "poison")),
+               unseen={"kv_blocks": "runs with prefix caching off: no request hits the prefix cache"}),
     path_fault("preempt_keeps_computed_tokens", "a preempted request keeps its computed-token count while its "
                "blocks are freed: resumed without recompute, it reads fresh blocks", "preemption"),
     path_fault("chunk_boundary_token_skipped", "a prefill chunk's end counted one token too far: one prompt "

@@ -1,6 +1,6 @@
 """Each cache layer's kind, read from vLLM's own KV cache spec of that layer (``vllm.v1.kv_cache_interface``:
 FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec, MambaSpec ...; the model runner's ``get_kv_cache_spec()``),
-as the layer dicts of kvdiag's storage audit (``kvdiag/checks/storage_audit.py``). Spec classes are matched by
+as the layer dicts of kvdiag's storage audit (``kvdiag/checks/sweep/storage_audit.py``). Spec classes are matched by
 name along their class hierarchy, most specific first, so a vLLM that lacks one of them still loads this module.
 """
 

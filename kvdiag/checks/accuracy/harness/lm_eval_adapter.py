@@ -20,9 +20,9 @@ from itertools import groupby
 from lm_eval.api.model import TemplateLM
 
 from kvdiag.case import PROGRESS_S  # seconds between progress lines of a case
+from kvdiag.checks.accuracy.harness import preloaded
+from kvdiag.checks.accuracy.harness.lm_eval_results import cells, examples, summarize, task_groups, task_hashes
 from kvdiag.errors import UserError
-from kvdiag.evaluation import preloaded
-from kvdiag.evaluation.lm_eval_results import cells, examples, summarize, task_groups, task_hashes
 
 
 class EngineLM(TemplateLM):
@@ -202,7 +202,7 @@ class EngineLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from lm_eval.models.utils import normalize_gen_kwargs
 
-        from kvdiag.evaluation import conversation
+        from kvdiag.checks.accuracy.harness import conversation
 
         self._begin(requests)
         jobs = []
@@ -349,7 +349,7 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
     ``apply_chat_template``: a template name ('default': the tokenizer's), as lm_eval's option."""
     from lm_eval import simple_evaluate
 
-    from kvdiag.evaluation.lm_eval_options import CHAT_TEMPLATE_DEFAULT
+    from kvdiag.checks.accuracy.harness.lm_eval_options import CHAT_TEMPLATE_DEFAULT
 
     template = True if apply_chat_template == CHAT_TEMPLATE_DEFAULT else (apply_chat_template or False)
     meta = json.dumps(metadata, sort_keys=True, default=str) if metadata else None
@@ -388,7 +388,7 @@ def _without_env_probe():
     whatever repository the user runs from, not kvdiag's nor lm_eval's. kvdiag records instead, once per run:
     the versions of torch, triton, transformers, lm_eval, vllm, the platform, devices and driver
     (``environment``), kvdiag's own commit and dirty flag (``environment.kvdiag_commit``;
-    kvdiag.evaluation.provenance), and
+    kvdiag.run.provenance), and
     per case the worker's torch and CUDA (``environment``). kvdiag reads neither field from lm_eval's results.
     Calls on several threads at once: the first one in replaces them, the last one out puts them back."""
     import lm_eval.evaluator as ev

@@ -23,8 +23,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 
-from kvdiag.checks import drift_position
 from kvdiag.checks.check import option
+from kvdiag.checks.sweep import drift_position
 
 TOP_K = 64  # top-k kept when the engine gives no full distribution (or it would be too big to store)
 MAX_FULL_BYTES = 256 << 20  # full distributions of the prompts above this are reduced to top-k before saving

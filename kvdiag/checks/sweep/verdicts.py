@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from kvdiag.checks import drift, power, stats
+from kvdiag.checks.sweep import drift, power, stats
 
 BAD = ("regression", "collapse", "drift")
 ORDER = ("ok", "inconclusive", "drift", "regression", "collapse")  # a case's verdict is its worst row
@@ -134,7 +134,7 @@ def unchanged(rec, base, d: dict | None) -> list[tuple[str, str, dict]]:
     quantized is bit-identical (``drift.compare``'s ``identical``). Never of the baseline, nor of ``auto`` or an
     unquantized dtype."""
     from kvdiag import dtypes
-    from kvdiag.checks.storage_audit import storage_row
+    from kvdiag.checks.sweep.storage_audit import storage_row
 
     if rec is base or not dtypes.named_quantized(rec.kv_dtype):
         return []

@@ -14,7 +14,7 @@ generation left what the baseline would write.
 
 from __future__ import annotations
 
-from kvdiag.checks import drift, drift_position
+from kvdiag.checks.sweep import drift, drift_position
 
 MAX_TOKENS = 1024  # --drift-decoded's bound: a decoded continuation per drift prompt
 

@@ -2,7 +2,7 @@
 
 Buckets are powers of two over the 1-based position of a token in its continuation: 1-16, 17-32, 33-64,
 65-128, 129-256, ... (the first holds ``FIRST`` positions, each later one twice the one before). A bucket's
-mean KL and top-1 agreement are over every prompt's positions in it (``checks/drift.py: compare`` gives each
+mean KL and top-1 agreement are over every prompt's positions in it (``checks/sweep/drift.py: compare`` gives each
 position's). A loss that grows with the length of what the cache holds shows as a mean KL rising from bucket
 to bucket, even where the totals over all positions pass.
 
@@ -77,7 +77,7 @@ def position_plots(cases, suffix: str = "") -> list[str]:
     """Per scored section, each dtype's mean KL per position bucket divided by its first bucket's (a dtype with no
     KL in its first bucket has no line: the table in the report shows it), and the growth threshold: a line that
     rises is a loss growing with the length of what the cache holds."""
-    from kvdiag.checks.drift_position import GROWTH
+    from kvdiag.checks.sweep.drift_position import GROWTH
 
     judged = [(c.kv_dtype, c.metrics["drift"]["by_position"]) for c in cases
               if (c.metrics.get("drift") or {}).get("by_position")]
@@ -104,7 +104,7 @@ SECTION_NAMES = {"prompts": "prompts", "long": "long continuation", "decoded": "
 def position_table(rows: list[dict] | None, suffix: str) -> list:
     """The drift-by-position table (one row per dtype and scored section, a column per position bucket, each cell
     ``mean KL / top-1``), as a one-element list; [] when the analysis has none."""
-    from kvdiag.checks.drift_position import GROWTH
+    from kvdiag.checks.sweep.drift_position import GROWTH
 
     if not rows:
         return []
