@@ -10,6 +10,7 @@ from kvdiag.checks import drift, drift_decoded
 from kvdiag.checks.common import compiled, engine_failed, model_dtype, start_or_record
 from kvdiag.checks.drift import DRIFT
 from kvdiag.checks.engine_use import acquire_engine, release_engine, startup_once
+from kvdiag.engines.protocol import ModelFacts, SharesWeights
 from kvdiag.errors import UserError
 from kvdiag.evaluation.lm_eval_options import AUTO_BATCH
 
@@ -75,7 +76,7 @@ def run_case(case, ctx):
     released, decoded_error = False, None
     if p.get("drift_decoded") and p.get("role") != "baseline":
         ctx.stage(case, "decoded drift")
-        t, released = time.perf_counter(), not hasattr(engine, "share_weights")  # else shut down for the baseline's
+        t, released = time.perf_counter(), not isinstance(engine, SharesWeights)  # else shut down for the baseline's
         try:
             drift_decoded.rescore(case, engine, probe, prompts)
             drift.save(probe, ctx.artifact(case, DRIFT))
@@ -157,7 +158,7 @@ def _worker_info(engine) -> dict:
     import os
 
     return {"pid": os.getpid(), "thread": threading.current_thread().name,
-            "weight_loads": getattr(engine, "weight_loads", None)}
+            "weight_loads": engine.weight_loads if isinstance(engine, SharesWeights) else None}
 
 
 def _cpu_time() -> float:
@@ -167,7 +168,8 @@ def _cpu_time() -> float:
 
 
 def _max_len(engine, params) -> int:
-    return int(getattr(engine, "max_model_len", 0) or params.get("max_model_len") or 2048)
+    own = engine.max_model_len if isinstance(engine, ModelFacts) else 0
+    return int(own or params.get("max_model_len") or 2048)
 
 
 def _lap(t0: float) -> float:

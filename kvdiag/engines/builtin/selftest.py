@@ -77,4 +77,4 @@ FAULTS: tuple[Fault, ...] = (
           "a prefill chunk after the first attends only to its own tokens"),
 )
 
-CATALOGUE = Catalogue("builtin", FAULTS)
+CATALOGUE = Catalogue("builtin", FAULTS, forked=False)
