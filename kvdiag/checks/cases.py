@@ -32,16 +32,15 @@ def resolve_model(model: str | None) -> str:
 
 
 def engine_model(engine: str, model: str | None) -> str:
-    """:func:`resolve_model`, and for the builtin engine the model's architecture checked too, so that a model it
-    does not run (a zoo model of another family, say) is one line and exit 2 before any worker starts."""
+    """:func:`resolve_model`, and the model checked by the engine's traits where they can say before it starts
+    (``model_problem``: the builtin engine, a family it does not implement), so that a model it does not run is one
+    line and exit 2 before any worker starts."""
     folder = resolve_model(model)
-    if engine == "builtin" and model is not None:
-        from kvdiag.engines.builtin.config import ModelConfig
+    if model is not None:
+        from kvdiag.engines.base import engine_traits
 
-        try:
-            ModelConfig.from_path(folder)
-        except UserError as e:
-            raise UserError(f"model {model}: {e}") from None
+        if why := engine_traits(engine).model_problem(folder):
+            raise UserError(f"model {model}: {why}")
     return folder
 
 
@@ -64,23 +63,14 @@ def resolve_kv_dtypes(engine: str, user: list[str] | None, *, default_all: bool 
 
 
 def resolve_faults(engine: str, names: list[str] | None) -> list[str]:
-    """--fault names, validated (UserError otherwise): the builtin engine's with their aliases expanded; another
-    engine's from its self-test catalogue (vLLM's re-introduced fixed bugs, ``kvdiag selftest -e vllm --list``)."""
+    """--fault names, validated by the engine's traits (UserError otherwise): the builtin engine's with their aliases
+    expanded; another engine's from its self-test catalogue (vLLM's re-introduced fixed bugs,
+    ``kvdiag selftest -e vllm --list``)."""
     if not names:
         return []
-    if engine == "builtin":
-        from kvdiag.engines.builtin.faults import Faults
-
-        return list(Faults.parse(names).enabled)
     from kvdiag.engines.base import engine_traits
 
-    found = engine_traits(engine).selftest()
-    asked = [n.strip() for part in names for n in part.split(",") if n.strip()]
-    known = list(found.names) if found is not None else []
-    if wrong := [n for n in asked if n not in known]:
-        raise UserError(f"--fault {wrong[0]}: not a fault of engine '{engine}'" + (
-            f"; valid: {', '.join(known)}" if known else " (it has none)"))
-    return asked
+    return engine_traits(engine).resolve_faults(engine, names)
 
 
 @dataclass

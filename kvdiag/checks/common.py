@@ -151,7 +151,9 @@ def detector_disabled(name: str) -> bool:
 
 def model_dtype(engine, case) -> str | None:
     """The dtype the weights run in (what ``auto`` stores the KV cache in)."""
-    d = getattr(engine, "dtype", None)
+    from kvdiag.engines.protocol import ModelFacts
+
+    d = engine.dtype if isinstance(engine, ModelFacts) else None
     if d is not None and not callable(d):
         return str(d).removeprefix("torch.")
     return config_dtype(case.model)
@@ -159,4 +161,6 @@ def model_dtype(engine, case) -> str | None:
 
 def compiled(engine) -> bool:
     """Whether the engine runs a compiled model (vLLM's defaults; not with enforce_eager): drift.limits_for."""
-    return bool(getattr(engine, "compiled", False))
+    from kvdiag.engines.protocol import ModelFacts
+
+    return isinstance(engine, ModelFacts) and bool(engine.compiled)

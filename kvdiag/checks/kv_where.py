@@ -8,8 +8,9 @@ from __future__ import annotations
 
 def in_workers(engine) -> bool:
     """Whether the engine's KV cache is in worker processes of its own (reached by its ``on_kv``)."""
-    ask = getattr(engine, "kv_in_workers", None)
-    return bool(callable(ask) and ask())
+    from kvdiag.engines.protocol import WorkerProcesses
+
+    return isinstance(engine, WorkerProcesses) and bool(engine.kv_in_workers())
 
 
 def on_kv(engine, fn, *args) -> list:

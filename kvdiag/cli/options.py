@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvdiag.engines.vllm import ARGS_EXAMPLE as VLLM_ARGS_EXAMPLE
+from kvdiag.engines.base import args_example
 
 
 class Format(str, Enum):
@@ -68,7 +68,7 @@ ProveOpt = Annotated[bool, typer.Option(
 EngineArgOpt = Annotated[Optional[list[str]], typer.Option(
     "--engine-arg", "-a", help="key=value passed to the engine, several comma-separated as lm_eval's --model_args; "
     "values JSON-ish (2, 0.5, true, none, [1,2], \"a,b\"); repeatable; a name the engine does not take exits 2 with "
-    f"the closest names; '-a help' lists the engine's. Example (vLLM): {VLLM_ARGS_EXAMPLE}")]
+    f"the closest names; '-a help' lists the engine's. Example {args_example()}")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N (builtin engine).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed for sampling and for lm_eval.")]
 CheckJobsOpt = Annotated[Optional[int], typer.Option(

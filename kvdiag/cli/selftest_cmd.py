@@ -81,7 +81,7 @@ def selftest(
     run_dir = make_run_dir(output_dir, "selftest")
     # other engines' workers fork from a server that imported the engine (its traits' preload) and lm_eval once; the
     # faults are applied in each worker, at its engine's start
-    modules, env = fork_server(cases) if cat.engine != "builtin" else ((), {})
+    modules, env = fork_server(cases) if cat.forked else ((), {})
     # one torch thread per worker (unless the user chose): the tiny model gains nothing from two, and two
     # OpenMP threads on a busy machine with few cores run many times slower
     env = {**env, **({} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"})}

@@ -32,6 +32,12 @@ BUILTIN_ENGINES = {
 }
 
 
+def args_example() -> str:
+    """``-a`` options of kvdiag's own engines as their traits give them (``args_example``), for ``--engine-arg``'s
+    help: ``(-e NAME) -a ...``, one engine's."""
+    return next((f"(-e {n}): {t.args_example}" for n in BUILTIN_ENGINES if (t := engine_traits(n)).args_example), "")
+
+
 def engine_names() -> list[str]:
     names = list(BUILTIN_ENGINES)
     try:

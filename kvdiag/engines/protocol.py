@@ -1,8 +1,14 @@
-"""The runtime contract of an engine: the :class:`Engine` protocol every check uses in a worker (start, generate,
-score, sleep, wake_up, kv_blocks, versions, shutdown) and its data types. What kvdiag asks an engine before any
-worker starts is its traits (``traits.py``); how an engine is found by name is ``base.py``, which re-exports all of
-this (``from kvdiag.engines.base import EngineSpec`` is how the rest of kvdiag imports it; an engine's own modules
-import it from here, below the registry that names them). Nothing here imports torch.
+"""The runtime contract of an engine: the :class:`Engine` protocol every engine follows in a worker (start, generate,
+score, sleep, wake_up, kv_blocks, versions, shutdown) and its data types, and the optional capabilities only some
+engines have (``Replayable``, ``SharesWeights``, ``WorkerProcesses``, ...: runtime-checkable protocols, each saying
+what a check does for an engine without it). A check asks for one with ``isinstance(engine, Capability)``, never
+``getattr``; an engine declares the ones it has by subclassing them (``class MyEngine(Engine, PathProbes)``), and
+tests/unit/test_engine_protocols.py holds every engine member a check reads to a protocol here.
+
+What kvdiag asks an engine before any worker starts is its traits (``traits.py``); how an engine is found by name is
+``base.py``, which re-exports the data types (``from kvdiag.engines.base import EngineSpec`` is how the rest of kvdiag
+imports them; an engine's own modules import them from here, below the registry that names them). Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -146,3 +152,105 @@ class Engine(Protocol):
     def versions(self) -> dict[str, str]: ...
 
     def shutdown(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------------- optional capabilities
+# Each: what it gives, which engines have it, and what a check does for an engine without it (the one fallback).
+
+
+@runtime_checkable
+class ModelFacts(Protocol):
+    """What the engine runs since its start: the weights' dtype (a torch dtype or its name; None before a start),
+    the tokens a request may hold, and whether the model is compiled (torch.compile: vLLM's defaults). builtin,
+    vllm. Without it: the checkpoint's dtype, the case's ``max_model_len`` (else 2048), not compiled."""
+
+    dtype: Any
+    max_model_len: int
+    compiled: bool
+
+
+@runtime_checkable
+class EndOfText(Protocol):
+    """The tokenizer's end-of-text token id (None: it has none), which lm_eval stops on. builtin, vllm. Without
+    it: the BOS token (``encode("")``) stands in."""
+
+    eos_token_id: int | None
+
+
+@runtime_checkable
+class SharesWeights(Protocol):
+    """Engines of one kind that share loaded weights in a process (builtin: the kv dtypes of ``--isolate run`` on
+    threads): ``share_weights(other)`` takes ``other``'s weights (``other.has_weights()``) for its next start; a
+    later ``start`` with the same weights re-creates only the KV cache; ``weight_loads`` counts reads from disk.
+    Without it: one engine per case, and a second one (decoded drift's baseline) starts after the first is shut
+    down."""
+
+    weight_loads: int
+
+    def has_weights(self) -> bool: ...
+
+    def share_weights(self, other: Any) -> None: ...
+
+
+@runtime_checkable
+class HoldsAfterShutdown(Protocol):
+    """Memory the engine keeps in this process outside Python objects after ``shutdown`` (vllm: the sleep-mode
+    allocator's pool), ``[{"holder", "bytes", ...}]``, which memleak names. Without it: nothing is held."""
+
+    def held_after_shutdown(self) -> list[dict]: ...
+
+
+@runtime_checkable
+class WorkerProcesses(Protocol):
+    """An engine whose model and KV cache may live in worker processes of its own (vllm under tensor
+    parallelism): whether they do now, ``fn(view, *args)`` run on each worker's shard of the cache, each worker's
+    state (pid, GPU, KV storages, weight bytes; None where the model runner is in this process) and its allocator's
+    cache emptied. Without it: the cache is in this process, reached through ``kv_blocks()``."""
+
+    def kv_in_workers(self) -> bool: ...
+
+    def on_kv(self, fn: Callable, *args: Any) -> list: ...
+
+    def worker_states(self) -> list[dict] | None: ...
+
+    def empty_worker_caches(self) -> None: ...
+
+
+@runtime_checkable
+class LayerSpecs(Protocol):
+    """Each cache layer's kind as the engine itself declares it (vllm: its KV cache spec; None when out of reach),
+    for the storage audit. Without it: the kinds are read from the ``kv_blocks()`` view."""
+
+    def kv_layer_specs(self) -> list[dict] | None: ...
+
+
+@runtime_checkable
+class WeightBytes(Protocol):
+    """Bytes of the model's weights where they live (vllm: in its worker processes too; None when unknown), which
+    wake-cycle expects a sleep to free. Without it: the parameters of the torch modules the engine object holds."""
+
+    def weight_bytes(self) -> int | None: ...
+
+
+@runtime_checkable
+class PathProbes(Protocol):
+    """What the ``paths`` check asks of an engine (builtin, vllm): empty its prefix cache (False when a running
+    request holds a block), its path counters since start (``prefix_hit_tokens``, ``preemptions``,
+    ``prefill_chunks``, ...) and each preemption's point (prompt token ids, tokens generated then). Without it:
+    nothing is reset, no path is confirmed by a counter, and a preemption has no recompute floor."""
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def path_counters(self) -> dict[str, int]: ...
+
+    def preempted_at(self) -> list[tuple[tuple[int, ...], int]]: ...
+
+
+@runtime_checkable
+class GraphMode(Protocol):
+    """The CUDA-graph mode the engine really runs (vllm may lower the one asked for; None: none or not started),
+    recorded beside the graph paths. Without it: not recorded."""
+
+    @property
+    def cudagraph_mode(self) -> str | None: ...
+

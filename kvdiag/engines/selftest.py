@@ -114,6 +114,7 @@ class Catalogue:
     applicability: Callable[[str], str | None] | None = None  # fault name -> why it cannot apply here, or None
     engine_args: dict = field(default_factory=dict)  # every case's --engine-arg
     note: str = ""  # shown under the matrix and in the reports
+    forked: bool = True  # workers fork from the run's server (scheduling.fork_server); False: spawned (builtin)
 
     def not_applicable(self, name: str) -> str | None:
         return self.applicability(name) if self.applicability is not None else None

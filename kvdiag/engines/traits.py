@@ -55,6 +55,18 @@ class EngineTraits:
     """On a GPU a process may hold one engine of this kind in its life (vLLM): its cases never share a worker
     there, whatever ``--isolate`` says."""
 
+    shutdown_collects: bool = False
+    """The engine's ``shutdown()`` ends with ``gc.collect()`` (and ``empty_cache()`` on CUDA): memleak does not run the
+    same full collection again right after it (about 0.3 s with vLLM imported)."""
+
+    cpu_parallel: bool = False
+    """On the CPU several of its cases may run at once (by default up to 4): in workers of their own, or with
+    ``--isolate run`` on threads of one worker whose engines share the weights one loaded
+    (``protocol.SharesWeights``; builtin). Default: one case at a time there."""
+
+    args_example: str = ""
+    """``-a`` options typical of the engine, shown in ``--engine-arg``'s help (vLLM's)."""
+
     def missing(self) -> str | None:
         """What the engine needs that is not installed here, as ``"needs X: how to install it"``; None when it can
         run. Said (exit 2) before any worker starts, e.g. ``kvdiag selftest -e vllm`` without vLLM."""
@@ -68,6 +80,25 @@ class EngineTraits:
         """The ``-a`` keys the engine takes; any other key exits 2 with one line before any worker starts. None:
         the engine does not say, and ``-a`` is not checked."""
         return None
+
+    def model_problem(self, folder: str) -> str | None:
+        """Why the engine cannot run the model in ``folder`` (a line: exit 2 before any worker starts, e.g. a family
+        the builtin engine does not implement); None: it can, or it does not say before it starts."""
+        return None
+
+    def resolve_faults(self, engine: str, names: list[str]) -> list[str]:
+        """The ``--fault`` values (each may hold several, comma-separated) as the fault names of ``engine`` (its name
+        as ``-e`` gave it); UserError (exit 2) naming the valid ones for any other. Default: the names of its
+        self-test catalogue."""
+        from kvdiag.errors import UserError
+
+        found = self.selftest()
+        asked = [n.strip() for part in names for n in part.split(",") if n.strip()]
+        known = list(found.names) if found is not None else []
+        if wrong := [n for n in asked if n not in known]:
+            raise UserError(f"--fault {wrong[0]}: not a fault of engine '{engine}'" + (
+                f"; valid: {', '.join(known)}" if known else " (it has none)"))
+        return asked
 
     def kv_dtypes(self) -> list[str] | None:
         """The kv cache dtypes the engine supports, without starting it. None: kvdiag creates an engine object and
@@ -136,7 +167,8 @@ class EngineTraits:
 class ModuleTraits(EngineTraits):
     """The traits of a plug-in engine that has no ``traits``: its factory's (or module's) attributes of the same
     meaning, under their former names (``PRELOAD``, ``SPAN_ARGS``, ``DISTRIBUTIONS``, ``ONE_ENGINE_PER_GPU_PROCESS``,
-    ``SELFTEST``, ``supported_kv_dtypes()`` and the methods of the same names); each absent one keeps the default."""
+    ``SELFTEST``, ``shutdown_collects``, ``supported_kv_dtypes()`` and the methods of the same names); each absent one
+    keeps the default."""
 
     def __init__(self, provider: Any):
         self._of = provider
@@ -144,6 +176,7 @@ class ModuleTraits(EngineTraits):
         self.span_args = tuple(self._get("SPAN_ARGS", ()))
         self.distributions = tuple(self._get("DISTRIBUTIONS", ()))
         self.one_engine_per_gpu_process = bool(self._get("ONE_ENGINE_PER_GPU_PROCESS", False))
+        self.shutdown_collects = bool(self._get("shutdown_collects", False))  # once an attribute of the engine class
 
     def _get(self, name: str, default: Any = None) -> Any:
         return getattr(self._of, name, default)

@@ -210,7 +210,7 @@ def default_jobs(cases: list) -> int:
     accuracy and dtypes cases share a GPU), at most the CPU cores; else 1."""
     if cases and place(cases).gpu:
         return gpu_jobs(cases)
-    if not cases or not _builtin_on_cpu(cases):
+    if not cases or not _parallel_on_cpu(cases):
         return 1
     return max(1, min(4, os.cpu_count() or 1, len(cases)))
 
@@ -227,17 +227,27 @@ def gpu_jobs(cases: list) -> int:
 
 def case_threads(cases: list, isolate, jobs: int) -> int:
     """--isolate run: the dtypes its one worker runs at once, each on a thread with its own KV cache and the
-    weights loaded once (``BuiltinEngine.share_weights``) - the builtin engine on the CPU, without faults (some
-    act on process-wide state); else 1: one dtype after the other (vLLM: one engine per process)."""
-    if getattr(isolate, "value", isolate) != "run" or not _builtin_on_cpu(cases):
+    weights loaded once (``protocol.SharesWeights``) - an engine whose traits say ``cpu_parallel`` (builtin) on the
+    CPU, without faults (some act on process-wide state); else 1: one dtype after the other (vLLM: one engine per
+    process)."""
+    if getattr(isolate, "value", isolate) != "run" or not _parallel_on_cpu(cases):
         return 1
     if any(c.params.get("faults") for c in cases):
         return 1
     return jobs
 
 
-def _builtin_on_cpu(cases: list) -> bool:
-    return all(c.engine == "builtin" for c in cases) and not place(cases).gpu
+def _parallel_on_cpu(cases: list) -> bool:
+    """Cases of engines whose traits say ``cpu_parallel`` (builtin), on the CPU (a plug-in that cannot be imported
+    here: one case at a time, its worker says why)."""
+    from kvdiag.engines.base import engine_traits
+    from kvdiag.errors import UserError
+
+    try:
+        parallel = all(engine_traits(e).cpu_parallel for e in {c.engine for c in cases})
+    except UserError:
+        return False
+    return parallel and not place(cases).gpu
 
 
 def preload(cases: list, *modules: str) -> tuple[str, ...]:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from kvdiag.engines.base import Capabilities, Completion, Scored
+from kvdiag.engines.protocol import EndOfText
 
 
-class HFEngine:
+class HFEngine(EndOfText):
     name = "hf-test"
 
     def __init__(self, path, full_logits: bool = True):

@@ -31,8 +31,9 @@ KV_ELSEWHERE_REASON = "the model runner is not in this process (test engine: wor
 def kv_elsewhere():
     """As vLLM whose workers run in processes of their own: sleeps, but no KV view and no weight count here."""
     from kvdiag.engines.builtin.engine import BuiltinEngine
+    from kvdiag.engines.protocol import WeightBytes
 
-    class Engine(BuiltinEngine):
+    class Engine(BuiltinEngine, WeightBytes):
         @property
         def capabilities(self):
             from dataclasses import replace

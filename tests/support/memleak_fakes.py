@@ -8,6 +8,7 @@ import torch
 
 from kvdiag.engines.base import Capabilities, Completion
 from kvdiag.engines.builtin.engine import BuiltinEngine
+from kvdiag.engines.protocol import Engine, HoldsAfterShutdown
 
 GLOBAL_LIST: list = []
 CLOSURE = None
@@ -56,8 +57,9 @@ def clear() -> None:
     CLOSURE = None
 
 
-class LeakyEngine:
-    """An engine whose shutdown() keeps its KV tensor: only the engine object itself holds it."""
+class LeakyEngine(Engine):
+    """An engine whose shutdown() keeps its KV tensor: only the engine object itself holds it. It generates, and
+    refuses what memleak never asks."""
 
     name = "leaky"
     capabilities = Capabilities(kv_dtypes=("auto",))
@@ -65,8 +67,28 @@ class LeakyEngine:
     def start(self, spec):
         self.kv = torch.zeros(256, 1024)
 
+    def encode(self, text):
+        return [1]
+
+    def decode(self, token_ids):
+        return ""
+
     def generate(self, prompts, max_tokens, **kw):
         return [Completion([1], [2] * max_tokens, [0.0] * max_tokens) for _ in prompts]
+
+    def score(self, contexts, continuations, *, top_k=0):
+        raise NotImplementedError("a memleak fake scores nothing")
+
+    def sleep(self, level):
+        raise NotImplementedError("a memleak fake does not sleep")
+
+    wake_up = sleep
+
+    def kv_blocks(self):
+        return None  # its tensor is out of kvdiag's view
+
+    def versions(self):
+        return {}
 
     def shutdown(self):
         pass  # forgets self.kv
@@ -142,7 +164,7 @@ class FakeDevice:
         cls.peak = max(cls.peak, cls.allocated)
 
 
-class SleepPoolEngine(LeakyEngine):
+class SleepPoolEngine(LeakyEngine, HoldsAfterShutdown):
     """vLLM with sleep mode on CUDA, faked: the sleep-mode allocator is a process-wide singleton whose pool
     (``pool`` bytes) is never given back at shutdown, and a second start in the same process raises vLLM's
     assertion."""

@@ -28,6 +28,7 @@ _.bos_token_id  # engines/builtin: config field and tokenizer attribute (Hugging
 # public API, documented (README.md, docs/DESIGN.md)
 _.cases_frame, _.samples_frame  # kvdiag.results DataFrames
 _.register  # checks/registry.py: a check registered from Python
+_.set_kv_dtype  # engines/builtin/engine.py: another kv dtype on the loaded weights (tests/unit/test_builtin_engine.py)
 
 # read by tests and scripts only: what an engine or a result exposes for inspection
 _.captures, _.replays  # engines/builtin/cuda_graph.py counters (tests/unit/test_cuda_graphs.py)

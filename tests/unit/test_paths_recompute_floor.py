@@ -8,14 +8,14 @@ import pytest
 from test_paths_floor import REF_FLOOR, _judged, _record
 
 from kvdiag.checks.paths.engine_runs import recompute_floor
-from kvdiag.engines.protocol import Completion
+from kvdiag.engines.protocol import Completion, PathProbes
 
 RECOMPUTE = 0.017
 BASE = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
 MAX = 6
 
 
-class Engine:
+class Engine(PathProbes):
     """Greedy, deterministic: the next token is a function of the context; a prompt that is not one of BASE (a base
     prompt with tokens it generated fed back) has every logprob moved by RECOMPUTE."""
 
@@ -42,6 +42,9 @@ class Engine:
 
     def path_counters(self):
         return {"preemptions": self.preemptions}
+
+    def preempted_at(self):
+        return []  # the points are the test's own
 
 
 def test_it_measures_a_recompute_at_each_point_the_engine_preempted():

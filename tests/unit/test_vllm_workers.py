@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from kvdiag.checks.memleak import kv_identity
+from kvdiag.engines.protocol import WorkerProcesses
 from kvdiag.engines.vllm import workers
 from kvdiag.measure.memory import MiB
 from kvdiag.measure.processes import children
@@ -56,6 +57,29 @@ def test_workers_are_asked_only_where_they_run_in_processes_of_their_own():
     assert [s["rank"] for s in states] == [0, 1] and llm.calls == [workers.RPC_TIMEOUT_S]
 
 
+class InWorkers(WorkerProcesses):
+    """An engine whose KV cache is in worker processes of its own (vLLM under tensor parallelism), as far as memleak
+    and wake-cycle ask it: ``states`` answers ``worker_states()``."""
+
+    def __init__(self, states):
+        self.states = states
+
+    def kv_blocks(self):
+        return None  # the model runner is not in this process
+
+    def kv_in_workers(self):
+        return True
+
+    def on_kv(self, fn, *args):
+        raise RuntimeError("the workers' caches are not viewed in this test")
+
+    def worker_states(self):
+        return self.states()
+
+    def empty_worker_caches(self):
+        pass
+
+
 def states_for(pid: int) -> list[dict]:
     state = workers.state(fake_worker(0))
     return [{**state, "pid": pid, "gpu": "0"}]
@@ -66,7 +90,7 @@ def test_memleak_knows_a_workers_kv_cache_by_identity_and_names_the_worker_alive
     kv_cache_survived names it; one that ended, or holds less than its cache, does not."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        engine = SimpleNamespace(kv_blocks=lambda: None, worker_states=lambda: states_for(child.pid))
+        engine = InWorkers(lambda: states_for(child.pid))
         kv, unknown = kv_identity.record(engine)
         assert unknown is None and kv.workers == {child.pid: "0"} and len(kv.storages) == 3
         alive = {pid: {"cmd": cmd, "gpu_mib": None} for pid, cmd in children().items()}
@@ -92,7 +116,7 @@ def test_a_worker_that_cannot_answer_leaves_the_cache_judged_by_size_with_the_re
     def broken():
         raise TimeoutError("RPC call to state timed out.")
 
-    kv, unknown = kv_identity.record(SimpleNamespace(kv_blocks=lambda: None, worker_states=broken))
+    kv, unknown = kv_identity.record(InWorkers(broken))
     assert kv is None and "did not answer: TimeoutError: RPC call to state timed out." in unknown
 
 
@@ -100,7 +124,7 @@ def test_wake_cycle_expects_the_workers_kv_cache_and_weights_to_leave_their_gpus
     from kvdiag.checks.wake_cycle.run import _expected_bytes
 
     states = states_for(1234) + states_for(1235)
-    engine = SimpleNamespace(kv_blocks=lambda: None, worker_states=lambda: states)
+    engine = InWorkers(lambda: states)
     for level in (1, 2):
         e = _expected_bytes(engine, level)
         kv = sum(n for s in states for _, _, n in s["kv"])

@@ -48,8 +48,9 @@ def rescore(case, engine, data: dict, prompts) -> None:
     from dataclasses import replace
 
     from kvdiag.checks.common import start_engine
+    from kvdiag.engines.protocol import SharesWeights
 
-    shares = hasattr(engine, "share_weights")
+    shares = isinstance(engine, SharesWeights)
     if not shares:
         engine.shutdown()
     base = start_engine(replace(case, kv_dtype=case.params["baseline"]), weights_from=engine if shares else None)

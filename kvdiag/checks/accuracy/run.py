@@ -12,6 +12,7 @@ from kvdiag.checks.common import compiled, engine_failed, model_dtype, start_or_
 from kvdiag.checks.sweep import drift
 from kvdiag.checks.sweep.drift import DRIFT
 from kvdiag.checks.sweep.engine_use import acquire_engine, release_engine, startup_once
+from kvdiag.engines.protocol import ModelFacts, SharesWeights
 from kvdiag.errors import UserError
 
 SAMPLES = ".samples.json"
@@ -76,7 +77,7 @@ def run_case(case, ctx):
     released, decoded_error = False, None
     if p.get("drift_decoded") and p.get("role") != "baseline":
         ctx.stage(case, "decoded drift")
-        t, released = time.perf_counter(), not hasattr(engine, "share_weights")  # else shut down for the baseline's
+        t, released = time.perf_counter(), not isinstance(engine, SharesWeights)  # else shut down for the baseline's
         try:
             drift_decoded.rescore(case, engine, probe, prompts)
             drift.save(probe, ctx.artifact(case, DRIFT))
@@ -158,7 +159,7 @@ def _worker_info(engine) -> dict:
     import os
 
     return {"pid": os.getpid(), "thread": threading.current_thread().name,
-            "weight_loads": getattr(engine, "weight_loads", None)}
+            "weight_loads": engine.weight_loads if isinstance(engine, SharesWeights) else None}
 
 
 def _cpu_time() -> float:
@@ -168,7 +169,8 @@ def _cpu_time() -> float:
 
 
 def _max_len(engine, params) -> int:
-    return int(getattr(engine, "max_model_len", 0) or params.get("max_model_len") or 2048)
+    own = engine.max_model_len if isinstance(engine, ModelFacts) else 0
+    return int(own or params.get("max_model_len") or 2048)
 
 
 def _lap(t0: float) -> float:

@@ -40,11 +40,8 @@ class KVRecord:
 
 def record(engine) -> tuple[KVRecord | None, str | None]:
     """The identities of the engine's KV cache and scale tensors now; (None, why) when the engine gives no KV view."""
-    kv_blocks = getattr(engine, "kv_blocks", None)
-    if not callable(kv_blocks):
-        return None, f"{type(engine).__name__} has no kv_blocks()"
     try:
-        view = kv_blocks()
+        view = engine.kv_blocks()
     except Exception as e:  # noqa: BLE001 - an engine without KV access may raise rather than give None
         return None, f"kv_blocks() raised {type(e).__name__}: {first_line(e)[:200]}"
     if view is None:
@@ -57,9 +54,10 @@ def record(engine) -> tuple[KVRecord | None, str | None]:
 
 def in_workers(engine) -> tuple[KVRecord | None, str | None]:
     """The KV cache's identities inside the engine's worker processes; (None, why) when it has none to ask."""
-    ask = getattr(engine, "worker_states", None)
+    from kvdiag.engines.protocol import WorkerProcesses
+
     try:
-        states = ask() if callable(ask) else None
+        states = engine.worker_states() if isinstance(engine, WorkerProcesses) else None
     except Exception as e:  # noqa: BLE001 - a worker that cannot answer leaves the cache judged by size
         return None, f"the worker processes did not answer: {type(e).__name__}: {first_line(e)[:200]}"
     if not states:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from kvdiag.checks.common import WorkloadFailed
 from kvdiag.checks.paths import workload
 from kvdiag.checks.paths.floor import Floor, distance
+from kvdiag.engines.protocol import PathProbes
 
 TOP = 2  # top logprobs per generated token: the cold run's top two say whether a flipped token was a near-tie
 
@@ -32,8 +33,7 @@ def generate(engine, prompts, max_tokens: int, what: str = "generate") -> list:
 
 def reset(engine) -> bool | None:
     """Empty the engine's prefix cache (``reset_prefix_cache``); None when the engine has no such call."""
-    f = getattr(engine, "reset_prefix_cache", None)
-    return None if f is None else bool(f())
+    return bool(engine.reset_prefix_cache()) if isinstance(engine, PathProbes) else None
 
 
 def cold_runs(engine, prompts, max_tokens: int, layouts: dict | None = None) -> tuple[list, Floor]:
@@ -115,10 +115,9 @@ def part(c, start: int, stop: int | None = None):
 
 
 def counter(engine, name: str | None) -> int | None:
-    f = getattr(engine, "path_counters", None)
-    if name is None or f is None:
+    if name is None or not isinstance(engine, PathProbes):
         return None
-    return f().get(name)
+    return engine.path_counters().get(name)
 
 
 def counted_run(engine, prompts, max_tokens: int, name: str | None, what: str) -> tuple[list, int | None]:

@@ -34,6 +34,7 @@ from kvdiag.checks.paths.engine_runs import (
     reset,
 )
 from kvdiag.checks.paths.params import PathsParams
+from kvdiag.engines.protocol import GraphMode, PathProbes
 
 
 def run(case, ctx):
@@ -234,7 +235,7 @@ def _preempt(engine, prompts, max_tokens, path) -> Trial:
     """The prompts through the tight pool; then, where the engine says where it preempted (``preempted_at``), the
     floor of a recompute at those points (``engine_runs.recompute_floor``), which the parent adds to the
     reference's floor."""
-    where = getattr(engine, "preempted_at", None)
+    where = engine.preempted_at if isinstance(engine, PathProbes) else None
     seen = len(where()) if where else 0
     reset(engine)
     out, counted = counted_run(engine, prompts, max_tokens, path.counter, "path run")
@@ -250,7 +251,7 @@ PATH_RUNS = {"offload": _offload, "preemption": _preempt}
 
 def _graph_mode(engine, name: str) -> dict:
     """The CUDA-graph mode the engine really runs (vLLM may lower what was asked), for the graph paths."""
-    mode = getattr(engine, "cudagraph_mode", None)
+    mode = engine.cudagraph_mode if isinstance(engine, GraphMode) else None
     return {"cudagraph_mode": mode} if mode is not None and ("graph" in name) else {}
 
 

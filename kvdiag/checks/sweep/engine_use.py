@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+from kvdiag.engines.protocol import SharesWeights
+
 _SHARED: dict = {}  # --isolate run: (group, thread) -> the engine object that thread's cases share
 _SHARED_LOCK = threading.Lock()  # cases starting at once on threads: one loads the weights, the others share them
 _STARTED: list = []  # non-empty once this worker ran its first case
@@ -22,13 +24,13 @@ def acquire_engine(case):
     with _SHARED_LOCK:
         key = (case.group, threading.get_ident())
         held = _SHARED.get(key)
-        if held is not None and hasattr(held, "set_kv_dtype"):
+        if isinstance(held, SharesWeights):
             held.start(engine_spec(case))  # same weights: only the KV cache is re-created
             return held
         if held is not None:
             held.shutdown()
-        donors = (e for (g, _), e in _SHARED.items() if g == case.group and hasattr(e, "share_weights"))
-        _SHARED[key] = start_engine(case, weights_from=next((e for e in donors if e.model is not None), None))
+        donors = [donor for (g, _), donor in _SHARED.items() if g == case.group and isinstance(donor, SharesWeights)]
+        _SHARED[key] = start_engine(case, weights_from=next((donor for donor in donors if donor.has_weights()), None))
         return _SHARED[key]
 
 

@@ -74,8 +74,9 @@ def cache_storage(engine) -> dict | None:
         view = engine.kv_blocks()
     except (EngineUnsupported, NotImplementedError):
         view = None
-    specs = getattr(engine, "kv_layer_specs", None)
-    layers = specs() if callable(specs) else None
+    from kvdiag.engines.protocol import LayerSpecs
+
+    layers = engine.kv_layer_specs() if isinstance(engine, LayerSpecs) else None
     if layers is None and view is not None:
         layers = view_layers(view)
     if view is None and kv_where.in_workers(engine):  # tensor parallelism: each worker's shard

@@ -54,9 +54,10 @@ def sleep_measure(before, asleep, expected: int | None = None, freed_min: float 
 def weight_bytes(engine, device) -> int | None:
     """Bytes of the model weights on ``device``: the engine's own ``weight_bytes()`` if it has one,
     else the parameters of the torch modules it holds; None when it shows neither."""
-    own = getattr(engine, "weight_bytes", None)
-    if callable(own):
-        return own()
+    from kvdiag.engines.protocol import WeightBytes
+
+    if isinstance(engine, WeightBytes):
+        return engine.weight_bytes()
     import torch
 
     modules = [v for v in vars(engine).values() if isinstance(v, torch.nn.Module)]

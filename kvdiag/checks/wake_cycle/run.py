@@ -14,6 +14,7 @@ from kvdiag.checks.common import (
 from kvdiag.checks.kv_where import on_kv
 from kvdiag.checks.wake_cycle import kv_steps, mem_probe
 from kvdiag.checks.wake_cycle.params import WakeParams
+from kvdiag.engines.protocol import WorkerProcesses
 from kvdiag.errors import EngineUnsupported, first_line
 
 FREED_MIN = 0.9  # asleep, at least this fraction of the expected bytes must be gone
@@ -81,7 +82,7 @@ def _run_cycles(case, engine, p: WakeParams):
                                        f"first {pre.first_nonfinite}")
     for n in range(1, p.cycles + 1):
         try:
-            row, problems = _cycle(engine, n, p, prompts, base, expected["expected_bytes"])
+            row, problems = _cycle(engine, n, p, prompts, base, expected["expected_bytes"], case.params.get("device"))
         except EngineUnsupported as e:
             return greedy.unsupported(case, str(e))
         except Exception as e:  # noqa: BLE001 - an engine raising mid-cycle is what this check looks for
@@ -117,20 +118,18 @@ def _expected_bytes(engine, level: int) -> dict:
 
 
 def _worker_states(engine) -> list | None:
-    ask = getattr(engine, "worker_states", None)
-    return ask() if callable(ask) else None
+    return engine.worker_states() if isinstance(engine, WorkerProcesses) else None
 
 
-def _cycle(engine, n: int, p: WakeParams, prompts, base, expected: int | None) -> tuple[dict, list]:
-    """One sleep/wake cycle: its table row and its problems [(kind, message)]."""
-    device = _scrub(engine)
+def _cycle(engine, n: int, p: WakeParams, prompts, base, expected: int | None, asked: str | None) -> tuple[dict, list]:
+    """One sleep/wake cycle: its table row and its problems [(kind, message)]; ``asked``: the case's device."""
+    device = _scrub(engine, asked)
     if device.type == "cuda":  # kvdiag's own temporaries (scrub, the last scan) out of the caching allocator's
         import torch  # cache: the sleep's empty_cache would free them and the wake never bring them back
 
         torch.cuda.empty_cache()
-        empty = getattr(engine, "empty_worker_caches", None)  # the same in the engine's worker processes, whose
-        if callable(empty):  # cached blocks a wake does not bring back (docs/vllm-gpu-results.md)
-            empty()
+        if isinstance(engine, WorkerProcesses):  # the same in the engine's worker processes, whose cached blocks a
+            engine.empty_worker_caches()  # wake does not bring back (docs/vllm-gpu-results.md)
     before = mem_probe.measure(device, "before", n)
     engine.sleep(p.level)
     asleep = mem_probe.measure(device, "asleep", n)
@@ -165,16 +164,15 @@ def _output_problems(diff, scan, p: WakeParams, prompts, engine) -> list:
     return problems
 
 
-def _scrub(engine):
+def _scrub(engine, asked: str | None):
     """Zero the free blocks of the cache about to be dropped, where it is (``kv_steps.scrub``); returns the cache's
-    device (where it is out of reach, the case's: a GPU where one is visible, unless it says cpu)."""
+    device (where it is out of reach, the case's, ``asked``: a GPU where one is visible, unless it says cpu)."""
     import torch
 
     devices = _reachable(engine, kv_steps.scrub)
     if devices:
         return torch.device(devices[0].split(":")[0] if len(devices) > 1 else devices[0])
-    spec = getattr(engine, "spec", None)
-    return torch.device("cuda" if torch.cuda.is_available() and getattr(spec, "device", "auto") != "cpu" else "cpu")
+    return torch.device("cuda" if torch.cuda.is_available() and (asked or "auto") != "cpu" else "cpu")
 
 
 def _reachable(engine, step) -> list | None:

@@ -22,6 +22,25 @@ class BuiltinTraits(EngineTraits):
     It runs wherever torch does, records no fault firing, and its process may hold any number of engines."""
 
     preload = ("torch", "kvdiag.engines.builtin.engine", "tokenizers")  # not transformers: tokenizer.py
+    shutdown_collects = True  # shutdown() ends with gc.collect() (and empty_cache() on CUDA)
+    cpu_parallel = True  # small models use one core better than two; threads share the weights (share_weights)
+
+    def model_problem(self, folder: str) -> str | None:
+        """A model of a family the engine does not implement (config.py), said before any worker starts."""
+        from kvdiag.engines.builtin.config import ModelConfig
+        from kvdiag.errors import UserError
+
+        try:
+            ModelConfig.from_path(folder)
+        except UserError as e:
+            return str(e)
+        return None
+
+    def resolve_faults(self, engine: str, names: list[str]) -> list[str]:
+        """Its compiled-in faults (faults.py), aliases expanded."""
+        from kvdiag.engines.builtin.faults import Faults
+
+        return list(Faults.parse(names).enabled)
 
     def engine_arg_names(self) -> list[str]:
         return engine_arg_names()

@@ -27,7 +27,18 @@ from kvdiag.engines.builtin.kv_cache import AttnMetadata, KVCache
 from kvdiag.engines.builtin.model import Rows
 from kvdiag.engines.builtin.sampling import score_rows
 from kvdiag.engines.builtin.scheduler import Scheduler, Seq
-from kvdiag.engines.protocol import Capabilities, Completion, EngineSpec, KVBlockView, Scored
+from kvdiag.engines.protocol import (
+    Capabilities,
+    Completion,
+    EndOfText,
+    Engine,
+    EngineSpec,
+    KVBlockView,
+    ModelFacts,
+    PathProbes,
+    Scored,
+    SharesWeights,
+)
 from kvdiag.errors import UserError
 
 _WEIGHT_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -45,9 +56,9 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class BuiltinEngine:
+class BuiltinEngine(Engine, ModelFacts, EndOfText, SharesWeights, PathProbes):
     name = "builtin"
-    shutdown_collects = True  # shutdown() ends with gc.collect() (and empty_cache() on CUDA)
+    compiled = False  # eager modules (decode steps may replay CUDA graphs), never torch.compile
 
     def __init__(self):
         self.spec: EngineSpec | None = None
@@ -118,6 +129,10 @@ class BuiltinEngine:
         self.model, self.kv_scales, self._weights_key = other.model, other.kv_scales, other._weights_key
         self.max_model_len = other.max_model_len
         self.tokenizer = loader.load_tokenizer(other.path)
+
+    def has_weights(self) -> bool:
+        """Whether its weights are loaded now (another engine may take them: ``share_weights``)."""
+        return self.model is not None
 
     def set_kv_dtype(self, kv_cache_dtype: str) -> None:
         """Re-create the KV cache for another kv dtype, keeping the loaded weights."""
@@ -237,6 +252,10 @@ class BuiltinEngine:
                 "device": str(device), "kernels": dispatch.backend("paged_attention", device)}
 
     # ----- tokens ------------------------------------------------------------------------------
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id if self.tokenizer is not None else None
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 

@@ -54,4 +54,4 @@ FAULTS: tuple[Fault, ...] = (
           ("kv_paths",), "a prefill chunk after the first attends only to its own tokens"),
 )
 
-CATALOGUE = Catalogue("builtin", FAULTS)
+CATALOGUE = Catalogue("builtin", FAULTS, forked=False)

@@ -113,6 +113,8 @@ class VllmTraits(EngineTraits):
     span_args = SPAN_ARGS
     distributions = DISTRIBUTIONS
     one_engine_per_gpu_process = ONE_ENGINE_PER_GPU_PROCESS
+    shutdown_collects = True  # shutdown() ends with gc.collect() and empty_cache(): memleak need not repeat them
+    args_example = ARGS_EXAMPLE
 
     def missing(self) -> str | None:
         return missing()

@@ -24,7 +24,24 @@ import importlib.util
 import os
 from typing import Sequence
 
-from kvdiag.engines.protocol import Capabilities, Completion, EngineSpec, KVBlockView, Scored
+from kvdiag.engines.protocol import (
+    Capabilities,
+    Completion,
+    EndOfText,
+    Engine,
+    EngineSpec,
+    GraphMode,
+    HoldsAfterShutdown,
+    KVBlockView,
+    LayerSpecs,
+    ModelFacts,
+    PathProbes,
+    Replayable,
+    ReportsFinished,
+    Scored,
+    WeightBytes,
+    WorkerProcesses,
+)
 from kvdiag.engines.vllm import adapt, repro
 from kvdiag.engines.vllm.progress import Finished, bar_for
 from kvdiag.engines.vllm.sleep import RELOAD, SleepState
@@ -69,9 +86,9 @@ def backend_refusal(kwargs: dict, faults=()) -> str | None:
     return _REFUSALS[key]
 
 
-class VllmEngine:
+class VllmEngine(Engine, ReportsFinished, Replayable, ModelFacts, EndOfText, HoldsAfterShutdown, WorkerProcesses,
+                 LayerSpecs, WeightBytes, PathProbes, GraphMode):
     name = "vllm"
-    shutdown_collects = True  # shutdown() ends with gc.collect() and empty_cache(): memleak need not repeat them
 
     def __init__(self):
         self.llm = self.spec = self.tokenizer = self.dtype = None

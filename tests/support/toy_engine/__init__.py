@@ -1,10 +1,10 @@
 """A toy engine: what a new engine needs to give kvdiag, in one folder, registered with one line.
 
 Pure Python, no torch: it "generates" letters from a hash of the context and a seed (its weights), keeps a dict as
-its cache, and sleeps by dropping the cache (level 1) and the seed too (level 2). It follows the runtime protocol
-(``kvdiag.engines.base.Engine``) and declares its traits (``kvdiag.engines.traits.EngineTraits``: ``ToyEngine.traits``),
-among them one self-test fault: ``wake_reseeds``, a wake that restores other weights (bug class S2), which
-wake-cycle must catch.
+its cache, and sleeps by dropping the cache (level 1) and the seed too (level 2). It declares the runtime protocol
+(``class ToyEngine(Engine)``, ``kvdiag.engines.protocol``; none of the optional capabilities there) and its traits
+(``kvdiag.engines.traits.EngineTraits``: ``ToyEngine.traits``), among them one self-test fault: ``wake_reseeds``, a
+wake that restores other weights (bug class S2), which wake-cycle must catch.
 
 Registration is one line, on the command line (tests/ on PYTHONPATH)::
 
@@ -21,6 +21,7 @@ import zlib
 from typing import Sequence
 
 from kvdiag.engines.base import Capabilities, Completion, EngineSpec, KVBlockView, Scored
+from kvdiag.engines.protocol import Engine
 from kvdiag.engines.selftest import Catalogue, Fault, items
 from kvdiag.engines.traits import EngineTraits
 
@@ -58,7 +59,7 @@ class ToyTraits(EngineTraits):
         return {"fired": dict(_FIRED), "not_applicable": {}}
 
 
-class ToyEngine:
+class ToyEngine(Engine):
     """kvdiag's Engine protocol over a hash: deterministic, greedy, with a sleep that must keep its seed."""
 
     name = "toy"

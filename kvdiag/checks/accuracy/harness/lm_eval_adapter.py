@@ -22,6 +22,7 @@ from lm_eval.api.model import TemplateLM
 from kvdiag.case import PROGRESS_S  # seconds between progress lines of a case
 from kvdiag.checks.accuracy.harness import preloaded
 from kvdiag.checks.accuracy.harness.lm_eval_results import cells, examples, summarize, task_groups, task_hashes
+from kvdiag.engines.protocol import EndOfText
 from kvdiag.errors import UserError
 
 
@@ -43,7 +44,7 @@ class EngineLM(TemplateLM):
         self._encode = functools.lru_cache(maxsize=8192)(lambda text: tuple(engine.encode(text)))
         bos = engine.encode("")
         self._bos = bos[0] if len(bos) == 1 else None
-        self._eos = getattr(engine, "eos_token_id", getattr(getattr(engine, "tokenizer", None), "eos_token_id", None))
+        self._eos = engine.eos_token_id if isinstance(engine, EndOfText) else None
 
     # ---- tokenization (TemplateLM's contract)
     @property
@@ -62,7 +63,7 @@ class EngineLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return getattr(self.engine, "name", "engine")
+        return self.engine.name
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         ids = list(self._encode(string))
