@@ -174,6 +174,7 @@ def test_a_reproducer_that_disagrees_runs_again_and_the_verdict_gives_the_rate(t
     proof = rec.metrics["proof"]
     assert (proof["reproduced"], proof["runs"], proof["exit_codes"]) == (verdict, runs, codes)
     assert [f.kind for f in rec.findings] == [kind]
+    assert rec.findings[0].severity == ("warning" if kind.startswith("not_rep") or "intermit" in kind else "info")
     assert f"python3 {script}" in rec.findings[0].message
     log = script.with_suffix(".log").read_text()
     assert log.count("=== run") == len(codes) and f"run {len(codes) - 1}" in log
@@ -329,3 +330,26 @@ def test_a_restart_that_fails_in_one_fresh_process_of_two_is_said_intermittent(t
     assert (proof["reproduced"], proof["hits"], proof["runs"]) == ("intermittent", 1, 2)
     (said,) = [f for f in rec.findings if f.kind == "reproduced_intermittently"]
     assert "reproduced 1 of 2 runs without kvdiag" in said.message and "intermittent" in said.message
+
+
+
+def test_strict_makes_a_failure_that_does_not_reproduce_outside_kvdiag_an_error(tmp_path, monkeypatch):
+    """A failing case whose reproducer does not reproduce (the engine alone matches the reference: kvdiag's failure
+    had no fault behind it) is, with --strict, an error of the case, not a warning; each check command passes
+    --strict down to the proofs."""
+    from typer.testing import CliRunner
+
+    from kvdiag.cli.app import app
+    from kvdiag.run.prove import prove_run
+
+    monkeypatch.setenv("PYTHONPATH", str(FAKE))
+    ref, rec = records("offload", None, own_floor_layouts=False)
+    prove_run(RunRecord("kvdiag paths", "", [ref, rec], {}, run_dir=str(tmp_path)), strict=True)
+    assert rec.metrics["proof"]["reproduced"] == "no" and rec.metrics["proof"]["runs"] == 3
+    (said,) = [f for f in rec.findings if f.kind == "not_reproduced"]
+    assert said.severity == "error"
+    calls = []
+    monkeypatch.setattr("kvdiag.api.run_check", lambda *a, **kw: calls.append(kw) or RunRecord("k", "", [], {}))
+    for argv, strict in ((["wake-cycle", "--strict"], True), (["poison"], False)):
+        CliRunner().invoke(app, argv)
+        assert calls.pop()["strict"] is strict
