@@ -28,4 +28,4 @@ from kvdiag.checks.poison.params import HELP, PoisonParams
 
 CHECK = Check("poison", "kvdiag.checks.poison.run:run", PoisonParams, help=HELP,
               render="kvdiag.checks.poison.view:render", selftest={"value": "nan", "num_prompts": 2, "seed": 0},
-              gpu_share=True)
+              gpu_share=True, reproducer="kvdiag.checks.poison.repro:script")

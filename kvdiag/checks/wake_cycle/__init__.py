@@ -20,4 +20,5 @@ from kvdiag.checks.wake_cycle.params import HELP, WakeParams
 CHECK = Check("wake-cycle", "kvdiag.checks.wake_cycle.run:run", WakeParams, help=HELP,
               variants="kvdiag.checks.wake_cycle.params:variants",
               render="kvdiag.checks.wake_cycle.view:render", plots="kvdiag.checks.wake_cycle.plots:plots",
-              selftest={"cycles": 1, "num_prompts": 2, "max_tokens": 8, "num_blocks": 16, "seed": 0})
+              selftest={"cycles": 1, "num_prompts": 2, "max_tokens": 8, "num_blocks": 16, "seed": 0},
+              reproducer="kvdiag.checks.wake_cycle.repro:script")

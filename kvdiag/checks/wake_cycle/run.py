@@ -8,6 +8,7 @@ from kvdiag.checks.common import (
     engine_failed,
     engine_spec,
     failure_evidence,
+    replay_of,
     spec_starter,
     start_or_record,
 )
@@ -64,7 +65,8 @@ def _run_cycles(case, engine, p: WakeParams):
     base = engine.generate(prompts, p.max_tokens, greedy=True)
     expected = _expected_bytes(engine, p.level)
     rec = case.result("pass", metrics={"level": p.level, "staged": p.staged, "prompts": len(prompts),
-                                       "max_tokens": p.max_tokens, **expected, "cycles": []},
+                                       "max_tokens": p.max_tokens, **expected, "cycles": [],
+                                       **_replay(engine, base)},
                       environment={**device_info(), **engine.versions()})
     unscanned = kv_where.workers_problem(engine) if expected["worker_processes"] else None
     if unscanned:  # the cache lives in the engine's worker processes (vLLM with several GPUs) and cannot be viewed
@@ -95,6 +97,13 @@ def _run_cycles(case, engine, p: WakeParams):
             _add_once(rec, kind, message, n)
     rec.status = "fail" if any(f.severity == "error" for f in rec.findings) else "pass"
     return rec
+
+
+def _replay(engine, base) -> dict:
+    """What the case's reproducer runs again (``repro.py``): the engine's start, and the prompts as token ids
+    (``prompt_ids``: the case's ``prompts`` is their count)."""
+    got = replay_of(engine, [c.prompt_token_ids for c in base])
+    return {"replay": got["replay"], "prompt_ids": got["prompts"]} if got else {}
 
 
 def _expected_bytes(engine, level: int) -> dict:
