@@ -32,7 +32,10 @@ class LLM:
 
     @property
     def llm_engine(self):
-        """vLLM's in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its block pool and cache tensors."""
+        """vLLM's in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its block pool and cache tensors;
+        fault ``remote_core``: the engine core's client only, as when it runs in its own process."""
+        if self.fault == "remote_core":
+            return SimpleNamespace(engine_core=SimpleNamespace())
         if self._core is None:
             import torch
 
