@@ -32,4 +32,4 @@ CHECK = Check(
     "or within drift of 'auto', and what its cache stores.",
     render="kvdiag.checks.dtypes.view:render", plots="kvdiag.checks.dtypes.plots:plots",
     tables="kvdiag.checks.dtypes.tables:tables", cases="kvdiag.checks.dtypes.cases:cases", gpu_share=True,
-    selftest={"num_prompts": 2})
+    selftest={"num_prompts": 2}, reproducer="kvdiag.checks.dtypes.repro:script")

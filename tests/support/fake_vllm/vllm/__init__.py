@@ -25,6 +25,8 @@ class LLM:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.fault = kwargs.get("fake_fault") or os.environ.get("FAKE_VLLM_FAULT")  # a patch put in the process
+        if self.fault == "refuse" and kwargs.get("kv_cache_dtype", "auto") != "auto":
+            raise ValueError(f"kv_cache_dtype {kwargs['kv_cache_dtype']!r} is not supported")
         self.cached = set()  # the first blocks run since the last reset: a prompt that starts so hits
         self.asleep: set[str] = set()
         self.woken = False  # a KV cache wake happened: the "wake" fault's stale block tables read wrong
