@@ -230,9 +230,23 @@ def test_report_bug_writes_an_issue_body_a_maintainer_can_act_on(tmp_path, monke
                  "Reproduced without kvdiag: yes", "REPRODUCED", "Found by `kvdiag paths -e vllm -d auto`"):
         assert part in body, part
     assert (tmp_path / "repro" / "paths_vllm_m_auto_offload.py").read_text().rstrip() in body
+    assert "origin: a local folder" in body  # /m: neither the hub's nor kvdiag's
     p = subprocess.run([sys.executable, "-m", "kvdiag", "report", str(tmp_path), "--bug", "no/such/case"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and rec.id in p.stderr
+
+
+def test_the_bug_body_says_where_the_model_comes_from(tmp_path):
+    """The hub id and revision run.json recorded, a model shipped with kvdiag, one its zoo built."""
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.models.zoo import zoo_cache
+    from kvdiag.report.bug import model_origin
+
+    hub = {"repo_id": "Qwen/Qwen3-0.6B", "revision": "c1899de", "hash": "sha256:ab"}
+    assert model_origin("/hf/models--Qwen--Qwen3-0.6B/snapshots/c1899de", hub) == \
+        "Hugging Face hub Qwen/Qwen3-0.6B at revision c1899de; content sha256:ab"
+    assert model_origin(str(TINY_MODEL), None) == "shipped with kvdiag (kvdiag/assets/tiny-llama)"
+    assert model_origin(str(zoo_cache() / "qwen3"), {}).startswith("built by kvdiag's model zoo")
 
 
 def test_compare_keeps_whether_each_sides_failure_reproduced(tmp_path):
