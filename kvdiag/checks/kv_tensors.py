@@ -129,7 +129,7 @@ def fill_numbers(value: str, kv_cache_dtype: str) -> dict:
     import torch
 
     out = {}
-    for name in ("float32", "float16", "bfloat16", "int8", "uint8"):
+    for name in ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"):
         dtype = getattr(torch, name)
         if name == "uint8":
             dtype = torch.float8_e5m2 if "e5m2" in kv_cache_dtype else torch.float8_e4m3fn

@@ -208,3 +208,30 @@ def test_selftest_prove_says_why_a_caught_fault_has_no_reproducer():
     out = " ".join(con.export_text().split())
     assert "kv_cache_kept_after_shutdown: not proved: memleak writes reproducers only for a failure inside the " \
            "engine" in out
+
+
+@pytest.mark.parametrize("value", ["zero", "nan", "inf", "max"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_e5m2"])
+def test_the_scripts_fill_puts_the_bits_kvdiags_poison_puts(value, kv_dtype):
+    """The numbers a script fills each cache dtype with (``fill_numbers``, as the script applies them) give the same
+    bits as kvdiag's own fill of the same blocks (``kv_tensors.fill_blocks``); fp8 stored as uint8 as the fp8 it
+    holds."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvdiag.checks.kv_tensors import fill_blocks, fill_numbers
+
+    fp8 = torch.float8_e5m2 if kv_dtype == "fp8_e5m2" else torch.float8_e4m3fn
+    numbers = fill_numbers(value, kv_dtype)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.uint8):
+        ours = torch.ones(4, 3, dtype=torch.float32).to(dtype if dtype != torch.uint8 else fp8)
+        theirs = ours.clone() if dtype != torch.uint8 else ours.clone().view(torch.uint8)
+        fill_blocks(SimpleNamespace(layers=[SimpleNamespace(k=ours)]), [1, 3], value)
+        idx = torch.tensor([1, 3])
+        name = str(theirs.dtype).split(".")[-1]
+        if theirs.element_size() == 1:
+            theirs.view(torch.uint8).index_fill_(0, idx, numbers[name])
+        else:
+            theirs.index_fill_(0, idx, float(numbers[name]))
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), (dtype, value)
