@@ -23,6 +23,7 @@ CHECK = Check(
     render="kvdiag.checks.accuracy.view:render", plots="kvdiag.checks.accuracy.plots:plots",
     tables="kvdiag.checks.accuracy.tables:tables",
     compare="kvdiag.checks.accuracy.compare:rows", cases="kvdiag.checks.accuracy.cases:cases", gpu_share=True,
+    reproducer="kvdiag.checks.accuracy.repro:script",
     # 10 documents of kv_recall: enough for a collapse; drift (measured in every case) catches what they cannot
     selftest={"tasks": ["kv_recall"], "include_paths": [], "include_defaults": False, "limit": 10,
               "num_fewshot": None, "seed": 0, "num_prompts": 2})
