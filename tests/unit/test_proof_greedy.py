@@ -235,3 +235,11 @@ def test_the_scripts_fill_puts_the_bits_kvdiags_poison_puts(value, kv_dtype):
         else:
             theirs.index_fill_(0, idx, float(numbers[name]))
         assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), (dtype, value)
+
+
+def test_a_worker_a_wake_killed_is_proved_from_what_it_kept(tmp_path):
+    """A wake that kills the worker leaves a crashed record with what the worker kept before the first sleep (its
+    start and prompts): the script runs every cycle and reproduces when the engine dies after its reference run."""
+    rec = wake_case("wake_crash", status="crashed", kind="crashed")
+    p = run_script(write(tmp_path, rec))
+    assert p.returncode == 1 and "REPRODUCED: the engine failed after its reference run" in p.stdout, p.stdout

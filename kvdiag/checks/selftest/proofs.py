@@ -73,7 +73,7 @@ def _script(run, row: dict):
     recs = jobs_of(run.cases).get((row["fault"], row["intended"]), [])
     sub = RunRecord(command=run.command, started=run.started, cases=recs, environment={}, run_dir=run.run_dir)
     for rec in recs:
-        text = load(check.reproducer)(rec, sub) if rec.status == "fail" else None
+        text = load(check.reproducer)(rec, sub) if rec.status in ("fail", "crashed") else None
         if text:
             return rec, text
     return None

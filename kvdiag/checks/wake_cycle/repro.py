@@ -1,4 +1,5 @@
-"""The reproducer of a failing wake-cycle case (``kvdiag.proof``), on an engine that says how it was started
+"""The reproducer of a failing wake-cycle case (``kvdiag.proof``; a crashed one too, whose worker a wake killed after
+it kept its start), on an engine that says how it was started
 (``protocol.Replayable``; vLLM, whose sleep mode runs on CUDA and ROCm): one engine with kvdiag's arguments (sleep mode
 on) runs the prompts, then, up to the cycle kvdiag first failed in, zeroes the free blocks, sleeps at the case's
 level, wakes as vLLM documents it (level 2: the weights, ``reload_weights``, then the KV cache) and runs the prompts
@@ -19,7 +20,7 @@ def script(case, run=None) -> str | None:
 
     m = case.metrics
     errors = [f for f in case.findings if f.severity == "error"]
-    if case.status != "fail" or not errors or (m.get("replay") or {}).get("engine") != "vllm":
+    if case.status not in ("fail", "crashed") or not errors or (m.get("replay") or {}).get("engine") != "vllm":
         return None
     p = WakeParams.from_case(case)
     cycles = min(min(f.evidence.get("cycles") or [f.evidence.get("cycle") or p.cycles]) for f in errors)
