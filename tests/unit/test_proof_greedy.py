@@ -208,6 +208,11 @@ def test_selftest_prove_says_why_a_caught_fault_has_no_reproducer():
     out = " ".join(con.export_text().split())
     assert "kv_cache_kept_after_shutdown: not proved: memleak writes reproducers only for a failure inside the " \
            "engine" in out
+    row = {"fault": "prefix_hit_treated_fresh", "intended": "paths", "status": "caught"}
+    run = RunRecord("kvdiag selftest --prove", "", [], {}, run_dir="/nonexistent",
+                    analysis={"selftest": {"faults": [row], "clean": {}, "ok": True}})
+    proofs.prove_faults(run, "builtin")  # the builtin engine has no plain script to put its faults in
+    assert row["unproved"] == "engine builtin cannot put its faults into a plain script's engine"
 
 
 @pytest.mark.parametrize("value", ["zero", "nan", "inf", "max"])

@@ -25,12 +25,15 @@ def prove_faults(run, engine: str, say=None, jobs: int = 1, timeout: float = 900
     for row in a["faults"]:
         if row["status"] != CAUGHT:
             continue
+        if traits.fault_patch([row["fault"]], "auto") is None:
+            row["unproved"] = f"engine {engine} cannot put its faults into a plain script's engine"
+            continue
         found = _script(run, row)
-        patch = traits.fault_patch([row["fault"]], found[0].kv_dtype) if found else None
-        if found and patch:
-            todo.append((row, write_script(run.run_dir, found[0].id, found[1]), patch))
-        else:
-            row["unproved"] = _why_not(row) if not found else f"engine {engine} cannot patch its faults into a script"
+        if found is None:
+            row["unproved"] = _why_not(row)
+            continue
+        patch = traits.fault_patch([row["fault"]], found[0].kv_dtype)
+        todo.append((row, write_script(run.run_dir, found[0].id, found[1]), patch))
     if say and todo:
         say(f"proving {len(todo)} caught fault(s) without kvdiag: each reproducer with the fault's patch, then "
             f"without it ({jobs} at once)")
