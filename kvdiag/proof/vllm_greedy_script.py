@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 
-CASE: dict = {}  # filled in by kvdiag: the engine, its steps, the comparisons, the tolerance and what kvdiag saw
+CASE: dict = {}  # filled in by kvdiag: the engine, its inputs and steps, the comparisons, what kvdiag saw
 MARK = "@@reproducer-step "
 MiB = 1 << 20
 
@@ -85,7 +85,8 @@ def step_once(llm, step: dict):
     if do == "generate":
         params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0, logprobs=0,
                                 **CASE["engine"]["sampling"])
-        results = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], params, use_tqdm=False)
+        prompts = CASE["inputs"][step["prompts"]]  # token ids, named once: several steps run the same prompts
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [{"token_ids": list(r.outputs[0].token_ids),
                  "logprobs": [pos[t].logprob for t, pos in zip(r.outputs[0].token_ids, r.outputs[0].logprobs or [])]}
                 for r in results]

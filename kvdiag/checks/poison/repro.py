@@ -29,9 +29,11 @@ def script(case, run=None) -> str | None:
         for n, wave in enumerate(m["waves"], 1):
             steps += [{"do": "fill", "value": fill, "seed": p.seed + n - 1,
                        "what": f"wave {n}: the free blocks filled with {fill}"},
-                      {"do": "generate", **wave, "as": f"{label} wave {n}", "what": f"wave {n} ({label})"}]
+                      {"do": "generate", "prompts": f"wave {n}", "max_tokens": wave["max_tokens"],
+                       "as": f"{label} wave {n}", "what": f"wave {n} ({label})"}]
     return filled("vllm_greedy_script.py", {
         "title": f"{case.id}: the outputs with the free KV blocks poisoned ({p.value}) against zeroed",
         "kvdiag_saw": "; ".join(f.message for f in errors), "tolerance": p.logprob_tol, "engine": m["replay"],
-        "steps": steps, "compare": [[f"zeroed wave {n}", f"poisoned wave {n}"] for n in range(1, len(m["waves"]) + 1)],
+        "inputs": {f"wave {n}": wave["prompts"] for n, wave in enumerate(m["waves"], 1)}, "steps": steps,
+        "compare": [[f"zeroed wave {n}", f"poisoned wave {n}"] for n in range(1, len(m["waves"]) + 1)],
         "memory": None, "fill": {v: fill_numbers(v, case.kv_dtype) for v in {"zero", p.value} - {"random"}}})

@@ -25,7 +25,7 @@ def script(case, run=None) -> str | None:
     p = WakeParams.from_case(case)
     cycles = min(min(f.evidence.get("cycles") or [f.evidence.get("cycle") or p.cycles]) for f in errors)
     judged = bool({f.kind for f in errors} & set(MEMORY)) and m.get("expected_bytes")
-    generate = {"do": "generate", "prompts": m["prompt_ids"], "max_tokens": m["max_tokens"]}
+    generate = {"do": "generate", "prompts": "prompts", "max_tokens": m["max_tokens"]}
     steps = [{**generate, "as": "reference", "what": "the reference run"}]
     for n in range(1, cycles + 1):
         steps += [{"do": "fill", "value": "zero", "optional": True, "what": f"cycle {n}: zero the free blocks"}]
@@ -38,7 +38,8 @@ def script(case, run=None) -> str | None:
     return filled("vllm_greedy_script.py", {
         "title": f"{case.id}: the outputs after a level-{p.level} sleep and wake" + (" (staged)" if p.staged else ""),
         "kvdiag_saw": "; ".join(f.message for f in errors), "tolerance": p.logprob_tol, "engine": m["replay"],
-        "steps": steps, "compare": [["reference", f"cycle {n}"] for n in range(1, cycles + 1)],
+        "inputs": {"prompts": m["prompt_ids"]}, "steps": steps,
+        "compare": [["reference", f"cycle {n}"] for n in range(1, cycles + 1)],
         "memory": {"cycles": list(range(1, cycles + 1)), "expected_bytes": m["expected_bytes"],
                    "freed_min": FREED_MIN, "restore_tol": RESTORE_TOL} if judged else None,
         "fill": {"zero": fill_numbers("zero", case.kv_dtype)}})
