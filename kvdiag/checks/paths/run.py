@@ -106,7 +106,7 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
         return case.result("pass", environment=env, metrics={
             "path": path.name, "role": "path", "judged_later": True, "counter": path.counter,
             "counted": trial.counted, "need": need,
-            "path_config": {"spec": config.spec, "args": config.args}, **trial.notes, **replay_of(engine, prompts),
+            "path_config": {"spec": config.spec, "args": config.args}, **trial.notes, **_replay(engine, prompts),
             "completions": completions.to_json(trial.out)})
     grown = {}
     if p.path.startswith("prefix-"):
@@ -117,16 +117,18 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
     if path is None:  # a reference case
         return case.result("pass", environment=env, metrics={
             "path": p.path, "role": "reference", "judged_later": False, "floor": vars(floor), "requests": len(cold),
-            "tokens": sum(len(c.token_ids) for c in cold), **_graph_mode(engine, p.path),
-            **replay_of(engine, prompts),
+            "tokens": sum(len(c.token_ids) for c in cold), **_graph_mode(engine, p.path), **_replay(engine, prompts),
             "completions": completions.to_json(cold), "layouts": completions.layouts_to_json(layouts)})
     ctx.stage(case, f"path {path.name}")
     block = block_size(engine, spec)
     trial = PREFIX_RUNS[path.name](engine, prompts, cold, p.max_tokens, block, path.counter)
     trial.notes.update(grown)
     rec = verdict(case, p, path, config, floor, trial, env)
-    rec.metrics.update(replay_of(engine, prompts), block_size=block)
+    rec.metrics.update(_replay(engine, prompts), block_size=block)
     return rec
+
+
+_replay = replay_of  # how the engine was started and the prompts' ids: what a reproducer runs again
 
 
 def _prefix_prompts(engine, spec, prompts, max_tokens: int) -> tuple[list, dict]:
