@@ -24,7 +24,7 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
               faults: list[str] | None = None, isolate: str = "case", output_dir: str | Path | None = None,
               jobs: int | None = None, timeout: float | None = None, resume: str | Path | None = None,
               quiet: bool = False, fmt: str | None = None, command: str | None = None,
-              given: set[str] | None = None, prove: bool | None = None, **options):
+              given: set[str] | None = None, prove: bool | None = None, strict: bool = False, **options):
     """Run ``check`` (a registered check's name: ``kvdiag.checks.registry.checks()``) and return its finished run
     (:class:`kvdiag.results.RunRecord`: ``cases``, ``analysis``, ``summary``, ``exit_code``, ``run_dir``).
 
@@ -40,7 +40,8 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
 
     ``prove``: each failing case's standalone reproducer (``RUN_DIR/repro/CASE.py``, where kvdiag can write one) is
     run in a fresh process after the run, and the case says whether it reproduced (``kvdiag.proof``); None: yes,
-    unless ``KVDIAG_PROVE=0``.
+    unless ``KVDIAG_PROVE=0``. ``strict``: a failure whose reproducer did not reproduce is an error of the case, not
+    a warning (and, for a check that takes ``--strict`` itself, accuracy's, that option too).
 
     ``resume``: the run goes on with the engine, model, dtypes and options it was made with (run.json's ``call``);
     an argument given again must equal the run's (``given``: the names of those given; default: the arguments that
@@ -58,6 +59,8 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
         raise UserError(f"unknown check '{check}'; valid: {', '.join(checks())}")
     if isinstance(engine_args, dict):
         engine_args = [f"{k}={_arg(v)}" for k, v in engine_args.items()]
+    if strict and "strict" in {f.name for f in found.option_fields()}:
+        options = {**options, "strict": True}
     call = {"check": found.name, "engine": engine, "model": model, "kv_dtypes": kv_dtypes, "device": device,
             "engine_args": engine_args, "faults": faults, "isolate": getattr(isolate, "value", isolate),
             "options": options}
@@ -80,6 +83,7 @@ def run_check(check: str, *, engine: str = "builtin", model: str | None = None,
     return record(cases, run_dir, timeout=found.timeout if timeout is None else timeout, resume=resume is not None,
                   quiet=quiet, fmt=fmt, jobs=jobs, analyze=analyze, threads=threads, call=call,
                   prove=prove_default() if prove is None else prove,
+                  strict=strict or bool(getattr(p, "strict", False)),
                   finish=lambda run: write_reports(run, run_dir, ("md", "html")),
                   command=command or _call_text(check, engine, model, kv_dtypes, engine_args, options))
 

@@ -24,6 +24,15 @@ def engine_spec(case, **overrides) -> EngineSpec:
                       engine_args=dict(p.get("engine_args") or {}), **kw)
 
 
+def replay_of(engine, prompts) -> dict:
+    """How the engine was started and the prompts' token ids, where the engine can say (``protocol.Replayable``):
+    what a failing case's reproducer runs again (``kvdiag.proof``); {} where it cannot."""
+    from kvdiag.engines.protocol import Replayable
+
+    args = engine.replay_args() if isinstance(engine, Replayable) else None
+    return {"replay": args, "prompts": [list(map(int, q)) for q in prompts]} if args else {}
+
+
 def start_engine(case, weights_from: Engine | None = None, **overrides) -> Engine:
     """Create and start the case's engine; ``weights_from``: a started engine of the same kind whose loaded
     weights it uses instead of reading them again (``share_weights``, builtin engine)."""

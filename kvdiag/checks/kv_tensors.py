@@ -121,6 +121,23 @@ def block_slots(blocks, block_size: int):
 # --------------------------------------------------------------------------- poison
 
 
+def fill_numbers(value: str, kv_cache_dtype: str) -> dict:
+    """What ``value`` (zero or a poison but random) puts in a cache tensor of each dtype a cache is stored in, as
+    :func:`fill_blocks` puts it, for a script that fills without kvdiag (``kvdiag.proof``): a float as text (nan and
+    inf have no literal), a 1-byte dtype the code's bits; uint8 is the storage of vLLM's fp8 cache
+    (``kv_cache_dtype``'s format)."""
+    import torch
+
+    out = {}
+    for name in ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"):
+        dtype = getattr(torch, name)
+        if name == "uint8":
+            dtype = torch.float8_e5m2 if "e5m2" in kv_cache_dtype else torch.float8_e4m3fn
+        x = 0.0 if value == "zero" else poison_scalar(dtype, value)
+        out[name] = int(torch.tensor([x]).to(dtype).view(torch.uint8).item()) if dtype.itemsize == 1 else str(x)
+    return out
+
+
 def poison_scalar(dtype, value: str) -> float | None:
     """The poison a tensor of ``dtype`` gets for ``--value``; None for ``random`` (seeded random bits).
 

@@ -23,7 +23,7 @@ def common_options(check) -> list[tuple[str, object, object]]:
            ("output_dir", o.OutputDirOpt, None), ("fmt", o.FormatOpt, o.Format.table),
            ("timeout", o.TimeoutOpt, check.timeout),
            ("resume", o.ResumeOpt, None), ("quiet", o.QuietOpt, False), ("fault", o.FaultOpt, None)]
-    return out + [("prove", o.ProveOpt, True)]  # every check: a crash inside the engine has its command
+    return out + [("prove", o.ProveOpt, True), ("strict", o.StrictOpt, False)]  # every check: a crash has its command
 
 
 def own_options(check) -> list[tuple[str, object, object]]:
@@ -68,7 +68,8 @@ def command_for(check):
                         device=kw["device"], engine_args=kw["engine_arg"], faults=kw["fault"],
                         isolate=kw.get("isolate", "case"), output_dir=kw["output_dir"], jobs=kw["jobs"],
                         timeout=kw["timeout"], resume=kw["resume"], quiet=kw["quiet"], fmt=kw["fmt"],
-                        command=command_line(), given=o.given(kw["ctx"]), prove=kw.get("prove", False), **values)
+                        command=command_line(), given=o.given(kw["ctx"]), prove=kw.get("prove", False),
+                        strict=kw.get("strict", False), **values)
         raise typer.Exit(run.exit_code)
 
     isolate = [("isolate", o.CheckIsolateOpt, o.Isolate.case)] if check.isolate else []

@@ -65,6 +65,9 @@ ProveOpt = Annotated[bool, typer.Option(
     "--prove/--no-prove", envvar="KVDIAG_PROVE", help="Write each failing case's reproducer (RUN_DIR/repro/CASE.py: "
     "the engine alone, no kvdiag), run it in a fresh process and say whether it reproduces (up to 3 runs when it "
     "does not at once).")]
+StrictOpt = Annotated[bool, typer.Option(
+    "--strict", help="A failure whose reproducer did not reproduce outside kvdiag is an error of its case, not a "
+    "warning (it may be kvdiag's own doing).")]
 EngineArgOpt = Annotated[Optional[list[str]], typer.Option(
     "--engine-arg", "-a", help="key=value passed to the engine, several comma-separated as lm_eval's --model_args; "
     "values JSON-ish (2, 0.5, true, none, [1,2], \"a,b\"); repeatable; a name the engine does not take exits 2 with "

@@ -65,8 +65,9 @@ def attempts(script: Path, timeout: float, env: dict | None = None,
     return runs
 
 
-def record(rec, script: Path, runs: list) -> None:
-    """The outcome of ``runs`` on ``rec``: ``metrics.proof`` and one finding that says it."""
+def record(rec, script: Path, runs: list, strict: bool = False) -> None:
+    """The outcome of ``runs`` on ``rec``: ``metrics.proof`` and one finding that says it. ``strict`` (--strict): a
+    failure that did not reproduce is an error (it may be kvdiag's own doing), not a warning."""
     codes = [code for code, _, _ in runs]
     hits = codes.count(1)
     counted = [c for c in codes if c in (0, 1)]
@@ -93,7 +94,8 @@ def record(rec, script: Path, runs: list) -> None:
         rec.add("warning", "reproduced_intermittently", f"reproduced {hits} of {len(counted)} runs without kvdiag: "
                 f"{command}; the failure is intermittent")
     elif verdict == "no":
-        rec.add("warning", "not_reproduced", f"did not reproduce without kvdiag in {len(counted)} runs: {command}; "
+        rec.add("error" if strict else "warning", "not_reproduced",
+                f"did not reproduce without kvdiag in {len(counted)} runs: {command}; "
                 "it may come from kvdiag's own use of the engine")
     else:
         why = "timed out" if codes[-1] is None else f"exit {codes[-1]}"

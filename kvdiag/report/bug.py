@@ -38,7 +38,8 @@ def bug_body(run, case_id: str) -> str:
     env = {**run.environment, **case.environment}
     out += [f"{k}: {v}" for k, v in reported_versions(case.engine, env).items()]
     out += [f"{k}: {env[k]}" for k in ENV_KEYS if env.get(k) not in (None, "")]
-    out += ["", f"model: {case.model}", *model_shape(case.model), "```", "", "</details>", "",
+    out += ["", f"model: {case.model}", f"origin: {model_origin(case.model, (run.models or {}).get(case.model))}",
+            *model_shape(case.model), "```", "", "</details>", "",
             "### 🐛 Describe the bug", "",
             f"Expected: {expected(case)}", "",
             "Actual: " + ("; ".join(errors) or case.status) + ".", "",
@@ -62,6 +63,25 @@ def expected(case) -> str:
         return (f"the {path} path gives the same greedy tokens as the cold path of the same engine, within the "
                 f"engine's own run-to-run logprob noise (tolerance {case.metrics.get('tolerance', 0):.3g})")
     return summary
+
+
+def model_origin(model: str, record: dict | None) -> str:
+    """Where the model comes from, as run.json's ``models`` recorded it (``evaluation.provenance``): a hub id and
+    revision, a model shipped with kvdiag or built by its zoo, or a local folder; with its content hash."""
+    from kvdiag.assets import ASSETS_DIR
+    from kvdiag.models.zoo import zoo_cache
+
+    record = record or {}
+    path = Path(model).resolve()
+    if record.get("repo_id"):
+        where = f"Hugging Face hub {record['repo_id']} at revision {record.get('revision') or '?'}"
+    elif path.is_relative_to(ASSETS_DIR):
+        where = f"shipped with kvdiag ({path.relative_to(ASSETS_DIR.parent.parent)})"
+    elif path.is_relative_to(zoo_cache().resolve()):
+        where = f"built by kvdiag's model zoo (`python -m kvdiag.models.zoo`), {path.name}"
+    else:
+        where = "a local folder"
+    return where + (f"; content {record['hash']}" if record.get("hash") else "")
 
 
 def model_shape(model: str) -> list[str]:

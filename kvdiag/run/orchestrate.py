@@ -125,6 +125,7 @@ def record(
     durations: dict[str, float] | None = None,
     call: dict | None = None,
     prove: bool = False,
+    strict: bool = False,
 ):
     """Run cases, analyse, write run.json, print as ``fmt`` says ("table", "json", None: nothing), return the
     finished run (a RunRecord). ``threads``: see :func:`kvdiag.run.runner.run_cases`. ``jobs`` is capped at one
@@ -140,7 +141,8 @@ def record(
     says was run (default: this process's kvdiag command line). ``durations``: an earlier run's case times, to start the
     longest cases first (:func:`kvdiag.run.runner.run_cases`). ``call``: what run.json records the run was made
     with (``kvdiag.run.resume``); with ``resume`` the cases must be the recorded run's (UserError, before any worker).
-    ``prove``: each failing case's reproducer is written and run once the run is judged (``kvdiag.proof``).
+    ``prove``: each failing case's reproducer is written and run once the run is judged (``kvdiag.proof``);
+    ``strict``: one that does not reproduce is an error of its case, not a warning.
     """
     from kvdiag.results import RunRecord, exit_code_for, summarize, write_jsonl, write_run_json
     from kvdiag.run.progress import make_progress
@@ -180,7 +182,8 @@ def record(
     if prove:
         from kvdiag.run.prove import prove_run
 
-        prove_run(run, say=None if quiet else lambda line: print(line, file=sys.stderr, flush=True), jobs=jobs)
+        prove_run(run, say=None if quiet else lambda line: print(line, file=sys.stderr, flush=True), jobs=jobs,
+                  strict=strict)
     write_jsonl(run_dir / "results.jsonl", run.cases)  # one final record per case
     run.summary = summarize(run.cases)
     run.exit_code = exit_code_for(run.cases)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from kvdiag.proof.runs import attempts, record, write_script
 
 
-def prove_run(run, say=None, timeout: float = 900.0, jobs: int = 1) -> None:
+def prove_run(run, say=None, timeout: float = 900.0, jobs: int = 1, strict: bool = False) -> None:
     """Prove every failing case of ``run`` whose check writes a reproducer, ``jobs`` at once (the run's own: its
-    engines were sized to share the device so); ``say(line)`` tells progress."""
+    engines were sized to share the device so); ``say(line)`` tells progress; ``strict``: a failure that does not
+    reproduce is an error of its case (``record``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from kvdiag.checks.registry import get
@@ -29,7 +30,7 @@ def prove_run(run, say=None, timeout: float = 900.0, jobs: int = 1) -> None:
 
     def prove(item) -> None:
         rec, script = item
-        record(rec, script, attempts(script, timeout))
+        record(rec, script, attempts(script, timeout), strict)
         if say:
             said = rec.metrics["proof"]
             say(f"  {rec.id}: reproduced {said['reproduced']} ({said['hits']} of {said['runs']} runs, "

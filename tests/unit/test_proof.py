@@ -174,6 +174,7 @@ def test_a_reproducer_that_disagrees_runs_again_and_the_verdict_gives_the_rate(t
     proof = rec.metrics["proof"]
     assert (proof["reproduced"], proof["runs"], proof["exit_codes"]) == (verdict, runs, codes)
     assert [f.kind for f in rec.findings] == [kind]
+    assert rec.findings[0].severity == ("warning" if kind.startswith("not_rep") or "intermit" in kind else "info")
     assert f"python3 {script}" in rec.findings[0].message
     log = script.with_suffix(".log").read_text()
     assert log.count("=== run") == len(codes) and f"run {len(codes) - 1}" in log
@@ -229,9 +230,23 @@ def test_report_bug_writes_an_issue_body_a_maintainer_can_act_on(tmp_path, monke
                  "Reproduced without kvdiag: yes", "REPRODUCED", "Found by `kvdiag paths -e vllm -d auto`"):
         assert part in body, part
     assert (tmp_path / "repro" / "paths_vllm_m_auto_offload.py").read_text().rstrip() in body
+    assert "origin: a local folder" in body  # /m: neither the hub's nor kvdiag's
     p = subprocess.run([sys.executable, "-m", "kvdiag", "report", str(tmp_path), "--bug", "no/such/case"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and rec.id in p.stderr
+
+
+def test_the_bug_body_says_where_the_model_comes_from(tmp_path):
+    """The hub id and revision run.json recorded, a model shipped with kvdiag, one its zoo built."""
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.models.zoo import zoo_cache
+    from kvdiag.report.bug import model_origin
+
+    hub = {"repo_id": "Qwen/Qwen3-0.6B", "revision": "c1899de", "hash": "sha256:ab"}
+    assert model_origin("/hf/models--Qwen--Qwen3-0.6B/snapshots/c1899de", hub) == \
+        "Hugging Face hub Qwen/Qwen3-0.6B at revision c1899de; content sha256:ab"
+    assert model_origin(str(TINY_MODEL), None) == "shipped with kvdiag (kvdiag/assets/tiny-llama)"
+    assert model_origin(str(zoo_cache() / "qwen3"), {}).startswith("built by kvdiag's model zoo")
 
 
 def test_compare_keeps_whether_each_sides_failure_reproduced(tmp_path):
@@ -329,3 +344,26 @@ def test_a_restart_that_fails_in_one_fresh_process_of_two_is_said_intermittent(t
     assert (proof["reproduced"], proof["hits"], proof["runs"]) == ("intermittent", 1, 2)
     (said,) = [f for f in rec.findings if f.kind == "reproduced_intermittently"]
     assert "reproduced 1 of 2 runs without kvdiag" in said.message and "intermittent" in said.message
+
+
+
+def test_strict_makes_a_failure_that_does_not_reproduce_outside_kvdiag_an_error(tmp_path, monkeypatch):
+    """A failing case whose reproducer does not reproduce (the engine alone matches the reference: kvdiag's failure
+    had no fault behind it) is, with --strict, an error of the case, not a warning; each check command passes
+    --strict down to the proofs."""
+    from typer.testing import CliRunner
+
+    from kvdiag.cli.app import app
+    from kvdiag.run.prove import prove_run
+
+    monkeypatch.setenv("PYTHONPATH", str(FAKE))
+    ref, rec = records("offload", None, own_floor_layouts=False)
+    prove_run(RunRecord("kvdiag paths", "", [ref, rec], {}, run_dir=str(tmp_path)), strict=True)
+    assert rec.metrics["proof"]["reproduced"] == "no" and rec.metrics["proof"]["runs"] == 3
+    (said,) = [f for f in rec.findings if f.kind == "not_reproduced"]
+    assert said.severity == "error"
+    calls = []
+    monkeypatch.setattr("kvdiag.api.run_check", lambda *a, **kw: calls.append(kw) or RunRecord("k", "", [], {}))
+    for argv, strict in ((["wake-cycle", "--strict"], True), (["poison"], False)):
+        CliRunner().invoke(app, argv)
+        assert calls.pop()["strict"] is strict

@@ -56,3 +56,8 @@ class Accuracy(Check):
         from kvdiag.checks.accuracy.compare import rows
 
         return rows(old, new, settings)
+
+    def reproducer(self, case, run):
+        from kvdiag.checks.accuracy.repro import script
+
+        return script(case, run)

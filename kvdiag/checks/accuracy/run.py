@@ -8,7 +8,7 @@ import time
 
 from kvdiag.checks.accuracy import drift_decoded
 from kvdiag.checks.accuracy.harness.lm_eval_options import AUTO_BATCH
-from kvdiag.checks.common import compiled, engine_failed, model_dtype, start_or_record
+from kvdiag.checks.common import compiled, engine_failed, model_dtype, replay_of, start_or_record
 from kvdiag.checks.sweep import drift
 from kvdiag.checks.sweep.drift import DRIFT
 from kvdiag.checks.sweep.engine_use import acquire_engine, release_engine, startup_once
@@ -47,7 +47,8 @@ def run_case(case, ctx):
         # kept at once: lm_eval's requests may kill the worker (a segfault in the engine) and take the drift with it
         kept = {"model_dtype": model_dtype(engine, case), "compiled": compiled(engine), "finite": drift.finite(probe),
                 "drift_over": probe["over"], "timings": dict(times),
-                "artifacts": {"drift": ctx.artifact(case, DRIFT).name}}
+                "artifacts": {"drift": ctx.artifact(case, DRIFT).name},
+                **{k: v for k, v in replay_of(engine, []).items() if k == "replay"}}  # what a reproducer starts
         ctx.keep(case, stage, **kept)
         stage, t = "lm_eval", time.perf_counter()
         ctx.stage(case, stage)

@@ -60,3 +60,8 @@ class Dtypes(Check):
         from kvdiag.checks.dtypes.tables import tables
 
         return tables(run)
+
+    def reproducer(self, case, run):
+        from kvdiag.checks.dtypes.repro import script
+
+        return script(case, run)

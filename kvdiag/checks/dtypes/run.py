@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvdiag.checks.common import compiled, engine_failed, model_dtype, start_or_record
+from kvdiag.checks.common import compiled, engine_failed, model_dtype, replay_of, start_or_record
 from kvdiag.checks.sweep import drift
 from kvdiag.checks.sweep.drift import DRIFT
 from kvdiag.checks.sweep.engine_use import acquire_engine, release_engine
@@ -28,7 +28,8 @@ def run_case(case, ctx):
     rec = case.result("pass", metrics={"started": True, "model_dtype": model_dtype(engine, case),
                                        "compiled": compiled(engine),
                                        "finite": drift.finite(probe), "drift_over": probe["over"],
-                                       "storage": cache_storage(engine), "artifacts": {"drift": path.name}})
+                                       "storage": cache_storage(engine), "artifacts": {"drift": path.name},
+                                       **replay_of(engine, probe["greedy_prompt_ids"])})
     release_engine(case, engine)
     return rec
 

@@ -18,6 +18,7 @@ from kvdiag.checks.common import (
     device_info,
     engine_failed,
     engine_spec,
+    replay_of,
     spec_starter,
     start_or_record,
 )
@@ -128,13 +129,7 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
     return rec
 
 
-def _replay(engine, prompts) -> dict:
-    """How the engine was started and the prompts' token ids, where the engine can say (``protocol.Replayable``):
-    what a failing case's reproducer runs again (``kvdiag.proof``)."""
-    from kvdiag.engines.protocol import Replayable
-
-    args = engine.replay_args() if isinstance(engine, Replayable) else None
-    return {"replay": args, "prompts": [list(map(int, q)) for q in prompts]} if args else {}
+_replay = replay_of  # how the engine was started and the prompts' ids: what a reproducer runs again
 
 
 def _prefix_prompts(engine, spec, prompts, max_tokens: int) -> tuple[list, dict]:

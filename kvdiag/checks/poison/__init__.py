@@ -42,3 +42,8 @@ class Poison(Check):
         from kvdiag.checks.poison.view import render
 
         return render(run, console)
+
+    def reproducer(self, case, run):
+        from kvdiag.checks.poison.repro import script
+
+        return script(case, run)

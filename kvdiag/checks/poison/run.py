@@ -10,6 +10,7 @@ from kvdiag.checks.common import (
     device_info,
     engine_failed,
     engine_spec,
+    replay_of,
     spec_starter,
     start_or_record,
 )
@@ -91,13 +92,27 @@ def run(case, ctx):
             return rec
         prompts = [q for w in waves for q in w.prompts]
         stats["workload_block_size"] = spec.block_size
-        return _verdict(case, p, prompts, ref, out, stats, engine)
+        rec = _verdict(case, p, prompts, ref, out, stats, engine)
+        rec.metrics.update(_replay(engine, waves, ref))
+        return rec
     finally:
         try:
             engine.shutdown()
         except Exception:  # noqa: BLE001 - after a device fault the shutdown may fail too: the crash is the record
             if rec is None:
                 raise
+
+
+def _replay(engine, waves: list[Wave], ref) -> dict:
+    """What the case's reproducer runs again (``repro.py``): the engine's start, and each wave's prompts as token
+    ids with its length."""
+    got = replay_of(engine, [c.prompt_token_ids for c in ref])
+    if not got:
+        return {}
+    ids, out = iter(got["prompts"]), []
+    for w in waves:
+        out.append({"prompts": [next(ids) for _ in w.prompts], "max_tokens": w.max_tokens})
+    return {"replay": got["replay"], "waves": out}
 
 
 def run_waves(engine, waves: list[Wave], value: str, seed: int):

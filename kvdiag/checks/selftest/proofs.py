@@ -1,7 +1,9 @@
 """``kvdiag selftest --prove``: the self-test proves the proofs. For each fault caught by a check that writes
-reproducers (paths on vLLM), the script of its failing case runs twice outside kvdiag: with the fault's patch in the
-script's engine processes, where it must reproduce (exit 1), and without it, where it must not (exit 0); else the
-self-test fails. A fault the engine cannot patch into a plain process (its traits' ``fault_patch``) is not proved."""
+reproducers (paths, wake-cycle and poison on vLLM), the script of its failing case runs twice outside kvdiag: with
+the fault's patch in the script's engine processes, where it must reproduce (exit 1), and without it, where it must
+not (exit 0); else the self-test fails. A fault the engine cannot patch into a plain process (its traits'
+``fault_patch``), or whose check writes no reproducer for what it caught (memleak's survivors), is not proved: its
+row says why (``unproved``)."""
 
 from __future__ import annotations
 
@@ -21,10 +23,17 @@ def prove_faults(run, engine: str, say=None, jobs: int = 1, timeout: float = 900
     traits = engine_traits(engine)
     todo = []
     for row in a["faults"]:
-        found = _script(run, row) if row["status"] == CAUGHT else None
-        patch = traits.fault_patch([row["fault"]], found[0].kv_dtype) if found else None
-        if found and patch:
-            todo.append((row, write_script(run.run_dir, found[0].id, found[1]), patch))
+        if row["status"] != CAUGHT:
+            continue
+        if traits.fault_patch([row["fault"]], "auto") is None:
+            row["unproved"] = f"engine {engine} cannot put its faults into a plain script's engine"
+            continue
+        found = _script(run, row)
+        if found is None:
+            row["unproved"] = _why_not(row)
+            continue
+        patch = traits.fault_patch([row["fault"]], found[0].kv_dtype)
+        todo.append((row, write_script(run.run_dir, found[0].id, found[1]), patch))
     if say and todo:
         say(f"proving {len(todo)} caught fault(s) without kvdiag: each reproducer with the fault's patch, then "
             f"without it ({jobs} at once)")
@@ -44,6 +53,18 @@ def prove_faults(run, engine: str, say=None, jobs: int = 1, timeout: float = 900
     a["ok"] = a["ok"] and all(r["proof"]["ok"] for r in a["faults"] if "proof" in r)
 
 
+def _why_not(row: dict) -> str:
+    """Why a caught fault has no reproducer to prove, in a line."""
+    from kvdiag.checks.registry import get
+
+    check = get(row["intended"])
+    if check is not None and not check.reproducer:
+        return (f"{row['intended']} writes reproducers only for a failure inside the engine (a crash, a restart "
+                "that fails); what it caught here is judged on kvdiag's own measurements of the process")
+    return (f"its failing {row['intended']} case has no reproducer (a finding a plain script does not show, or an "
+            "engine start kvdiag could not record)")
+
+
 def _script(run, row: dict):
     """(the failing case, its reproducer's text) of the fault's intended check, or None."""
     from kvdiag.checks.registry import get
@@ -55,7 +76,7 @@ def _script(run, row: dict):
     recs = jobs_of(run.cases).get((row["fault"], row["intended"]), [])
     sub = RunRecord(command=run.command, started=run.started, cases=recs, environment={}, run_dir=run.run_dir)
     for rec in recs:
-        text = check.reproducer(rec, sub) if rec.status == "fail" else None
+        text = check.reproducer(rec, sub) if rec.status in ("fail", "crashed") else None
         if text:
             return rec, text
     return None

@@ -121,16 +121,21 @@ def selftest(run, con) -> None:
 
 
 def _proofs(a: dict, con) -> None:
-    """Each proved fault: whether its reproducer reproduced with the fault's patch and not without (--prove)."""
+    """Each proved fault: whether its reproducer reproduced with the fault's patch and not without (--prove); each
+    caught fault without one, why."""
+    from rich.markup import escape
+
     from kvdiag.render.fit import with_path
 
     proved = [r for r in a["faults"] if r.get("proof")]
-    if proved:
+    if proved or any(r.get("unproved") for r in a["faults"]):
         con.print("proved outside kvdiag (its reproducer with the fault's patch, then without):")
     for r in proved:
         p = r["proof"]
         said = "proved" if p["ok"] else "[bold red]NOT proved[/]"
         with_path(con, f"  {r['fault']}: exit {p['patched']}, then {p['plain']}: {said}:", f"python3 {p['script']}")
+    for r in (r for r in a["faults"] if r.get("unproved")):
+        con.print(f"  {r['fault']}: not proved: {escape(r['unproved'])}")
 
 
 def _mark(mark: str, intended: bool = False) -> str:

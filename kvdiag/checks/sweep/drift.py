@@ -49,6 +49,7 @@ def collect(engine, prompts, *, greedy_tokens: int = GREEDY_TOKENS, long_tokens:
                               [first_tokens(engine, p.long, long_tokens) for p in long], 0, LONG_TOP_K)
     gens = engine.generate([p.generate for p in prompts], greedy_tokens, greedy=True)
     out["greedy"] = [list(map(int, g.token_ids)) for g in gens]
+    out["greedy_prompt_ids"] = [list(map(int, g.prompt_token_ids)) for g in gens]  # what a reproducer replays
     out["greedy_logprobs"] = [list(map(float, g.logprobs)) for g in gens]
     return out
 

@@ -42,3 +42,8 @@ class WakeCycle(Check):
         from kvdiag.checks.wake_cycle.plots import plots
 
         return plots(cases, suffix)
+
+    def reproducer(self, case, run):
+        from kvdiag.checks.wake_cycle.repro import script
+
+        return script(case, run)

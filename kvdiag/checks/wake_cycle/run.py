@@ -8,6 +8,7 @@ from kvdiag.checks.common import (
     engine_failed,
     engine_spec,
     failure_evidence,
+    replay_of,
     spec_starter,
     start_or_record,
 )
@@ -45,7 +46,7 @@ def run(case, ctx):
             why = caps.sleep_reason or f"sleep level {p.level} unsupported (levels: {levels})"
             return greedy.unsupported(case, why)
         ctx.stage(case, CYCLES)
-        rec = _run_cycles(case, engine, p)
+        rec = _run_cycles(case, engine, p, lambda **m: ctx.keep(case, "reference run", **m))
     except Exception as e:  # noqa: BLE001 - the engine raised in a cycle (a device fault after a wake): crashed there
         rec = engine_failed(case, e, CYCLES)
     finally:
@@ -60,12 +61,17 @@ def run(case, ctx):
     return rec
 
 
-def _run_cycles(case, engine, p: WakeParams):
+def _run_cycles(case, engine, p: WakeParams, keep=None):
+    """The cycles; ``keep(**metrics)`` (the worker's ``ctx.keep``) is given what a reproducer needs before the first
+    sleep, so that a worker a wake kills leaves it in its crashed record."""
     prompts = greedy.prompt_texts(case.model, case.params.get("num_prompts"))
     base = engine.generate(prompts, p.max_tokens, greedy=True)
     expected = _expected_bytes(engine, p.level)
-    rec = case.result("pass", metrics={"level": p.level, "staged": p.staged, "prompts": len(prompts),
-                                       "max_tokens": p.max_tokens, **expected, "cycles": []},
+    replay = {"level": p.level, "staged": p.staged, "max_tokens": p.max_tokens,
+              "expected_bytes": expected["expected_bytes"], **_replay(engine, base)}
+    if keep is not None and "replay" in replay:
+        keep(**replay)
+    rec = case.result("pass", metrics={"prompts": len(prompts), **expected, "cycles": [], **replay},
                       environment={**device_info(), **engine.versions()})
     unscanned = kv_where.workers_problem(engine) if expected["worker_processes"] else None
     if unscanned:  # the cache lives in the engine's worker processes (vLLM with several GPUs) and cannot be viewed
@@ -96,6 +102,13 @@ def _run_cycles(case, engine, p: WakeParams):
             _add_once(rec, kind, message, n)
     rec.status = "fail" if any(f.severity == "error" for f in rec.findings) else "pass"
     return rec
+
+
+def _replay(engine, base) -> dict:
+    """What the case's reproducer runs again (``repro.py``): the engine's start, and the prompts as token ids
+    (``prompt_ids``: the case's ``prompts`` is their count)."""
+    got = replay_of(engine, [c.prompt_token_ids for c in base])
+    return {"replay": got["replay"], "prompt_ids": got["prompts"]} if got else {}
 
 
 def _expected_bytes(engine, level: int) -> dict:

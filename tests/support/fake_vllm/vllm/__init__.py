@@ -1,6 +1,11 @@
 """A stand-in for vLLM's ``LLM`` and ``SamplingParams`` for the reproducer scripts' own tests (tests/unit/
 test_proof.py): put on PYTHONPATH of the script's process only. Greedy output is a function of the prompt; an engine
-started with ``fake_fault="..."`` changes it as the named fault says, so a test knows which comparison must fail."""
+started with ``fake_fault="..."`` changes it as the named fault says, so a test knows which comparison must fail.
+
+Sleep mode as vLLM's (``enable_sleep_mode=True``, ``sleep``/``wake_up``/``collective_rpc("reload_weights")``), and the
+in-process engine core's block pool and cache tensors where vLLM keeps them (a script poisons free blocks there): each
+request of a call takes a free block, which the engine zeroes before use as vLLM zeroes fresh blocks, unless its
+fault says not."""
 
 from __future__ import annotations
 
@@ -20,16 +25,68 @@ class LLM:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.fault = kwargs.get("fake_fault") or os.environ.get("FAKE_VLLM_FAULT")  # a patch put in the process
+        if self.fault == "refuse" and kwargs.get("kv_cache_dtype", "auto") != "auto":
+            raise ValueError(f"kv_cache_dtype {kwargs['kv_cache_dtype']!r} is not supported")
         self.cached = set()  # the first blocks run since the last reset: a prompt that starts so hits
+        self.asleep: set[str] = set()
+        self.woken = False  # a KV cache wake happened: the "wake" fault's stale block tables read wrong
+        self._core = None
+
+    @property
+    def llm_engine(self):
+        """vLLM's in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its block pool and cache tensors;
+        fault ``remote_core``: the engine core's client only, as when it runs in its own process."""
+        if self.fault == "remote_core":
+            return SimpleNamespace(engine_core=SimpleNamespace())
+        if self._core is None:
+            import torch
+
+            n = self.kwargs.get("num_gpu_blocks_override") or 8
+            blocks = [SimpleNamespace(block_id=i, ref_cnt=0, is_null=i == 0, block_hash=None) for i in range(n)]
+            pool = SimpleNamespace(blocks=blocks, num_gpu_blocks=n)
+            layers = {"model.layers.0.self_attn.attn": SimpleNamespace(kv_cache=[torch.zeros(n, 2, 4)])}
+            runner = SimpleNamespace(vllm_config=SimpleNamespace(
+                compilation_config=SimpleNamespace(static_forward_context=layers)))
+            self._core = SimpleNamespace(
+                scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool)),
+                model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(
+                    model_runner=runner))))
+        return SimpleNamespace(engine_core=SimpleNamespace(engine_core=self._core))
+
+    def sleep(self, level=1):
+        if not self.kwargs.get("enable_sleep_mode"):
+            raise ValueError("Sleep mode is not enabled in the model config")
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags=None):
+        tags = set(tags or ("weights", "kv_cache"))
+        if "kv_cache" in tags and self.fault == "wake_crash":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.woken = self.woken or "kv_cache" in tags
+        self.asleep -= tags
+
+    def collective_rpc(self, method, *args):
+        assert method == "reload_weights" and "weights" not in self.asleep
+        return [None]
 
     def reset_prefix_cache(self):
         self.cached.clear()
         return True
 
     def generate(self, prompts, params, use_tqdm=False):
+        assert not self.asleep, "generate while asleep"
         batch = len(prompts)
         out = [SimpleNamespace(outputs=[self._one(p["prompt_token_ids"], params.max_tokens, batch)])
                for p in prompts]
+        if self._core is not None:  # each request a fresh block: read unzeroed under the "poison" fault
+            cache = self._core.model_executor.driver_worker.worker.model_runner.vllm_config.compilation_config \
+                .static_forward_context["model.layers.0.self_attn.attn"].kv_cache[0]
+            for block, o in zip(range(1, cache.shape[0]), out):
+                if self.fault == "poison" and not bool(cache[block].isfinite().all()):
+                    for pos in o.outputs[0].logprobs:
+                        for lp in pos.values():
+                            lp.logprob = math.nan
+                cache[block] = 0.5  # what the request wrote
         self.cached |= {tuple(p["prompt_token_ids"][:2]) for p in prompts}  # a block of 2 tokens
         return out
 
@@ -46,6 +103,8 @@ class LLM:
             ids[1] = (ids[1] + 1) % 101
         if self.fault == "nan":
             lps[0] = math.nan
+        if self.fault == "wake" and self.woken:  # stale block tables after a wake: a decided token changes
+            ids[1] = (ids[1] + 1) % 101
         # the runner-up token: 1.0 below the chosen one (a decided position), 0.001 at position 3 (a near-tie)
         logprobs = [{t: SimpleNamespace(logprob=lp), t + 1000: SimpleNamespace(logprob=lp - (0.001 if i == 3 else 1.0))}
                     for i, (t, lp) in enumerate(zip(ids, lps))]

@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""A failure kvdiag's wake-cycle or poison check found, shown with vLLM alone.
+
+One engine starts in a fresh process with every argument and environment variable kvdiag gave it and runs the steps
+below as kvdiag did: greedy generate calls (the prompts as token ids), and between them what the check did to the
+engine: a sleep and vLLM's documented wake (wake-cycle), or the free KV blocks filled with poison or zeros before each
+wave (poison: the blocks no request holds, read from vLLM's own block pool, filled in the attention and state layers'
+cache tensors; this needs the engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, as kvdiag runs it).
+Each later run is then held to its reference run as kvdiag holds it: every greedy token the same, each logprob within
+the tolerance, none NaN or inf; where the case judged memory, the bytes a sleep freed (CUDA's driver view) against
+those kvdiag expected, and what a wake brought back.
+
+    python3 THIS_FILE            # exit 1: the failure reproduces; 0: it does not; 2: the engine did not run
+    python3 THIS_FILE --run 0    # the engine's steps alone, a JSON line per step (what the comparison reads)
+
+Needs only vLLM (and its torch). CASE is what kvdiag recorded; edit it to try another configuration.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+CASE: dict = {}  # filled in by kvdiag: the engine, its inputs and steps, the comparisons, what kvdiag saw
+MARK = "@@reproducer-step "
+MiB = 1 << 20
+
+
+def used_memory():
+    """Bytes in use on the current GPU as the driver sees them (vLLM's sleep unmaps memory under live tensors: only
+    the driver sees it go); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def fill_free_blocks(llm, value: str, seed: int) -> int:
+    """Fill every block no request holds (vLLM's block pool, in this process) in every cache tensor indexed by block
+    (attention K/V and scales, Mamba states): ``random`` with seeded bits, else with ``CASE["fill"][value]``'s number
+    for the tensor's dtype as kvdiag fills it (1-byte codes, fp8 stored as uint8 and int8: the code's bits). Returns
+    the blocks filled."""
+    import torch
+
+    core = llm.llm_engine.engine_core.engine_core  # AttributeError: the engine core is in another process
+    pool = core.scheduler.kv_cache_manager.block_pool
+    free = [b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is None]
+    runner = core.model_executor.driver_worker.worker.model_runner
+    layers = runner.vllm_config.compilation_config.static_forward_context.values()
+    tensors, seen = [], set()
+    stack = [getattr(m, "kv_cache", None) for m in layers]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == pool.num_gpu_blocks and id(x) not in seen:
+            seen.add(id(x))
+            tensors.append(x)
+    if not free or not tensors:
+        return 0
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():  # vLLM makes some cache tensors inside it; they refuse writes outside
+        for t in tensors:
+            idx = torch.as_tensor(free, dtype=torch.long, device=t.device)
+            if value == "random":
+                for b in free:
+                    bits = torch.randint(0, 256, (t[b].numel() * t.element_size(),), generator=g, dtype=torch.uint8)
+                    t[b].copy_(bits.view(t.dtype).view(t[b].shape).to(t.device))
+            elif t.element_size() == 1:  # index_fill_ has no fp8 kernels: the code's bits
+                t.view(torch.uint8).index_fill_(0, idx, CASE["fill"][value][str(t.dtype).split(".")[-1]])
+            else:
+                t.index_fill_(0, idx, float(CASE["fill"][value][str(t.dtype).split(".")[-1]]))
+    return len(free)
+
+
+def step_once(llm, step: dict):
+    """One step in the engine's process; what it gives the comparison (outputs, bytes, blocks) or None."""
+    from vllm import SamplingParams
+
+    do = step["do"]
+    if do == "generate":
+        params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0, logprobs=0,
+                                **CASE["engine"]["sampling"])
+        prompts = CASE["inputs"][step["prompts"]]  # token ids, named once: several steps run the same prompts
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [{"token_ids": list(r.outputs[0].token_ids),
+                 "logprobs": [pos[t].logprob for t, pos in zip(r.outputs[0].token_ids, r.outputs[0].logprobs or [])]}
+                for r in results]
+    if do == "sleep":
+        llm.sleep(level=step["level"])
+    elif do == "wake":
+        llm.wake_up(tags=step["tags"])
+    elif do == "reload_weights":  # level 2 discarded the weights: read them again from the checkpoint
+        llm.collective_rpc("reload_weights")
+    elif do == "fill":
+        try:
+            return fill_free_blocks(llm, step["value"], step.get("seed", 0))
+        except Exception:  # noqa: BLE001 - e.g. the engine core in another process (tensor parallel)
+            if step.get("optional"):  # wake-cycle's scrub: the wake is what is shown, with or without it
+                return None
+            raise
+    elif do == "memory":
+        return used_memory()
+    return None
+
+
+def engine_run() -> None:
+    """The steps, in this process: a JSON line per step that has a label, then ``done``; an exception after the
+    engine started is reported as the step's error (the engine's own failure)."""
+    engine = CASE["engine"]
+    os.environ.update(engine["env"])
+    from vllm import LLM
+
+    llm = LLM(**engine["llm"])
+    print(MARK + json.dumps({"started": True}), flush=True)
+    for step in CASE["steps"]:
+        try:
+            got = step_once(llm, step)
+        except Exception as e:  # noqa: BLE001 - the engine's failure is what the comparison reads
+            what = f"{step.get('what', step['do'])}: {type(e).__name__}: {e}"
+            # a fill that fails is this script's own failure (it cannot reach the blocks), not the engine's
+            print(MARK + json.dumps({"error": what[:600], "ours": step["do"] == "fill"}), flush=True)
+            return
+        if step.get("as"):
+            print(MARK + json.dumps({"as": step["as"], "got": got}), flush=True)
+    print(MARK + json.dumps({"done": True}), flush=True)
+
+
+def in_fresh_process() -> tuple[dict, dict, str]:
+    """The engine's steps in a fresh process: (what each labelled step gave, how it ended, the end of its output)."""
+    proc = subprocess.run([sys.executable, __file__, "--run", "0"], capture_output=True, text=True)
+    got, end = {}, {"exit": proc.returncode}
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            said = json.loads(line[len(MARK):])
+            if "as" in said:
+                got[said["as"]] = said["got"]
+            else:
+                end.update(said)
+    return got, end, "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+
+
+def held(ref: list, out: list, tol: float) -> list[str]:
+    """Where ``out`` breaks the rule against ``ref``, request by request: [] when it holds."""
+    said = []
+    for r, (a, b) in enumerate(zip(ref, out)):
+        x, y = a["token_ids"], b["token_ids"]
+        pos = next((i for i in range(max(len(x), len(y))) if i >= min(len(x), len(y)) or x[i] != y[i]), None)
+        moved = [abs(u - v) for u, v in zip(a["logprobs"][:pos], b["logprobs"][:pos])]
+        worst = max(moved, default=0.0, key=lambda d: math.inf if math.isnan(d) else d)
+        bad = [i for i, lp in enumerate(b["logprobs"]) if not math.isfinite(lp)]
+        why = []
+        if pos is not None:
+            why.append(f"token {pos} is {y[pos] if pos < len(y) else 'end'}, the reference's "
+                       f"{x[pos] if pos < len(x) else 'end'}")
+        elif worst > tol or (math.isnan(worst) and not bad):
+            why.append(f"tokens identical, a logprob moved {worst:.3g}")
+        why += [f"{len(bad)} non-finite logprob(s), first at position {bad[0]}"] if bad else []
+        said += [f"request {r}: " + "; ".join(why)] if why else []
+    return said
+
+
+def memory_held(got: dict, memory: dict) -> list[str]:
+    """Each cycle's sleep freed at least ``freed_min`` of the expected bytes, and its wake came back within
+    ``restore_tol``; [] when it did, or when there is no CUDA to measure."""
+    said = []
+    for n in memory["cycles"]:
+        before, asleep, awake = (got.get(f"{s} {n}") for s in ("before", "asleep", "awake"))
+        if None in (before, asleep, awake):
+            print(f"  cycle {n}: memory not measured (no CUDA device)")
+            continue
+        freed, expected = before - asleep, memory["expected_bytes"]
+        print(f"  cycle {n}: asleep {freed / MiB:.1f} MiB freed (expected {expected / MiB:.1f} MiB); awake "
+              f"{(awake - before) / MiB:+.1f} MiB against before")
+        if freed < memory["freed_min"] * expected:
+            said.append(f"cycle {n}: asleep, {freed / MiB:.1f} MiB freed of {expected / MiB:.1f} MiB expected")
+        if abs(awake - before) > memory["restore_tol"] * max(expected, freed, MiB):
+            said.append(f"cycle {n}: awake, {(awake - before) / MiB:+.1f} MiB against before the sleep")
+    return said
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--run"]:
+        engine_run()
+        return 0
+    print(f"reproducing: {CASE['title']}")
+    print(f"kvdiag saw: {CASE['kvdiag_saw']}")
+    got, end, tail = in_fresh_process()
+    if not end.get("started"):
+        print(f"the engine did not start (exit {end['exit']}); the end of its output:\n{tail}", file=sys.stderr)
+        return 2
+    if end.get("ours"):
+        print(f"the script could not fill the free blocks: {end['error']}", file=sys.stderr)
+        return 2
+    said = []
+    for ref, later in CASE["compare"]:
+        if ref in got and later in got:
+            said += [f"{later}: {line}" for line in held(got[ref], got[later], CASE["tolerance"])]
+    if CASE.get("memory"):
+        said += memory_held(got, CASE["memory"])
+    for line in said:
+        print("  " + line)
+    if not end.get("done"):
+        died = end.get("error") or f"the engine's process died (exit {end['exit']}):\n{tail}"
+        print(f"  the engine failed before its steps ended: {died}")
+        if missing := [r for r, _ in CASE["compare"] if r not in got]:
+            print(f"  (before its reference run '{missing[0]}' ended: nothing to compare)")
+            return 2
+        print("REPRODUCED: the engine failed after its reference run" + (f", and {len(said)} difference(s)"
+                                                                         if said else ""))
+        return 1
+    if said:
+        print(f"REPRODUCED: {len(said)} difference(s) beyond kvdiag's rule (tolerance {CASE['tolerance']:.3g})")
+        return 1
+    print(f"NOT REPRODUCED: every later run matched its reference (tolerance {CASE['tolerance']:.3g})"
+          + (", and memory was freed and came back" if CASE.get("memory") else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
