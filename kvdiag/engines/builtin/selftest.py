@@ -57,6 +57,11 @@ FAULTS: tuple[Fault, ...] = (
           {"memleak": items("int8_per_token_head"), "wake-cycle": items(("auto", L1))},
           na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "poison", "paths"),
           "the KV tensors appended to a module global on every start", leaves_process_state=True),
+    Fault("per_layer_side_tensors", "S0", "memleak", {"memleak": items("auto")},
+          na_for({"*": NO_MEMORY, "wake-cycle": "the side tensors are a few % of the cache: within wake-cycle's "
+                  "tolerance for memory freed while asleep"}, "accuracy", "dtypes", "wake-cycle", "poison", "paths"),
+          "one side tensor per layer, each under 1% of the KV cache, kept in a module global after shutdown",
+          leaves_process_state=True, kinds={"memleak": ("kv_shaped_survived", "kv_scaled_survived")}),
     Fault("orphan_worker_process", "S4", "memleak", {"memleak": items("auto")},
           na_for({"*": NO_MEMORY, "wake-cycle": "the worker holds its memory whether the engine sleeps or not: sleep "
                   "still frees the engine's own"}, "accuracy", "dtypes", "wake-cycle", "poison", "paths"),
