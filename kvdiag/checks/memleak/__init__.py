@@ -42,6 +42,6 @@ from kvdiag.checks.memleak.params import HELP, LeakParams
 
 CHECK = Check("memleak", "kvdiag.checks.memleak.run:run", LeakParams, help=HELP,
               isolate=False, render="kvdiag.checks.memleak.view:render",
-              plots="kvdiag.checks.memleak.plots:plots",
+              plots="kvdiag.checks.memleak.plots:plots", tables="kvdiag.checks.memleak.view:tables",
               compare="kvdiag.checks.memleak.compare:rows",
               selftest={"cycles": 2, "num_prompts": 2, "max_tokens": 4, "num_blocks": 16})
