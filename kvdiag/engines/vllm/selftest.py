@@ -65,6 +65,11 @@ FAULTS: tuple[Fault, ...] = (
           na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison", "paths"),
           "a buffer of 1/32 of the KV cache (per-token-head scales' size) kept at every start, the same size each "
           "time, under the retention limit", leaves_process_state=True, kinds={"memleak": ("kv_scaled_survived",)}),
+    Fault("per_layer_side_buffers_kept_after_shutdown", "S0", "memleak", {"memleak": items("auto")},
+          na_for({"*": NO_MEMORY}, "accuracy", "dtypes", "wake-cycle", "poison", "paths"),
+          "one float32 buffer per layer indexed by the KV cache's slots (each under 1% of it, together over) kept "
+          "at every start, the same sizes each time", leaves_process_state=True,
+          kinds={"memleak": ("kv_shaped_survived", "kv_scaled_survived")}),
     Fault("explicit_bf16_as_fp8", "S1", "dtypes", {"dtypes": items("bfloat16"), "accuracy": items("bfloat16")},
           na_for({"*": SELF_COMPARE, "memleak": MEMORY_ONLY}, "memleak", "wake-cycle", "poison", "paths"),
           "an explicit 'bfloat16' cache resolves to fp8: not bit-identical to 'auto' (vLLM #38922)",
