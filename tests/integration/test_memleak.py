@@ -556,7 +556,7 @@ def test_one_side_tensor_per_layer_fails_per_holder_where_the_per_storage_rule_p
     layers, one = side_tensors_bytes(1024)
     _, cache = tiny_kv("auto", num_blocks=1024)
     assert (layers, one, cache) == (4, 256 << 10, 32 * MiB)
-    rec = run_tiny("builtin", "auto", num_blocks=1024, faults=["per_layer_side_tensors"])
+    rec = run_tiny("builtin", "auto", cycles=1, num_blocks=1024, faults=["per_layer_side_tensors"])
     assert rec.status == "fail", [f.message for f in rec.findings]
     by = {f.kind: f.evidence for f in rec.findings if f.severity == "error"}
     assert set(by) == {"kv_scaled_survived", "kv_shaped_survived"}, by

@@ -74,7 +74,8 @@ GEO = kv_shape.Geometry(num_blocks=16, block_size=16, num_kv_heads=2, head_size=
     ((4, 16, 16, 2), True),  # every layer's scales stacked
     ((2, 256, 128), True),  # K and V of one layer, per slot
     ((8, 16, 16), True),  # K and V of every layer
-    ((65536,), False),  # a 64 KiB byte buffer (vLLM's Triton buffer cache): a multiple of the slots, not shaped
+    ((65536,), False),  # a flat 64 KiB byte buffer: a multiple of the slots, not shaped
+    ((4, 16384), False),  # vLLM's Triton buffer cache, [programs, vocab]: 4 is the layer count, the vocab no unit
     ((12288,), False),  # 48 x 256 elements, flat
     ((32, 16), False),  # twice the blocks
     ((3, 16, 16), False),  # three of something per block: not K/V nor layers
