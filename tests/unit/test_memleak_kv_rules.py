@@ -178,3 +178,22 @@ def test_kv_sizes_must_be_two_different_positive_block_counts(text):
 def test_kv_sizes_parse_and_default_to_one_size():
     assert parse_kv_sizes(" 64, 128") == (64, 128) and parse_kv_sizes("128,64") == (128, 64)
     assert LeakParams().sizes is None and LeakParams(kv_sizes="16,32").sizes == (16, 32)
+
+
+def test_report_md_has_the_kv_sizes_table_of_a_stored_run(tmp_path):
+    """tests/data/runs/memleak-kv-sizes (make.sh: the builtin split fault at 64 then 128 blocks, auto and
+    fp8_per_token_head): per dtype the KV cache and the holder at both sizes, ratio 2, proportional."""
+    import gzip
+    from pathlib import Path
+
+    from kvdiag.report.markdown import render_markdown
+    from kvdiag.results import load_run
+
+    src = Path(__file__).resolve().parents[1] / "data" / "runs" / "memleak-kv-sizes.json.gz"
+    (tmp_path / "run.json").write_bytes(gzip.decompress(src.read_bytes()))
+    md = render_markdown(load_run(tmp_path))
+    assert "## memleak --kv-sizes 64,128: what survives shutdown at each KV cache size" in md
+    assert "| kv dtype | held by | MiB at 64 | MiB at 128 | ratio | verdict |" in md
+    held = "module global kvdiag.engines.builtin.faults._SIDE_TENSORS"
+    assert md.count(f"|  | {held} | 0.062 | 0.125 | 2 | proportional |") == 2
+    assert "| auto | KV cache | 2 | 4 | 2 |  |" in md
