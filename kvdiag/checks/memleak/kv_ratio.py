@@ -67,8 +67,8 @@ def findings(rec, cycles: list) -> None:
         "holders": [{k: v for k, v in h.items() if k != "bytes"} for h in cmp["holders"]]}
     (na, nb), r = cmp["blocks"], cmp["kv_ratio"]
     kv = cmp["kv_mib"]
-    where = f"{na} and {nb} blocks (KV cache " + (f"{kv[0]:.4g} and {kv[1]:.4g} MiB, " if None not in kv else "") + \
-        f"ratio {r:.3g}; cycles {_span(cmp['cycles'][0])} and {_span(cmp['cycles'][1])})"
+    size = f"KV cache {kv[0]:.4g} and {kv[1]:.4g} MiB, ratio" if None not in kv else "no KV view: the blocks' ratio"
+    where = f"{na} and {nb} blocks ({size} {r:.3g}; cycles {_span(cmp['cycles'][0])} and {_span(cmp['cycles'][1])})"
     hit = [h for h in cmp["holders"] if h["verdict"] == "proportional"]
     if not hit and cmp["proportional"]:
         x, y = (int(v * MiB) for v in cmp["survivor_mib"])

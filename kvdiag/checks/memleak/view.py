@@ -28,7 +28,9 @@ def render(run, con) -> None:
         title, _, rows = sizes
         con.print(title)
         for dtype, holder, a, b, ratio, verdict in rows:
-            if holder == "KV cache":
+            if holder == "KV cache" and a == "-":  # no KV view: the block counts give the ratio
+                con.print(f"  {dtype}: KV cache not seen (no KV view), its blocks' ratio {ratio}")
+            elif holder == "KV cache":
                 con.print(f"  {dtype}: KV cache {a} → {b} MiB (ratio {ratio})")
             elif verdict:
                 con.print(f"    {verdict}: {a} → {b} MiB (ratio {ratio}), {escape(holder)}")
