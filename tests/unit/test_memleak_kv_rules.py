@@ -197,3 +197,20 @@ def test_report_md_has_the_kv_sizes_table_of_a_stored_run(tmp_path):
     held = "module global kvdiag.engines.builtin.faults._SIDE_TENSORS"
     assert md.count(f"|  | {held} | 0.062 | 0.125 | 2 | proportional |") == 2
     assert "| auto | KV cache | 2 | 4 | 2 |  |" in md
+
+
+def test_a_holder_the_same_at_both_kv_sizes_is_proven_not_sized_by_the_cache():
+    """A 5.75 MiB process-lifetime cache (compiled vLLM's torch._dynamo cached backends) is over 1% of a 256 MiB cache:
+    judged on one size it fails by its share; measured the same at 256 and 512 MiB it is constant, and neither its
+    share nor a shape that happens to match fails it."""
+    cache = holder("module global torch._dynamo.eval_frame.cached_backends", [int(5.75 * MiB)])
+
+    def judged(sizes):
+        rec = Case("memleak", "vllm", "m", "auto", "t").result("pass")
+        cycles = [Cycle(EMPTY, kv=kv(s * MiB, GEO), kv_scaled=[cache], kv_shaped=[cache], kv_shapes=["[16] int8"],
+                        side=[cache], kv_size=None if len(sizes) == 1 else s // 16) for s in sizes]
+        judge(rec, series([5.75] * len(sizes)), cycles)
+        return {f.kind for f in rec.findings if f.severity == "error"}
+
+    assert judged([256]) == {"kv_scaled_survived", "kv_shaped_survived"}
+    assert judged([256, 512]) == set()

@@ -57,6 +57,12 @@ def compare(cycles: list) -> dict | None:
             "proportional": proportional(*total, kv_ratio), "holders": rows}
 
 
+def constant(cycles: list) -> set[str]:
+    """Holders that ``--kv-sizes`` measured the same at both sizes: proven not sized by the cache, so neither their
+    share of one cache nor their shape fails them (none without two sizes)."""
+    return {h["holder"] for h in (compare(cycles) or {}).get("holders", ()) if h["verdict"] == "constant"}
+
+
 def findings(rec, cycles: list) -> None:
     """``metrics.kv_sizes`` (:func:`compare`); an error ``kv_proportional`` naming each holder whose survivors follow
     the cache's ratio (or the survivors together, when no one holder does), else an info finding that none does."""

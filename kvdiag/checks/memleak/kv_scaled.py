@@ -6,8 +6,9 @@ the case, whatever the retention limit says. Such an allocation is sized by the 
 a block table or of the cache itself): kvdiag's small explicit KV cache keeps it under the absolute limit, a user's
 60 GiB cache makes it gigabytes. Summed, because one side tensor per layer, each well under 1% of the cache, is the
 same leak cut into pieces (issue 67: 4 storages of 0.76% each on zoo:qwen3). A process-lifetime cache of constant
-size (compiled graphs' constants, Triton's 64 KiB buffer cache) stays a warning: all of it is far under 1% of a KV
-cache. The KV cache's own storages are left out: ``kv_identity.py`` judges them.
+size (Triton's 64 KiB buffer cache) stays a warning: all of it is far under 1% of a KV cache; one over 1% of a small
+cache (compiled vLLM's ``torch._dynamo`` cached backends) fails, unless ``--kv-sizes`` measured it the same at both
+sizes (``kv_ratio.constant``). The KV cache's own storages are left out: ``kv_identity.py`` judges them.
 """
 
 from __future__ import annotations
@@ -41,16 +42,21 @@ def over(side: list, kv) -> list:
 
 
 def findings(rec, cycles: list) -> None:
-    """One error ``kv_scaled_survived`` for the last cycle that left such holders, each with its storages."""
-    hit = [(n, c) for n, c in enumerate(cycles, 1) if c.kv_scaled]
+    """One error ``kv_scaled_survived`` for the last cycle that left such holders, each with its storages; a holder
+    that ``--kv-sizes`` measured the same at both sizes is left out (kv_ratio.py: not sized by the cache)."""
+    from kvdiag.checks.memleak import kv_ratio
+
+    constant = kv_ratio.constant(cycles)
+    hit = [(n, c) for n, c in enumerate(cycles, 1) if [h for h in c.kv_scaled if h.holder not in constant]]
     if not hit:
         return
     n, c = hit[-1]
+    scaled = [h for h in c.kv_scaled if h.holder not in constant]
     kv = c.kv.bytes
-    total = sum(h.bytes for h in c.kv_scaled)
-    largest = max(h.largest for h in c.kv_scaled)
+    total = sum(h.bytes for h in scaled)
+    largest = max(h.largest for h in scaled)
     names = "; ".join(f"{h.holder}: {h.bytes / MiB:.3g} MiB in {h.count} storage(s), the largest "
-                      f"{h.largest / MiB:.3g} MiB" for h in c.kv_scaled)
+                      f"{h.largest / MiB:.3g} MiB" for h in scaled)
     split = f"; each storage is under {KV_SHARE:.0%}: one leak cut into pieces, summed per holder" \
         if largest < limit(kv) else ""
     rec.add("error", "kv_scaled_survived", f"{total / MiB:.3g} MiB survive shutdown held by holders that each keep "
@@ -59,4 +65,4 @@ def findings(rec, cycles: list) -> None:
             f"{total / kv * 60:.2g} GiB), so it fails whatever the retention limit", cycle=n,
             mib=round(total / MiB, 3), kv_cache_mib=round(kv / MiB, 3), share=round(total / kv, 4),
             limit_mib=round(limit(kv) / MiB, 3), largest_storage_mib=round(largest / MiB, 3),
-            cycles=[m for m, _ in hit], holder=c.kv_scaled[0].holder, holders=[h.to_json() for h in c.kv_scaled])
+            cycles=[m for m, _ in hit], holder=scaled[0].holder, holders=[h.to_json() for h in scaled])

@@ -83,8 +83,7 @@ def findings(rec, cycles: list) -> None:
                                   for c in cycles]
     from kvdiag.checks.memleak import kv_ratio
 
-    cmp = kv_ratio.compare(cycles) or {}
-    constant = {h["holder"] for h in cmp.get("holders", ()) if h["verdict"] == "constant"}  # the ratio's proof
+    constant = kv_ratio.constant(cycles)  # the ratio's proof beats the shape
     hit = [(n, c) for n, c in enumerate(cycles, 1) if [h for h in c.kv_shaped if h.holder not in constant]]
     if not hit:
         return

@@ -58,8 +58,9 @@ def _own(cycles: list, holder: str) -> tuple[list[int], list[int]]:
 
 def _kv_sized(cycles: list) -> dict[str, str]:
     """Holder -> the finding that judges it as sized by the KV cache (kv_scaled, kv_shape, kv_ratio)."""
-    out = {h.holder: "kv_shaped_survived" for c in cycles for h in c.kv_shaped}
-    out.update({h.holder: "kv_scaled_survived" for c in cycles for h in c.kv_scaled})
+    constant = kv_ratio.constant(cycles)
+    out = {h.holder: "kv_shaped_survived" for c in cycles for h in c.kv_shaped if h.holder not in constant}
+    out.update({h.holder: "kv_scaled_survived" for c in cycles for h in c.kv_scaled if h.holder not in constant})
     cmp = kv_ratio.compare(cycles)
     out.update({h["holder"]: "kv_proportional" for h in (cmp or {}).get("holders", ())
                 if h["verdict"] == "proportional"})
