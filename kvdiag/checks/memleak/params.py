@@ -16,11 +16,37 @@ class LeakParams:
         "shutdown (CUDA allocated/reserved, live tensor bytes; the driver's used memory and NVML get 128 MiB more "
         "for the CUDA runtime's own memory). Default: max(64 MiB, 5% of the engine's peak).")
     max_tokens: int = option(16, "--max-tokens", help="Tokens decoded per prompt in each cycle.", min=1)
+    kv_sizes: str | None = option(
+        None, "--kv-sizes", help="A,B: run the cycles at two KV cache sizes, A then B blocks of the engine's "
+        "block size (builtin: num_blocks; vLLM: num_gpu_blocks_override, with kvdiag's kv_cache_memory_bytes for it "
+        "on a GPU), --cycles at each; what survives shutdown in proportion to the cache (its bytes' ratio within "
+        "25% of the cache's, on a log scale) fails, with the ratio. Each size must hold the workload (vLLM: "
+        "max_model_len tokens). Default: one size, the engine's own.")
     num_prompts: int = 4
+
+    def __post_init__(self):
+        self.sizes = parse_kv_sizes(self.kv_sizes)
 
     @classmethod
     def from_case(cls, case) -> "LeakParams":
         return cls(**{k: case.params[k] for k in asdict(cls()) if case.params.get(k) is not None})
+
+
+def parse_kv_sizes(text: str | None) -> tuple[int, int] | None:
+    """``--kv-sizes A,B`` as two different positive block counts; UserError (exit 2) otherwise."""
+    if text is None:
+        return None
+    from kvdiag.errors import UserError
+
+    parts = [x.strip() for x in str(text).split(",")]
+    try:
+        sizes = tuple(int(x) for x in parts)
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 2 or min(sizes) < 1 or sizes[0] == sizes[1]:
+        raise UserError(f"--kv-sizes {text!r}: expected two different positive KV cache sizes in blocks, A,B "
+                        "(e.g. 64,128)")
+    return sizes
 
 
 HELP = (
@@ -39,8 +65,11 @@ HELP = (
     "surviving tensors whose count or bytes grow every cycle;\n"
     "the KV cache by identity - any storage of the engine's KV cache or scales (its kv_blocks() view) still\n"
     "alive after shutdown, whatever its size, with its holder;\n"
-    "sized by the KV cache - any surviving storage of at least 1% of the engine's KV cache (a per-token scale,\n"
-    "a copy): it grows with the cache, so it fails under the retention limit too;\n"
+    "sized by the KV cache - the surviving storages of one holder (a module global, an object) that together\n"
+    "reach 1% of the engine's KV cache (a per-token scale, a copy, one tensor per layer): it grows with the\n"
+    "cache, so it fails under the retention limit too;\n"
+    "shaped by the KV cache - any survivor indexed by the cache's blocks or token slots, whatever its size;\n"
+    "proportional to the KV cache (--kv-sizes A,B) - what survives at both sizes in the cache's ratio;\n"
     "restart impossible - the engine started once and cannot start again in this process (vLLM sleep mode\n"
     "on CUDA), with the engine's message;\n"
     "objects left frozen by gc.freeze();\n"

@@ -12,7 +12,7 @@ from kvdiag.checks.common import (
     engine_spec,
     start_failed,
 )
-from kvdiag.checks.memleak import kv_identity, kv_scaled, leftover, restart
+from kvdiag.checks.memleak import kv_identity, kv_scaled, kv_shape, leftover, restart
 from kvdiag.checks.memleak.params import LeakParams
 from kvdiag.checks.memleak.verdict import MAX_SMALL_ATTRIBUTED, Cycle, judge
 from kvdiag.engines.base import create_engine, engine_traits
@@ -62,10 +62,10 @@ def run(case, ctx):
     baseline_s = _lap(t)
     cycles: list[Cycle] = []
     failed_restart = None
-    for n in range(1, p.cycles + 1):
+    for n, size in enumerate([size for size in p.sizes or (None,) for _ in range(p.cycles)], 1):
         try:
             cycles.append(_cycle(case, n, p, prompts, cuda, base, snaps, cycles[-1].survivors.keys if cycles else
-                                 frozenset()))
+                                 frozenset(), size))
         except FirstStartFailed as e:  # unsupported, crashed or out of memory, worded as every check words it
             return start_failed(case, e.__cause__, alone=True)
         except WorkloadFailed as e:  # e.g. a device fault in vLLM's step: crashed there, with its reproducer
@@ -84,7 +84,7 @@ def run(case, ctx):
         last = cycles[-1].survivors
         cycles[-1].holders = holders(last.keys | set(list(last.small_keys)[:MAX_SMALL_ATTRIBUTED]))
     rec = case.result("pass", metrics={"cuda": cuda, "cycles": p.cycles, "max_tokens": p.max_tokens,
-                                       "prompts": len(prompts)})
+                                       "prompts": len(prompts), "kv_sizes": list(p.sizes) if p.sizes else None})
     judge(rec, snaps, cycles, p.threshold_mib, failed_restart, cublas)
     rec.metrics["seconds"] = {"baseline": baseline_s, "cycles": [c.seconds for c in cycles], "final": _lap(t)}
     return rec
@@ -149,8 +149,9 @@ def _unsettled(base: Census, now: Census, known: frozenset) -> bool:
 
 
 def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps: list,
-           known: frozenset = frozenset()) -> Cycle:
-    """One cycle; ``known``: the survivors the previous shutdown left (not waited for again)."""
+           known: frozenset = frozenset(), size: int | None = None) -> Cycle:
+    """One cycle; ``known``: the survivors the previous shutdown left (not waited for again); ``size``: the KV
+    cache's blocks (``--kv-sizes``; None: the case's own size)."""
     from kvdiag.measure.holders import holders
 
     t, sec = [time.perf_counter()], {}
@@ -160,7 +161,7 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
 
         torch.cuda.reset_peak_memory_stats()
     try:
-        engine.start(engine_spec(case))
+        engine.start(engine_spec(case, **({} if size is None else {"num_blocks": size})))
     except Exception as e:  # noqa: BLE001 - a first start that fails is the case's record; a later one, a finding
         if n == 1:
             raise FirstStartFailed from e
@@ -184,13 +185,16 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
     named = {id(engine): f"the engine object ({type(engine).__name__}) after shutdown()"}
     if kv is not None:
         kv_identity.check(kv, now, named, snaps[-1].processes)
-    scaled = kv_scaled.keys(s, now, kv)
     del now
     held = holders(s.keys, named) if s.keys and not detector_disabled("memleak.holders") else []
-    scaled_held = holders(scaled, named) if scaled else []
+    side_keys = kv_scaled.candidates(s, kv)  # the KV cache's own storages are kv_identity's
+    side = held if held and side_keys == s.keys else holders(side_keys, named) if side_keys else []
+    shaped, shapes = kv_shape.keys(kv_scaled.candidates(s, kv, small=True),  # whatever their size
+                                   kv.geometry if kv is not None else None)
     pools = engine.held_after_shutdown() if isinstance(engine, HoldsAfterShutdown) else []
     c = Cycle(s, held, list(pools), private_pool_bytes() if cuda else None,
-              leftover.new_processes(snaps[0], snaps[-1]), kv, kv_unknown, scaled_held)
+              leftover.new_processes(snaps[0], snaps[-1]), kv, kv_unknown, kv_scaled.over(side, kv),
+              holders(shaped, named) if shaped else [], shapes, side, size)
     c.seconds = {**sec, "after_shutdown": _lap(t)}
     return c
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvdiag.checks.memleak import kv_identity, kv_scaled, leftover, surviving
+from kvdiag.checks.memleak import kv_identity, kv_ratio, kv_scaled, kv_shape, leftover, surviving
 from kvdiag.measure.memory import (
     MiB,
     Snapshot,
@@ -86,7 +86,8 @@ def judge(rec, snaps: list[Snapshot], cycles: list[Cycle], threshold_mib: float 
     after = [s for s in snaps if s.stage == "after-shutdown"]
     lim = Limits.of(_peak(base, [s for s in snaps if s.stage == "after-workload"]), threshold_mib)
     series = {m: [getattr(s, m) for s in after] for m in EXACT + NOISY if getattr(base, m) is not None}
-    growth = {m: [b - a for a, b in zip(v, v[1:])] for m, v in series.items()}
+    steps = kv_ratio.same_phase_steps(cycles, len(after))  # --kv-sizes: never across the change of size
+    growth = {m: [v[i + 1] - v[i] for i in steps] for m, v in series.items()}
     held = {m: [x - getattr(base, m) for x in v] for m, v in series.items()}
     rec.metrics.update({
         "threshold_mib": to_mib(lim.retain), "peak_mib": to_mib(lim.peak),
@@ -111,7 +112,10 @@ def judge(rec, snaps: list[Snapshot], cycles: list[Cycle], threshold_mib: float 
     surviving.findings(rec, cycles, lim.retain)  # the holders first: they name what a growth finding measures
     kv_identity.findings(rec, cycles)
     kv_scaled.findings(rec, cycles)
-    grew = _growth_findings(rec, growth, lim, cublas, leftover.gpu_bytes([c.processes for c in cycles]))
+    kv_shape.findings(rec, cycles)
+    kv_ratio.findings(rec, cycles)
+    grew = _growth_findings(rec, growth, lim, cublas, leftover.gpu_bytes([c.processes for c in cycles]),
+                            [f"{i + 1}→{i + 2}" for i in steps])
     small = {m: to_mib(v[0]) for m, v in held.items() if v and v[0] > lim.growth_tol(m) and m not in grew | kept}
     if small:
         rec.add("info", "one_time_cost", "the first cycle kept " + ", ".join(f"{m} {x:.1f} MiB" for m, x in
@@ -212,9 +216,9 @@ def _restart_finding(rec, restart: dict, held: dict[str, list[int]]) -> None:
 
 
 def _growth_findings(rec, growth: dict[str, list[int]], lim: Limits, cublas: int | None = None,
-                     procs: list[int] = ()) -> set[str]:
+                     procs: list[int] = (), labels: list[str] | None = None) -> set[str]:
     """``procs``: per cycle, the GPU memory of the processes the engine left running (the driver's views' holder
-    when it grows every step)."""
+    when it grows every step); ``labels``: each step's cycles ("1→2")."""
     grew = set()
     for m, steps in growth.items():
         tol = lim.growth_tol(m)
@@ -226,11 +230,15 @@ def _growth_findings(rec, growth: dict[str, list[int]], lim: Limits, cublas: int
             amount = procs[-1] if by_procs else cublas
             why = f"; held by {holder}: {amount / MiB:.0f} MiB at the end" if holder else ""
             rec.add("error", "growth", f"{m} after shutdown grows from cycle to cycle: "
-                    + ", ".join(f"{i + 1}→{i + 2}: {x / MiB:+.1f} MiB" for i, x in enumerate(steps))
+                    + ", ".join(f"{step}: {x / MiB:+.1f} MiB" for step, x in zip(labels or _steps(steps), steps))
                     + f" (tolerance {tol / MiB:.1f} MiB per step){why}", metric=m,
                     growth_mib=[to_mib(x) for x in steps], threshold_mib=to_mib(tol), holder=holder,
                     holder_mib=to_mib(amount) if holder else None)
     return grew
+
+
+def _steps(values: list) -> list[str]:
+    return [f"{i + 1}→{i + 2}" for i in range(len(values))]
 
 
 @dataclass
@@ -244,5 +252,9 @@ class Cycle:
     processes: dict = field(default_factory=dict)  # started during the run, alive after shutdown (leftover.py)
     kv: kv_identity.KVRecord | None = None  # the KV cache's storages during the workload, those left after shutdown
     kv_unknown: str | None = None  # why the engine gave no KV view
-    kv_scaled: list = field(default_factory=list)  # Holders of survivors sized by the KV cache (kv_scaled.py)
+    kv_scaled: list = field(default_factory=list)  # Holders whose survivors sum to 1% of the KV cache (kv_scaled.py)
+    kv_shaped: list = field(default_factory=list)  # Holders of survivors shaped by the KV cache (kv_shape.py)
+    kv_shapes: list = field(default_factory=list)  # their shapes, as the finding writes them
+    side: list = field(default_factory=list)  # Holders of the survivors not the KV cache's own (kv_ratio.py)
+    kv_size: int | None = None  # the KV cache's blocks this cycle ran with (--kv-sizes), None: the case's own
     seconds: dict = field(default_factory=dict)  # start, workload, snapshot, shutdown, after_shutdown

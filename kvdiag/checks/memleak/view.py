@@ -24,6 +24,18 @@ def render(run, con) -> None:
         if natural_width(con, t) <= con.width:
             break
     con.print(t)
+    if sizes := kv_sizes_table(run.cases):  # lines, not a table: a holder's dotted name is one long word
+        title, _, rows = sizes
+        con.print(title)
+        for dtype, holder, a, b, ratio, verdict in rows:
+            if holder == "KV cache" and a == "-":  # no KV view: the block counts give the ratio
+                con.print(f"  {dtype}: KV cache not seen (no KV view), its blocks' ratio {ratio}")
+            elif holder == "KV cache":
+                con.print(f"  {dtype}: KV cache {a} → {b} MiB (ratio {ratio})")
+            elif verdict:
+                con.print(f"    {verdict}: {a} → {b} MiB (ratio {ratio}), {escape(holder)}")
+            else:
+                con.print("    nothing else survives shutdown at either size")
     for c in run.cases:
         th = c.metrics.get("threshold_mib")
         head = f"[bold]{c.kv_dtype}[/] ({status_text(c.status)}" + (f", threshold {th:.1f} MiB)" if th else ")")
@@ -86,3 +98,28 @@ def _cell(key: str, v) -> str:
 
 def _stage(row: dict) -> str:
     return f"{row.get('cycle', '-')} {row.get('stage', '-')}"
+
+
+def kv_sizes_table(cases) -> tuple[str, list[str], list[list[str]]] | None:
+    """``--kv-sizes``: per kv dtype the KV cache at each size, then each holder of survivors (the KV cache's own
+    left out) with its MiB at each size, their ratio and the verdict (proportional: fails as ``kv_proportional``);
+    None without ``--kv-sizes``."""
+    from kvdiag.render.cells import fmt_value
+
+    runs = [(c, c.metrics["kv_sizes"]) for c in cases if c.metrics.get("kv_sizes")]
+    if not runs:
+        return None
+    a, b = runs[0][1]["blocks"]
+    rows = []
+    for c, k in runs:
+        rows.append([c.kv_dtype, "KV cache", *map(fmt_value, k["kv_mib"]), fmt_value(k["kv_ratio"]), ""])  # first
+        for h in k["holders"] or [{"holder": "(nothing survives)", "mib": [0, 0], "ratio": None, "verdict": ""}]:
+            rows.append(["", h["holder"], *map(fmt_value, h["mib"]), fmt_value(h["ratio"]), h["verdict"]])
+    return (f"memleak --kv-sizes {a},{b}: what survives shutdown at each KV cache size",
+            ["kv dtype", "held by", f"MiB at {a}", f"MiB at {b}", "ratio", "verdict"], rows)
+
+
+def tables(run) -> list[tuple[str, list[str], list[list[str]]]]:
+    """report.md and report.html: the ``--kv-sizes`` table, when the run has one."""
+    sizes = kv_sizes_table(run.cases)
+    return [sizes] if sizes else []

@@ -50,6 +50,10 @@ Memory held after shutdown (S0, S4: ``memleak``), applied by :meth:`Faults.on_st
 - ``scale_cache_registry`` (S0): the per-token-head scale caches (int8/fp8_per_token_head only)
   are kept in a module-level registry after shutdown.
 - ``global_kv_list``: the KV tensors are appended to a module-level list on every start.
+- ``per_layer_side_tensors`` (S0's shape, split): every start keeps one float32 tensor per layer,
+  ``[num_blocks, block_size, num_kv_heads, 2]`` (a K and V amax per token and head), in a module-level dict,
+  replacing the previous start's: each is well under 1% of the KV cache (1/(32 x layers) of a bf16 cache with
+  64-wide heads), together over it; the same every cycle, as a process-lifetime cache would be.
 - ``orphan_worker_process``: every start launches a worker process holding memory (256 MiB of GPU memory on
   CUDA, 64 MiB of RAM on the CPU), as an engine that spans GPUs does, and shutdown never stops it (it ends
   with its parent).
@@ -83,6 +87,7 @@ class Faults:
     gc_freeze_not_undone: bool = False
     scale_cache_registry: bool = False
     global_kv_list: bool = False
+    per_layer_side_tensors: bool = False
     orphan_worker_process: bool = False
     prefix_hit_treated_fresh: bool = False
     preempt_keeps_freed_blocks: bool = False
@@ -131,6 +136,8 @@ class Faults:
             _SCALE_CACHES.extend(t for l in layers for t in (l.k_scale, l.v_scale) if t is not None)
         if self.global_kv_list:
             _KV_TENSORS.append([(l.k, l.v) for l in layers])
+        if self.per_layer_side_tensors:
+            _side_tensors(engine.kv)
         if self.gc_freeze_not_undone:
             gc.freeze()
         if self.orphan_worker_process:
@@ -139,6 +146,7 @@ class Faults:
 
 _SCALE_CACHES: list = []  # scale_cache_registry: per-token-head scale caches, never released
 _KV_TENSORS: list = []  # global_kv_list: the KV tensors of every start
+_SIDE_TENSORS: dict = {}  # per_layer_side_tensors: one tensor per layer, replaced every start
 _ORPHANS: list = []  # orphan_worker_process: the worker processes of every start, never stopped
 ORPHAN_MIB = {"cuda": 256, "cpu": 64}
 _ORPHAN = """import os, sys, time
@@ -166,6 +174,16 @@ def _start_orphan(cuda: bool):
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     proc.stdout.readline()
     return proc
+
+
+def _side_tensors(kv) -> None:
+    """per_layer_side_tensors: the previous start's go first, so the same sizes survive every shutdown."""
+    import torch
+
+    _SIDE_TENSORS.clear()
+    for i in range(kv.num_layers if kv is not None else 0):
+        _SIDE_TENSORS[i] = torch.zeros(kv.num_blocks, kv.block_size, kv.num_kv_heads, 2, dtype=torch.float32,
+                                       device=kv.device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -51,6 +51,10 @@ FAULTS: tuple[Fault, ...] = (
     Fault("kv_sized_buffer_kept_after_shutdown", "S0", "memleak", {"memleak": items("auto")}, ("memory",),
           "a buffer of 1/32 of the KV cache (per-token-head scales' size) kept at every start, the same size each "
           "time, under the retention limit", leaves_process_state=True, kinds={"memleak": ("kv_scaled_survived",)}),
+    Fault("per_layer_side_buffers_kept_after_shutdown", "S0", "memleak", {"memleak": items("auto")}, ("memory",),
+          "one float32 buffer per layer indexed by the KV cache's slots (each under 1% of it, together over) kept "
+          "at every start, the same sizes each time", leaves_process_state=True,
+          kinds={"memleak": ("kv_shaped_survived", "kv_scaled_survived")}),
     Fault("explicit_bf16_as_fp8", "S1", "dtypes", {"dtypes": items("bfloat16"), "accuracy": items("bfloat16")},
           ("scores",), "an explicit 'bfloat16' cache resolves to fp8: not bit-identical to 'auto' (vLLM #38922)",
           leaves_process_state=True, kinds={"dtypes": ("wrong",)}),

@@ -3,24 +3,25 @@
 exists for (issue 28). The builtin engine's faults are ``kvdiag/engines/builtin/faults.py``; the self-test's plan of
 these (checks, dtypes, model) is ``kvdiag/engines/vllm/selftest.py``.
 
-====================================  =====  ======================================================  ===============
-fault                                 class  code point (module: name)                               intended check
-====================================  =====  ======================================================  ===============
-kv_cache_kept_after_shutdown          S4     model runner ``shutdown`` (V1 and V2)                   memleak
-scale_caches_kept_after_shutdown      S0     model runner ``shutdown`` (V1 and V2), per-token-head   memleak
-tensor_kept_per_start                 S4     ``EngineCore._initialize_kv_caches``                    memleak
-kv_sized_buffer_kept_after_shutdown   S0     ``EngineCore._initialize_kv_caches`` (1/32 of the KV)    memleak
-explicit_bf16_as_fp8                  S1     ``engine.arg_utils.resolve_kv_cache_dtype_string``      dtypes
-block_tables_not_rebuilt_on_wake      S2     V2 runner ``post_kv_cache_wake_up``                     wake-cycle
-fp8_scales_not_reset_on_wake          S2     V1 runner ``init_fp8_kv_scales``                        wake-cycle
-fresh_blocks_not_zeroed               S3     ``_zero_block_ids`` / ``KVBlockZeroer.zero_block_ids``  poison
-prefix_hit_block_dropped              S5     ``KVCacheManager.get_computed_blocks``                  paths
-preempt_keeps_computed_tokens         S5     ``sched.scheduler.Scheduler._preempt_request``          paths
-chunk_boundary_token_skipped          S5     ``sched.scheduler.Scheduler._update_after_schedule``    paths
-spec_rejected_tokens_kept             S5     ``Scheduler.update_from_output`` and ``.schedule``      paths
-swa_frees_window_block                S5     ``SlidingWindowManager.get_num_skipped_tokens``         paths
-offload_load_block_shifted            S5     offloading ``update_state_after_alloc`` (load jobs)     paths
-====================================  =====  ======================================================  ===============
+==========================================  =====  ======================================================  ==========
+fault                                       class  code point (module: name)                               check
+==========================================  =====  ======================================================  ==========
+kv_cache_kept_after_shutdown                S4     model runner ``shutdown`` (V1 and V2)                   memleak
+scale_caches_kept_after_shutdown            S0     model runner ``shutdown`` (V1 and V2), per-token-head   memleak
+tensor_kept_per_start                       S4     ``EngineCore._initialize_kv_caches``                    memleak
+kv_sized_buffer_kept_after_shutdown         S0     ``EngineCore._initialize_kv_caches`` (1/32 of the KV)    memleak
+per_layer_side_buffers_kept_after_shutdown  S0     ``EngineCore._initialize_kv_caches`` (one per layer)    memleak
+explicit_bf16_as_fp8                        S1     ``engine.arg_utils.resolve_kv_cache_dtype_string``      dtypes
+block_tables_not_rebuilt_on_wake            S2     V2 runner ``post_kv_cache_wake_up``                     wake-cycle
+fp8_scales_not_reset_on_wake                S2     V1 runner ``init_fp8_kv_scales``                        wake-cycle
+fresh_blocks_not_zeroed                     S3     ``_zero_block_ids`` / ``KVBlockZeroer.zero_block_ids``  poison
+prefix_hit_block_dropped                    S5     ``KVCacheManager.get_computed_blocks``                  paths
+preempt_keeps_computed_tokens               S5     ``sched.scheduler.Scheduler._preempt_request``          paths
+chunk_boundary_token_skipped                S5     ``sched.scheduler.Scheduler._update_after_schedule``    paths
+spec_rejected_tokens_kept                   S5     ``Scheduler.update_from_output`` and ``.schedule``      paths
+swa_frees_window_block                      S5     ``SlidingWindowManager.get_num_skipped_tokens``         paths
+offload_load_block_shifted                  S5     offloading ``update_state_after_alloc`` (load jobs)     paths
+==========================================  =====  ======================================================  ==========
 
 Each fault's function (in ``shutdown.py``, ``cache_dtype.py``, ``wake.py``, ``zeroing.py``, ``paths.py``, ``spec.py``,
 ``window.py``, ``offload.py``) names the vLLM PR (the S5 faults: the bug class, no known fix; their code points are
@@ -91,6 +92,8 @@ FAULTS = {f.name: f for f in (
               (SCALE_CACHES, KV_VIEW)),
     VllmFault(shutdown.GROWS, shutdown.tensor_kept_per_start, shutdown.ENGINE_KV_INIT),
     VllmFault(shutdown.KV_SIZED, shutdown.kv_sized_buffer_kept_after_shutdown, shutdown.ENGINE_KV_INIT, (KV_VIEW,)),
+    VllmFault(shutdown.PER_LAYER, shutdown.per_layer_side_buffers_kept_after_shutdown, shutdown.ENGINE_KV_INIT,
+              (KV_VIEW,)),
     VllmFault(cache_dtype.BF16_AS_FP8, cache_dtype.explicit_bf16_as_fp8, (cache_dtype.RESOLVE,)),
     VllmFault(wake.STALE_TABLES, wake.block_tables_not_rebuilt_on_wake, (wake.MRV2_WAKE,), (SLEEP,)),
     VllmFault(wake.FP8_NOT_RESET, wake.fp8_scales_not_reset_on_wake, (wake.MRV1_FP8_RESET,), (SLEEP,)),

@@ -21,12 +21,14 @@ KV_KEPT = "kv_cache_kept_after_shutdown"
 SCALES_KEPT = "scale_caches_kept_after_shutdown"
 GROWS = "tensor_kept_per_start"
 KV_SIZED = "kv_sized_buffer_kept_after_shutdown"
+PER_LAYER = "per_layer_side_buffers_kept_after_shutdown"
 
 _KEPT_KV: list = []  # kv_cache_kept_after_shutdown: the runner's KV cache tensors at every shutdown
 _KEPT_SCALES: list = []  # scale_caches_kept_after_shutdown: the per-token-head scale views at every shutdown
 _PER_START: list = []  # tensor_kept_per_start: one more small tensor at every engine start
 PER_START_BYTES = 1 << 20
 _KV_SIZED: dict = {}  # kv_sized_buffer_kept_after_shutdown: a buffer sized by the KV cache, replaced every start
+_PER_LAYER: dict = {}  # per_layer_side_buffers_kept_after_shutdown: one buffer per layer, replaced every start
 KV_SIZED_PART = 32  # the buffer is 1/32 of the KV cache: float32 per-token-head scales of a bf16 cache, 64-wide heads
 
 
@@ -158,3 +160,37 @@ def kv_sized_buffer_kept_after_shutdown(kv_cache_dtype: str | None = None) -> li
         _KV_SIZED["buffer"] = torch.zeros(kv // KV_SIZED_PART, dtype=torch.uint8, device=current_platform.device_type)
         return True
     return _after_kv_init(KV_SIZED, keep)
+
+
+def per_layer_side_buffers_kept_after_shutdown(kv_cache_dtype: str | None = None) -> list[str]:
+    """S0's shape split across layers (issue 67; no vLLM PR of its own: #39224 is this class on the per-token-head
+    scale views): one side allocation per attention layer, each sized by the KV cache's token slots and well under
+    1% of it, outliving shutdown; the same sizes at every start. One at a time, no storage reaches 1% of the cache
+    (a per-token-head scale cache kept per layer on zoo:qwen3 int8_per_token_head: 4 of 0.76% each); together they
+    do, and each is indexed by the cache's blocks.
+
+    Code point: ``EngineCore._initialize_kv_caches`` (``vllm/v1/engine/core.py``), once per engine start; it returns
+    the scheduler's KVCacheConfig (``num_blocks``; ``kv_cache_groups``: each group's layer names and spec). Versions:
+    vLLM 0.24 and 0.32. The fault: after it, per layer a float32 ``[num_blocks, block_size, num_kv_heads, 2]`` (a K
+    and V amax per token and head) on vLLM's device goes into ``_PER_LAYER``, a module-level dict, replacing the
+    previous start's (fires every start). Intended check: ``memleak``, findings ``kv_shaped_survived`` (indexed by the
+    cache's blocks) and ``kv_scaled_survived`` (the holder's storages together at least 1% of the cache) naming
+    ``_PER_LAYER``; with ``--kv-sizes A,B`` also ``kv_proportional``.
+
+    Outside kvdiag: ``apply(["per_layer_side_buffers_kept_after_shutdown"])`` before the first ``vllm.LLM``.
+    """
+    def keep(config) -> bool:
+        blocks = int(getattr(config, "num_blocks", 0) or 0)
+        layers = [(name, g.kv_cache_spec) for g in getattr(config, "kv_cache_groups", None) or ()
+                  for name in g.layer_names if hasattr(g.kv_cache_spec, "num_kv_heads")]
+        if not blocks or not layers:
+            return False
+        import torch
+        from vllm.platforms import current_platform
+
+        _PER_LAYER.clear()  # the previous start's go first: the same sizes survive, never two sets
+        for name, spec in layers:
+            _PER_LAYER[name] = torch.zeros(blocks, spec.block_size, spec.num_kv_heads, 2, dtype=torch.float32,
+                                           device=current_platform.device_type)
+        return True
+    return _after_kv_init(PER_LAYER, keep)
