@@ -25,6 +25,12 @@ class PathsParams:
     floor_factor: float = option(FLOOR_FACTOR, "--floor-factor", min=1, help="A path may move logprobs this many "
                                  "times the noise floor (the engine's cold run again, in other batches, and "
                                  "recomputed).")
+    lengths: bool = option(False, "--lengths", help="Prompts of every length mod the KV block size, 0 to B-1 (B "
+                           "prompts of 2B to 3B-1 tokens) instead of --num-prompts prompts: where a prompt ends in "
+                           "its last block.")
+    long_context: int = option(0, "--long-context", min=0, help="Grow every prompt to N tokens or more (0: off; "
+                               "N >= 2048 reaches long-context kernels): for the prefix, chunked-prefill and "
+                               "offload paths; the model and -a max_model_len must allow N + --max-tokens.")
     seed: int = option(0, "--seed", help="Random seed.")
     path: str = "prefix-hit"  # this case's path (one of paths), or a reference case's name (catalogue.REFERENCES)
 
