@@ -82,7 +82,9 @@ def run(case, ctx):
         return failed
     rec = None
     try:
-        prompts = shaped([engine.encode(t) for t in texts], p, _kv_block(traits, base))
+        prompts = [engine.encode(t) for t in texts]
+        if p.path != sliding.PATH:  # the window's prompts are sized to its window (sliding.need), not reshaped
+            prompts = shaped(prompts, p, _kv_block(traits, base))
         try:
             rec = _serve(case, ctx, p, path, engine, prompts, spec, need, config)
         except WorkloadFailed as e:
