@@ -352,7 +352,8 @@ def engine_path(fault: str, model: str, kv_dtype: str, patched: bool, cuda: bool
         "path": r["path"], **{k: d[k] for k in ("diverged_requests", "first_divergence", "max_dlogprob")},
         "requests": len(d["per_prompt_dlogprob"]), "cold_vs_cold_diverged": r["cold_vs_cold"]["diverged_requests"],
         "counters": {k: v for k, v in r["counters"].items() if k in ("prefill_chunks", "spec_draft_tokens",
-                                                                     "spec_accepted_tokens", "external_hits")},
+                                                                     "spec_accepted_tokens", "external_hits",
+                                                                     "evicted_blocks", "cached_tokens")},
         "fired": r["fired"]}
 
 
