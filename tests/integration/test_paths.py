@@ -118,9 +118,49 @@ def test_compare_with_a_faulty_run_regresses(clean, faulty):
     assert "paths: diverging prompts" in r.stdout
 
 
+def test_prefix_evicted_at_every_prompt_length_matches_the_cold_path_and_its_fault_fails_it_only(tmp_path):
+    """prefix-evicted with --lengths (a prompt of every length mod the block size): the clean engine evicts cached
+    blocks, hits the ones left and matches the cold path; a block evicted with its hash kept fails it, and not
+    prefix-hit (whose pool never fills)."""
+    r = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "-o", str(tmp_path / "clean"), "--lengths",
+               "--num-prompts", "4", "--max-tokens", "12", "-p", "prefix-evicted")
+    assert r.returncode == 0, r.stderr[-2000:]
+    c = by_path(json.loads(r.stdout))["prefix-evicted"]
+    m = c["metrics"]
+    assert c["status"] == "pass" and m["diverged_requests"] == 0, c["findings"]
+    assert m["counted"] > 0 and m["hit_tokens_after"] > 0  # blocks were evicted, and those left hit
+    block = m["block_size"]
+    assert sorted(n % block for n in m["prompt_tokens"]) == list(range(block))  # every residue, once
+    r = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "-o", str(tmp_path / "faulty"), "--fault",
+               "evicted_block_keeps_hash", "--isolate", "run", "--num-prompts", "4", "--max-tokens", "12",
+               "-p", "prefix-evicted", "-p", "prefix-hit")
+    assert r.returncode == 1, r.stderr[-2000:]
+    cases = by_path(json.loads(r.stdout))
+    assert {n for n, x in cases.items() if x["status"] == "fail"} == {"prefix-evicted"}
+    assert "first differs at generated position" in cases["prefix-evicted"]["findings"][0]["message"]
+
+
+def test_long_context_grows_the_prompts_and_a_model_too_short_is_unsupported():
+    """--long-context N: the prompts hold N tokens and more (prompt i, N + i) and a prefix hit reads their full
+    blocks; an N past the model's length is unsupported with the length it runs at, before any engine starts."""
+    r = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "--long-context", "160", "--num-prompts", "2",
+               "--max-tokens", "8", "-p", "prefix-hit", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (c,) = json.loads(r.stdout)["cases"]
+    m = c["metrics"]
+    assert c["status"] == "pass" and m["prompt_tokens"] == [160, 161], c["findings"]
+    assert m["counted"] >= (160 - 1) // m["block_size"] * m["block_size"]  # a long prompt's every full block hit
+    r = kvdiag("paths", "-d", "auto", "--device", "cpu", "-f", "json", "--long-context", "100000", "-p", "prefix-hit",
+               "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (c,) = json.loads(r.stdout)["cases"]
+    assert c["status"] == "unsupported" and "runs at most 2048" in c["findings"][0]["message"]
+
+
 @pytest.mark.parametrize("args, words", [(["-p", "prefix-hot"], "prefix-hot"),
                                          (["--floor-factor", "0.5"], "--floor-factor"),
-                                         (["--num-prompts", "1"], "--num-prompts")])
+                                         (["--num-prompts", "1"], "--num-prompts"),
+                                         (["--long-context", "-1"], "--long-context")])
 def test_bad_input_exits_2_with_one_line(args, words):
     r = kvdiag("paths", *args)
     assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

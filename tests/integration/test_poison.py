@@ -274,3 +274,16 @@ def test_cli_bad_input_is_one_line():
         r = kvdiag("poison", *args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
 
+
+
+def test_lengths_adds_a_wave_of_every_prompt_length_mod_the_block_and_the_clean_engine_passes(model, tmp_path):
+    """`--lengths`: a fourth wave, one prompt ending at every slot of its last block (residues 0 to B-1), on blocks
+    poisoned before it; the clean engine reads none of the poison."""
+    r = kvdiag("poison", "-m", model, "-d", "auto", "--device", TEST_DEVICE, "--lengths", "-f", "json", "-o",
+               str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    (c,) = json.loads(r.stdout)["cases"]
+    m = c["metrics"]
+    block = m["workload_block_size"]
+    assert c["status"] == "pass" and sorted(n % block for n in m["residue_wave_tokens"]) == list(range(block))
+    assert m["kv_nonfinite"] == 0 and m["fresh_blocks"] > 0

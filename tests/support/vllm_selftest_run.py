@@ -10,11 +10,11 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-# The S5 faults of chunked prefill, speculative decoding, the sliding window and offload: their probes (an engine
-# per path, a few minutes together) and their self-test verdicts are tests/integration/test_vllm_path_faults.py's
+# The S5 faults of chunked prefill, speculative decoding, the sliding window, offload and eviction: their probes (an
+# engine per path, a few minutes together) and their self-test verdicts are tests/integration/test_vllm_path_faults.py's
 # (nightly); here the faults CI runs
 ELSEWHERE = ("chunk_boundary_token_skipped", "spec_rejected_tokens_kept", "swa_frees_window_block",
-             "offload_load_block_shifted",
+             "offload_load_block_shifted", "evicted_block_keeps_hash",
              "per_layer_side_buffers_kept_after_shutdown")  # and the split leak's: test_vllm_split_leak.py (nightly)
 
 

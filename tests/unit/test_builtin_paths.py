@@ -22,11 +22,14 @@ BS, N = 8, 12  # block size; tokens generated
 PROMPTS = ["The cache holds keys and values of every layer", "Blocks of sixteen tokens each, hashed as a chain",
            "short one", "Another prompt that is long enough to fill blocks"]  # 47, 49, 10, 50 tokens with BOS
 ATOL = 1e-4  # float32 batch-composition noise is ~1e-6
-# each path, as the engine args and pool that take it; "prefix" runs twice (the second run hits)
+# each path, as the engine args and pool that take it; "prefix" runs twice (the second run hits); "evicted" runs
+# prompts 0, 1 and 3 alone first in a pool that holds one request at its longest (1 and 3 evict what 0 left cached,
+# the last run reads none of its blocks from the cache: only the stale hashes of a fault would hit)
 PATHS = {"cold": ({}, None, 64), "prefix": ({}, True, 64), "preemption": ({"preemption": 1}, None, 14),
-         "chunked": ({"enable_chunked_prefill": 1, "max_num_batched_tokens": 10}, None, 64)}
-BREAKS = {"prefix_hit_treated_fresh": "prefix", "preempt_keeps_freed_blocks": "preemption",
-          "chunk_context_dropped": "chunked"}
+         "chunked": ({"enable_chunked_prefill": 1, "max_num_batched_tokens": 10}, None, 64),
+         "evicted": ({}, True, 9)}
+BREAKS = {"prefix_hit_treated_fresh": ("prefix",), "preempt_keeps_freed_blocks": ("preemption",),
+          "chunk_context_dropped": ("chunked",), "evicted_block_keeps_hash": ("evicted",)}
 
 
 def _start(args=None, prefix_caching=None, num_blocks=64, faults=(), e=None, **kw):
@@ -52,6 +55,8 @@ def _diff(a, b) -> float:
 def _path(name, faults=(), e=None, prompts=PROMPTS, **kw):
     args, prefix, blocks = PATHS[name]
     e = _start(args, prefix, blocks, faults, e=e)
+    for i in (0, 1, 3) if name == "evicted" else ():
+        _run(e, [prompts[i]], **kw)
     out = _run(e, prompts, **kw)
     if name == "prefix":
         out = _run(e, prompts, **kw)
@@ -75,7 +80,8 @@ def test_no_switch_takes_no_path_and_counts_nothing(cold):
     assert _run(e) == cold["greedy"]  # bit-identical: the same steps as before the paths existed
     counters = e.path_counters()
     if DEV == "cpu":
-        assert set(counters) == {"prefix_hit_tokens", "preemptions", "prefill_chunks", "cuda_graph_replays"}
+        assert set(counters) == {"prefix_hit_tokens", "evicted_blocks", "preemptions", "prefill_chunks",
+                                 "cuda_graph_replays"}
         assert not any(counters.values())
     assert not any(counters[k] for k in ("prefix_hit_tokens", "preemptions", "prefill_chunks"))
     assert e.fault_fired == dict.fromkeys(PATH_FAULTS, 0) and not e.blocks.hash_of
@@ -111,7 +117,7 @@ def test_prefix_cache_eviction_reuses_blocks_and_keeps_the_cold_output(cold):
         assert _diff(_run(e, [PROMPTS[i]]), [cold["greedy"][i]]) <= ATOL
         hits.append(e.path_counters()["prefix_hit_tokens"] - before)
     full = (len(e.encode(PROMPTS[0])) - 1) // BS * BS
-    assert hits[3] < full and hits[4] == full
+    assert hits[3] < full and hits[4] == full and e.path_counters()["evicted_blocks"] > 0
     assert _diff(_run(e), cold["greedy"]) <= ATOL  # all four at once, waiting for blocks
     e.shutdown()
 
@@ -169,8 +175,8 @@ def test_each_path_fault_breaks_its_path_only(cold, fault):
     for name in PATHS:
         out, e = _path(name, (fault,), e)
         broken = _diff(out, cold["greedy"]) > 1e-2
-        assert broken == (BREAKS[fault] == name), (fault, name)
-        assert bool(e.fault_fired[fault]) == (BREAKS[fault] == name)
+        assert broken == (name in BREAKS[fault]), (fault, name)
+        assert bool(e.fault_fired[fault]) == (name in BREAKS[fault]), (fault, name)
         assert not any(n for f, n in e.fault_fired.items() if f != fault)
     e.shutdown()
 

@@ -77,12 +77,12 @@ def test_a_batch_layout_kvdiag_did_not_compare_is_not_run(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
 
 
-def own(path: str, fault: str | None, block_size: int = 2):
+def own(path: str, fault: str | None, block_size: int = 2, **llm):
     """A prefix-cache path case as the paths check records it: judged in its own engine."""
     case = Case("paths", "vllm", "/m", "auto", "t", params={"path": path, "max_tokens": 6},
                 id=f"paths/vllm/m/auto/{path}")
     rec = case.result("fail", metrics={
-        "path": path, "role": "own", "replay": replay(**({"fake_fault": fault} if fault else {})),
+        "path": path, "role": "own", "replay": replay(**({"fake_fault": fault} if fault else {}), **llm),
         "prompts": PROMPTS, "tolerance": 0.01, "block_size": block_size})
     rec.add("error", "divergence", f"{path}: request 0 first differs at generated position 1")
     return rec
@@ -103,6 +103,21 @@ def test_a_prefix_path_reproduces_in_one_engine_its_cold_run_then_its_hit(tmp_pa
     rec = own("prefix-reset", "hit")
     (tmp_path / "r.py").write_text(script(rec, RunRecord("k", "", [rec], {}, run_dir=str(tmp_path))))
     assert run_script(tmp_path / "r.py").returncode == 0
+
+
+@pytest.mark.parametrize("fault, pool, code", [("evicted", 4, 1), (None, 4, 0), ("evicted", None, 0)])
+def test_prefix_evicted_reproduces_in_one_engine_its_pool_then_the_evicting_prompts(tmp_path, fault, pool, code):
+    """prefix-evicted runs as kvdiag ran it, in one engine started with its pool (``num_gpu_blocks_override``): the
+    prompts, the prompts that evict them, the prompts again. A block that kept its hash after eviction is read back
+    (the stand-in's ``evicted`` fault) and reproduces; the same fault in a pool that evicts nothing does not."""
+    from kvdiag.checks.paths.repro import script
+
+    rec = own("prefix-evicted", fault, **({"num_gpu_blocks_override": pool} if pool else {}))
+    text = script(rec, RunRecord("kvdiag paths", "", [rec], {}, run_dir=str(tmp_path)))
+    (tmp_path / "r.py").write_text(text)
+    p = run_script(tmp_path / "r.py")
+    assert p.returncode == code, p.stdout + p.stderr
+    assert f"of {len(PROMPTS)} requests" in p.stdout or f"in all {len(PROMPTS)} requests" in p.stdout
 
 
 def test_a_flip_where_the_references_top_two_were_tied_is_noise_as_in_kvdiags_verdict(tmp_path):

@@ -20,7 +20,7 @@ from kvdiag.engines.vllm.faults import offload, patching, paths, spec, window
 from kvdiag.engines.vllm.faults.patching import CodePoint
 
 NEW = ("chunk_boundary_token_skipped", "spec_rejected_tokens_kept", "swa_frees_window_block",
-       "offload_load_block_shifted")
+       "offload_load_block_shifted", "evicted_block_keeps_hash")
 V24 = Path(os.environ.get("KVDIAG_VLLM024_SRC", "/tmp/v24/vllm"))
 
 # What each patched method of vLLM does, reduced to the bookkeeping the fault changes.
@@ -77,6 +77,25 @@ class Spec:
 class Job:  # vLLM 0.24's TransferJob: (source, destination) as transfer_spec
     def __init__(self, req_id, dst):
         self.req_id, self.transfer_spec = req_id, ("cpu keys", dst)
+
+
+class Block:
+    def __init__(self, block_id, block_hash=None):
+        self.block_id, self.block_hash = block_id, block_hash
+
+    def reset_hash(self):
+        self.block_hash = None
+
+
+class BlockPool:  # the lookup by hash; eviction drops the block from it and resets the block's hash
+    def __init__(self):
+        self.cached_block_hash_to_block = {}
+
+    def _maybe_evict_cached_block(self, block):
+        if block.block_hash is None or self.cached_block_hash_to_block.pop(block.block_hash, None) is None:
+            return False
+        block.reset_hash()
+        return True
 '''
 
 
@@ -91,6 +110,7 @@ def toy(tmp_path, monkeypatch):
     monkeypatch.setattr(spec, "SCHEDULE", cp("Scheduler.schedule"))
     monkeypatch.setattr(window, "SKIPPED", cp("SlidingWindowManager.get_num_skipped_tokens"))
     monkeypatch.setattr(offload, "LOAD_JOBS", cp("Offloader.update_state_after_alloc"))
+    monkeypatch.setattr(paths, "EVICT", cp("BlockPool._maybe_evict_cached_block"))
     yield __import__("toy_vllm")
     patching.restore()
     sys.modules.pop("toy_vllm", None)
@@ -142,6 +162,18 @@ def test_a_load_jobs_blocks_rotate_within_each_group_and_single_block_loads_stay
         [[11, 12, 10, 21, 20], [30]]
     assert patching.fired() == {"offload_load_block_shifted": 1}
     assert offload.load_target(NS(dst_spec="0.32's")) == "0.32's"
+
+
+def test_an_evicted_cached_block_stays_in_the_lookup_under_its_old_hash_and_an_uncached_one_is_vllms(toy):
+    pool, cached, plain = toy.BlockPool(), toy.Block(3, "h3"), toy.Block(4)
+    pool.cached_block_hash_to_block["h3"] = cached
+    assert toy.BlockPool()._maybe_evict_cached_block(toy.Block(5, "h5")) is False  # vLLM's: not in the lookup
+    faults.apply(["evicted_block_keeps_hash"])
+    assert pool._maybe_evict_cached_block(plain) is False and patching.fired() == {}  # nothing cached: vLLM's own
+    assert pool._maybe_evict_cached_block(cached) is True  # evicted, as vLLM says
+    assert cached.block_hash is None  # fresh to its new owner
+    assert pool.cached_block_hash_to_block == {"h3": cached}  # but the old prefix still finds it
+    assert patching.fired() == {"evicted_block_keeps_hash": 1}
 
 
 @pytest.mark.parametrize("name", NEW)

@@ -36,6 +36,8 @@ PATHS: dict[str, Path] = {p.name: p for p in (
          "is computed", "prefix_hit_tokens", None),
     Path("prefix-reset", "the same prompts after reset_prefix_cache: cold again, nothing read from the cache",
          "prefix_hit_tokens", None),
+    Path("prefix-evicted", "a pool that holds the prompts, then other prompts that evict part of their cached "
+         "blocks, then the prompts again: what is still cached hits, the rest is computed", "evicted_blocks", None),
     Path("preemption", "a KV pool too small for every request at its longest: requests are preempted and "
          "recomputed", "preemptions"),
     Path("chunked-prefill", "prompts prefilled in small chunks instead of whole", "prefill_chunks", own_floor=True),

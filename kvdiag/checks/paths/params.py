@@ -25,6 +25,12 @@ class PathsParams:
     floor_factor: float = option(FLOOR_FACTOR, "--floor-factor", min=1, help="A path may move logprobs this many "
                                  "times the noise floor (the engine's cold run again, in other batches, and "
                                  "recomputed).")
+    lengths: bool = option(False, "--lengths", help="Prompts of every length mod the KV block size, 0 to B-1 (B "
+                           "prompts of 2B to 3B-1 tokens) instead of --num-prompts prompts: where a prompt ends in "
+                           "its last block.")
+    long_context: int = option(0, "--long-context", min=0, help="Grow every prompt to N tokens or more (0: off; "
+                               "N >= 2048 reaches long-context kernels): for the prefix, chunked-prefill and "
+                               "offload paths; the model and -a max_model_len must allow N + --max-tokens.")
     seed: int = option(0, "--seed", help="Random seed.")
     path: str = "prefix-hit"  # this case's path (one of paths), or a reference case's name (catalogue.REFERENCES)
 
@@ -91,11 +97,15 @@ def analyze(run, p: PathsParams) -> None:
 
 
 HELP = (
-    "Hold every path the KV cache takes to the cold path: prefix-cache hits, preemption, chunked prefill, CUDA-graph "
-    "modes, speculative decoding, CPU offload, decoding past a sliding window (held to a prefill of its tokens).\n"
+    "Hold every path the KV cache takes to the cold path: prefix-cache hits (also after eviction from a full pool), "
+    "preemption, chunked prefill, CUDA-graph modes, speculative decoding, CPU offload, decoding past a sliding window "
+    "(held to a prefill of its tokens).\n"
     "\n"
     "Per kv dtype and path: the same fixed prompts run greedily cold, twice, and in another order and batch size\n"
     "(the engine's noise floor), then through the path (the same engine, or one started for it). A path fails\n"
     "when it changes a greedy token where the cold run's top two were further apart than the floor allows, or\n"
     "moves logprobs beyond the floor; the table names the first diverging token, the largest logprob difference\n"
-    "and the share of prompts affected. A path the engine or platform cannot run is unsupported, in its words.")
+    "and the share of prompts affected. A path the engine or platform cannot run is unsupported, in its words.\n"
+    "\n"
+    "Prompt shapes (options, not the default: they change every case's prompts and its time): --lengths, a prompt\n"
+    "of every length mod the block size; --long-context N, prompts of N tokens and more.")

@@ -78,4 +78,18 @@ def _partial(m: dict, max_tokens: int) -> list[dict]:
             {**other, "reset": False, "as": "path"}]
 
 
-PREFIX = {"prefix-hit": _hit, "prefix-reset": _reset, "prefix-partial": _partial}
+def _evicted(m: dict, max_tokens: int) -> list[dict]:
+    """As ``run._evicted``, in the pool the engine was started with: the prompts (cached), the prompts that evict
+    part of their blocks, then the prompts again, last first (their labels say which request each is)."""
+    from kvdiag.checks.paths.workload import after_eviction, evicting_prompts
+
+    (cached,) = batches(m["prompts"], max_tokens, False)
+    (other,) = batches(evicting_prompts(m["prompts"], m["block_size"], max_tokens), max_tokens, False)
+    order = after_eviction(len(m["prompts"]))
+    again = {"prompts": [m["prompts"][i] for i in order], "labels": [str(i) for i in order],
+             "max_tokens": max_tokens}
+    return [{**cached, "reset": True, "as": "reference"}, {**other, "reset": False, "as": None},
+            {**again, "reset": False, "as": "path"}]
+
+
+PREFIX = {"prefix-hit": _hit, "prefix-reset": _reset, "prefix-partial": _partial, "prefix-evicted": _evicted}

@@ -66,6 +66,10 @@ def run(case, ctx):
             config = need if isinstance(need, str) else traits.path_config(p.path, _spanned(need, p.path, device))
     if isinstance(config, str):
         return greedy.unsupported(case, config)
+    if p.long_context and (room := traits.max_model_len(case.model, base.engine_args)) < need["max_model_len"]:
+        return greedy.unsupported(case, f"--long-context {p.long_context}: the longest request needs "
+                                  f"{need['max_model_len']} tokens, {case.model} runs at most {room} here (raise "
+                                  "-a max_model_len where the model allows it)")
     # every case's engine has the model length of the workload's longest request, not only the one whose tight pool
     # needs it (preemption): an engine of another max_model_len may not be the same cold path (a decode kernel may
     # split its work by the block table's width)
@@ -81,6 +85,8 @@ def run(case, ctx):
     rec = None
     try:
         prompts = [engine.encode(t) for t in texts]
+        if p.path != sliding.PATH:  # the window's prompts are sized to its window (sliding.need), not reshaped
+            prompts = shaped(prompts, p, _kv_block(traits, base))
         try:
             rec = _serve(case, ctx, p, path, engine, prompts, spec, need, config)
         except WorkloadFailed as e:
@@ -118,14 +124,15 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
     if path is None:  # a reference case
         return case.result("pass", environment=env, metrics={
             "path": p.path, "role": "reference", "judged_later": False, "floor": vars(floor), "requests": len(cold),
-            "tokens": sum(len(c.token_ids) for c in cold), **_graph_mode(engine, p.path), **_replay(engine, prompts),
+            "tokens": sum(len(c.token_ids) for c in cold), "prompt_tokens": [len(q) for q in prompts],
+            **_graph_mode(engine, p.path), **_replay(engine, prompts),
             "completions": completions.to_json(cold), "layouts": completions.layouts_to_json(layouts)})
     ctx.stage(case, f"path {path.name}")
     block = block_size(engine, spec)
     trial = PREFIX_RUNS[path.name](engine, prompts, cold, p.max_tokens, block, path.counter)
     trial.notes.update(grown)
     rec = verdict(case, p, path, config, floor, trial, env)
-    rec.metrics.update(_replay(engine, prompts), block_size=block)
+    rec.metrics.update(_replay(engine, prompts), block_size=block, prompt_tokens=[len(q) for q in prompts])
     return rec
 
 
@@ -168,7 +175,17 @@ def _need(case, traits, base, texts, max_tokens: int, device: str) -> dict | str
         prompts = [tok.encode(t) for t in texts]
     except Exception as e:  # noqa: BLE001 - no tokenizer here: the engine would not start either
         return f"the model's tokenizer did not load: {e}"
-    return workload.needs(prompts, max_tokens, block, device)
+    return workload.needs(shaped(prompts, PathsParams.from_case(case), block), max_tokens, block, device)
+
+
+def shaped(prompts: list[list[int]], p: PathsParams, block: int) -> list[list[int]]:
+    """The prompts as ``--lengths`` (one per length mod the block size) and ``--long-context`` (N tokens or more)
+    reshape them; as they are without either."""
+    if p.lengths:
+        prompts = workload.at_every_residue(prompts, block)
+    if p.long_context:
+        prompts = workload.long(prompts, p.long_context)
+    return prompts
 
 
 def _hit(engine, prompts, cold, max_tokens, block, tally) -> Trial:
@@ -197,7 +214,27 @@ def _reset(engine, prompts, cold, max_tokens, block, tally) -> Trial:
     return Trial(cold, out, counted, {"reset": done})
 
 
-PREFIX_RUNS = {"prefix-hit": _hit, "prefix-partial": _partial, "prefix-reset": _reset}
+def _evicted(engine, prompts, cold, max_tokens, block, tally) -> Trial:
+    """In a pool that holds the prompts at their longest and no more: the prompts (cached), then prompts that share
+    no block with them and evict about half of their cached blocks (``workload.evicting_prompts``; ``tally``, the
+    blocks evicted, grows), then the prompts again, in reverse (``workload.after_eviction``), against their cold run.
+    Each block still cached hits; an evicted one is computed again (vLLM drops an evicted block's hash,
+    ``BlockPool._maybe_evict_cached_block``, so its prompt misses from there on): ``hit_tokens_after`` says how many
+    tokens the last run read from the cache."""
+    other = workload.evicting_prompts(prompts, block, max_tokens)
+    reset(engine)
+    generate(engine, prompts, max_tokens, "the prompts cached")
+    _, evicted = counted_run(engine, other, max_tokens, tally, "the evicting prompts")
+    order = workload.after_eviction(len(prompts))
+    back, hits = counted_run(engine, [prompts[i] for i in order], max_tokens, "prefix_hit_tokens",
+                             "the prompts after eviction")
+    out: list = [None] * len(prompts)
+    for i, c in zip(order, back):
+        out[i] = c
+    return Trial(cold, out, evicted, {"evicting_prompts": len(other), "hit_tokens_after": hits})
+
+
+PREFIX_RUNS = {"prefix-hit": _hit, "prefix-partial": _partial, "prefix-reset": _reset, "prefix-evicted": _evicted}
 
 
 def _plain(engine, prompts, max_tokens, path) -> Trial:

@@ -16,6 +16,9 @@ class PoisonParams:
                         "dtype's largest finite value) or random (seeded random bits).")
     logprob_tol: float = option(greedy.LOGPROB_TOL, "--logprob-tol", min=0,
                                 help="Largest |Δ logprob| allowed where the tokens are identical.")
+    lengths: bool = option(False, "--lengths", help="A fourth wave: one prompt of every length mod the KV block "
+                           "size, 0 to B-1 (B prompts of 2B to 3B-1 tokens), so that a prompt's last block is "
+                           "written up to every slot before decode reads it.")
     seed: int = option(0, "--seed", help="Random seed.")
 
     @classmethod

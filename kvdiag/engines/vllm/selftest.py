@@ -71,6 +71,9 @@ FAULTS: tuple[Fault, ...] = (
     path_fault("prefix_hit_block_dropped", "a prefix-cache hit counted one block longer than the blocks it hands "
                "out: attention reads a fresh block for the hit's last block", "prefix-hit", "prefix-partial",
                unseen={"kv_blocks": "runs with prefix caching off: no request hits the prefix cache"}),
+    path_fault("evicted_block_keeps_hash", "a cached block evicted for reuse keeps its hash in the prefix cache's "
+               "lookup: a prompt with the evicted prefix reads another's K/V", "prefix-evicted",
+               unseen={"kv_blocks": "runs with prefix caching off: no block is cached, none evicted"}),
     path_fault("preempt_keeps_computed_tokens", "a preempted request keeps its computed-token count while its "
                "blocks are freed: resumed without recompute, it reads fresh blocks", "preemption"),
     path_fault("chunk_boundary_token_skipped", "a prefill chunk's end counted one token too far: one prompt "

@@ -16,6 +16,7 @@ block_tables_not_rebuilt_on_wake            S2     V2 runner ``post_kv_cache_wak
 fp8_scales_not_reset_on_wake                S2     V1 runner ``init_fp8_kv_scales``                        wake-cycle
 fresh_blocks_not_zeroed                     S3     ``_zero_block_ids`` / ``KVBlockZeroer.zero_block_ids``  poison
 prefix_hit_block_dropped                    S5     ``KVCacheManager.get_computed_blocks``                  paths
+evicted_block_keeps_hash                    S5     ``BlockPool._maybe_evict_cached_block``                 paths
 preempt_keeps_computed_tokens               S5     ``sched.scheduler.Scheduler._preempt_request``          paths
 chunk_boundary_token_skipped                S5     ``sched.scheduler.Scheduler._update_after_schedule``    paths
 spec_rejected_tokens_kept                   S5     ``Scheduler.update_from_output`` and ``.schedule``      paths
@@ -25,7 +26,7 @@ offload_load_block_shifted                  S5     offloading ``update_state_aft
 
 Each fault's function (in ``shutdown.py``, ``cache_dtype.py``, ``wake.py``, ``zeroing.py``, ``paths.py``, ``spec.py``,
 ``window.py``, ``offload.py``) names the vLLM PR (the S5 faults: the bug class, no known fix; their code points are
-the scheduler's, the KV-cache manager's and the offloading connector's), the
+the scheduler's, the KV-cache manager's, its block pool's and the offloading connector's), the
 versions it applies to and its intended check. Each patch records that it fired (:func:`fired`): the patched code
 actually ran. kvdiag applies the faults a case names in its worker, at ``VllmEngine.start``, before ``vllm.LLM``;
 the self-test puts what fired into the case record and never counts a fault that did not fire as caught.
@@ -99,6 +100,7 @@ FAULTS = {f.name: f for f in (
     VllmFault(wake.FP8_NOT_RESET, wake.fp8_scales_not_reset_on_wake, (wake.MRV1_FP8_RESET,), (SLEEP,)),
     VllmFault(zeroing.NOT_ZEROED, zeroing.fresh_blocks_not_zeroed, zeroing.ZEROERS, (KV_VIEW,)),
     VllmFault(paths.HIT_SHORT, paths.prefix_hit_block_dropped, (paths.GET_COMPUTED,)),
+    VllmFault(paths.EVICTED_KEEPS, paths.evicted_block_keeps_hash, (paths.EVICT,)),
     VllmFault(paths.PREEMPT_KEEPS, paths.preempt_keeps_computed_tokens, (paths.PREEMPT,)),
     VllmFault(paths.CHUNK_SKIPS, paths.chunk_boundary_token_skipped, (paths.AFTER_SCHEDULE,)),
     VllmFault(spec.REJECTED_KEPT, spec.spec_rejected_tokens_kept, (spec.UPDATE, spec.SCHEDULE)),

@@ -1,10 +1,12 @@
 """Faults in the paths by which vLLM's KV cache reaches attention other than one cold prefill (bug class S5): a
-prefix-cache hit, preemption and a chunked prefill; ``paths`` must catch each on its own path while the cold path
-stays clean. (Speculative decoding's: ``spec.py``; the sliding window's: ``window.py``; CPU offload's: ``offload.py``.)
+prefix-cache hit, a block evicted from a full prefix cache, preemption and a chunked prefill; ``paths`` must catch
+each on its own path while the cold path stays clean. (Speculative decoding's: ``spec.py``; the sliding window's:
+``window.py``; CPU offload's: ``offload.py``.)
 
-All three patch the scheduler's bookkeeping (the KV-cache manager and the scheduler of vLLM's V1 engine core), not a
-kernel: what the model runner is told is computed no longer matches what its blocks hold, so attention reads K/V
-that no prefill wrote. None names a vLLM fix: each re-introduces a bug class, not a known regression.
+All four patch the scheduler's bookkeeping (the KV-cache manager, its block pool and the scheduler of vLLM's V1
+engine core), not a kernel: what the model runner is told is computed no longer matches what its blocks hold, so
+attention reads K/V that no prefill of that request wrote. None names a vLLM fix: each re-introduces a bug class, not
+a known regression.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from kvdiag.engines.vllm.faults.patching import CodePoint, fire, wrap
 GET_COMPUTED = CodePoint("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_computed_blocks")
 PREEMPT = CodePoint("vllm.v1.core.sched.scheduler", "Scheduler._preempt_request")
 AFTER_SCHEDULE = CodePoint("vllm.v1.core.sched.scheduler", "Scheduler._update_after_schedule")
+EVICT = CodePoint("vllm.v1.core.block_pool", "BlockPool._maybe_evict_cached_block")
 HIT_SHORT = "prefix_hit_block_dropped"
 PREEMPT_KEEPS = "preempt_keeps_computed_tokens"
 CHUNK_SKIPS = "chunk_boundary_token_skipped"
+EVICTED_KEEPS = "evicted_block_keeps_hash"
 
 
 def prefix_hit_block_dropped(kv_cache_dtype: str | None = None) -> list[str]:
@@ -122,3 +126,37 @@ def chunk_boundary_token_skipped(kv_cache_dtype: str | None = None) -> list[str]
         return _update_after_schedule
     wrap(AFTER_SCHEDULE, CHUNK_SKIPS, make)
     return [str(AFTER_SCHEDULE)]
+
+
+def evicted_block_keeps_hash(kv_cache_dtype: str | None = None) -> list[str]:
+    """S5, a cached block evicted to be handed out again stays in the prefix cache's lookup under its old hash.
+
+    Code point: ``BlockPool._maybe_evict_cached_block(block)`` (``vllm/v1/core/block_pool.py``), which
+    ``get_new_blocks`` calls for each block it takes off the free queue: it drops the block's hash from
+    ``cached_block_hash_to_block`` and resets the block's own (``block.reset_hash()``), and says whether the block
+    was cached. Relied on: that method, ``KVCacheBlock.block_hash`` and ``reset_hash()``, and (vLLM 0.32) the pool's
+    ``cached_block_hashes_by_block``, read only where it exists. Versions: vLLM 0.32 (source read); 0.24 by those
+    names (its source was not read here). The fault (vLLM #44237's shape: a block's hash not reset on reuse): the
+    block's own hash is reset, as vLLM does, but the lookup keeps the old hash pointing at it. A later prompt with the
+    evicted prefix "hits" the block and reads the K/V its new owner wrote. Fires on every eviction of a cached block:
+    only a pool under pressure evicts (never in the check's other prefix paths, whose pool holds everything).
+
+    Intended check: ``paths``, ``prefix-evicted`` (finding ``divergence`` or ``logprob_drift``); the other paths'
+    pools evict nothing.
+
+    Outside kvdiag: ``apply(["evicted_block_keeps_hash"])`` before ``vllm.LLM(..., enable_prefix_caching=True,
+    num_gpu_blocks_override=N)`` with N small enough that new prompts evict cached ones.
+    """
+    def make(original):
+        def _maybe_evict_cached_block(self, block, *args, **kwargs):
+            if getattr(block, "block_hash", None) is None:
+                return original(self, block, *args, **kwargs)
+            fire(EVICTED_KEEPS)
+            by_block = getattr(self, "cached_block_hashes_by_block", None)
+            if isinstance(by_block, dict):
+                by_block.pop(block.block_id, None)
+            block.reset_hash()  # the block is fresh to its new owner; the lookup still finds it by the old hash
+            return True
+        return _maybe_evict_cached_block
+    wrap(EVICT, EVICTED_KEEPS, make)
+    return [str(EVICT)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import OrderedDict
 from types import SimpleNamespace
 
 STARTS = []
@@ -25,9 +26,11 @@ class LLM:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.fault = kwargs.get("fake_fault") or os.environ.get("FAKE_VLLM_FAULT")  # a patch put in the process
+        self.cached = OrderedDict()  # the first blocks run since the last reset: a prompt that starts so hits
+        self.room = kwargs.get("num_gpu_blocks_override")  # first blocks the cache holds (None: any number)
+        self.evicted = set()  # first blocks pushed out of a full cache, least recently run first
         if self.fault == "refuse" and kwargs.get("kv_cache_dtype", "auto") != "auto":
             raise ValueError(f"kv_cache_dtype {kwargs['kv_cache_dtype']!r} is not supported")
-        self.cached = set()  # the first blocks run since the last reset: a prompt that starts so hits
         self.asleep: set[str] = set()
         self.woken = False  # a KV cache wake happened: the "wake" fault's stale block tables read wrong
         self._core = None
@@ -71,6 +74,7 @@ class LLM:
 
     def reset_prefix_cache(self):
         self.cached.clear()
+        self.evicted.clear()
         return True
 
     def generate(self, prompts, params, use_tqdm=False):
@@ -87,7 +91,13 @@ class LLM:
                         for lp in pos.values():
                             lp.logprob = math.nan
                 cache[block] = 0.5  # what the request wrote
-        self.cached |= {tuple(p["prompt_token_ids"][:2]) for p in prompts}  # a block of 2 tokens
+        for p in prompts:  # a block of 2 tokens
+            key = tuple(p["prompt_token_ids"][:2])
+            self.cached[key] = None
+            self.cached.move_to_end(key)
+            self.evicted.discard(key)
+            while self.room and len(self.cached) > self.room:
+                self.evicted.add(self.cached.popitem(last=False)[0])
         return out
 
     def _one(self, prompt, n, batch):
@@ -100,6 +110,8 @@ class LLM:
         if self.fault == "batch" and batch == 1:  # only a request alone differs
             ids[2] = (ids[2] + 1) % 101
         if self.fault == "hit" and tuple(prompt[:2]) in self.cached:  # a prefix-cache hit reads a wrong block
+            ids[1] = (ids[1] + 1) % 101
+        if self.fault == "evicted" and tuple(prompt[:2]) in self.evicted:  # an evicted block kept its hash: it hits
             ids[1] = (ids[1] + 1) % 101
         if self.fault == "nan":
             lps[0] = math.nan
