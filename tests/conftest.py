@@ -156,5 +156,5 @@ def pytest_collection_modifyitems(config, items):
                 from _pytest.nodeid import NodeId
 
                 item._id = NodeId.parse(f"{item.nodeid}@{group}")
-    # the slow tests first (a stable sort): two workers finish together when the long ones do not come last
+    # the slow tests first (a stable sort): the workers finish together when the long ones do not come last
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -112,7 +112,7 @@ def test_kvdiags_own_checks_are_in_the_registry_with_their_defaults_once():
 
     found = checks()
     assert list(found)[:5] == ["accuracy", "dtypes", "memleak", "wake-cycle", "poison"]
-    assert set(toml_schema(found["memleak"])) == {"cycles", "threshold_mib", "max_tokens"}
+    assert set(toml_schema(found["memleak"])) == {"cycles", "threshold_mib", "max_tokens", "kv_sizes"}
     assert set(toml_schema(found["wake-cycle"])) == {"levels", "staged", "cycles", "max_tokens", "logprob_tol", "seed"}
     for check in found.values():
         for f in check.option_fields():

@@ -66,7 +66,7 @@ INVENTORY: dict[str, Check] = {
     "bash scripts/install.sh && kvdiag accuracy": Check(
         PART, (WHEEL, LINES_CI_RUNS),
         "`kvdiag accuracy` as written, from the installed wheel; the install is .ci/run's, with --test"),
-    'bash scripts/install.sh --test && bash scripts/pip_check.sh && python3 -m ruff check && python3 -m pytest -q -n 2 '
+    'bash scripts/install.sh --test && bash scripts/pip_check.sh && python3 -m ruff check && python3 -m pytest -q -n 3 '
     '--dist loadgroup -m "not nightly"': Check(RUN, (LINES_CI_RUNS,), "the CI run itself: .ci/run runs this line"),
     "pip install torch==2.13.0": Check(
         NOT_RUN, (INSTALLS,), "PyPI's CPU build over the network; scripts/install.sh pins the same torch"),

@@ -186,10 +186,11 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
     if kv is not None:
         kv_identity.check(kv, now, named, snaps[-1].processes)
     del now
-    held = holders(s.keys, named) if s.keys and not detector_disabled("memleak.holders") else []
-    side_keys = kv_scaled.candidates(s, kv)  # the KV cache's own storages are kv_identity's
+    census = not detector_disabled("memleak.holders")  # every rule that names a holder reads the census
+    held = holders(s.keys, named) if s.keys and census else []
+    side_keys = kv_scaled.candidates(s, kv) if census else []  # the KV cache's own storages are kv_identity's
     side = held if held and side_keys == s.keys else holders(side_keys, named) if side_keys else []
-    shaped, shapes = kv_shape.keys(kv_scaled.candidates(s, kv, small=True),  # whatever their size
+    shaped, shapes = kv_shape.keys(kv_scaled.candidates(s, kv, small=True) if census else [],  # whatever their size
                                    kv.geometry if kv is not None else None)
     pools = engine.held_after_shutdown() if isinstance(engine, HoldsAfterShutdown) else []
     c = Cycle(s, held, list(pools), private_pool_bytes() if cuda else None,
