@@ -157,6 +157,12 @@ class EngineTraits:
         known."""
         return "the engine does not say how to run this path (EngineTraits.path_config)"
 
+    def batch_invariance(self, device: str) -> dict[str, str] | str:
+        """The environment that makes the engine batch-invariant on ``device`` (cpu, cuda), set in a case's worker
+        before its engines start (``kvdiag paths --batch-invariant``), or why it has none here (a line: the case is
+        ``unsupported`` without starting an engine). Default: none."""
+        return "the engine has no batch-invariant mode"
+
     def fault_state(self) -> dict | None:
         """In a worker: ``{"fired": {fault: count}, "not_applicable": {fault: reason}}`` of the faults
         ``EngineSpec.faults`` re-introduced in this process (how often each one's patched code ran: the self-test

@@ -135,6 +135,17 @@ class Floor:
         return f", set by the {by}" if (by := self.setter()) else ""
 
 
+def zero_floor(floor: Floor) -> tuple[Floor, str | None]:
+    """Under batch invariance (``--batch-invariant``) the engine's own runs must agree exactly, so any difference
+    is the path's: the floor a path is held to (0, with no tolerance above it: ``judge(d, Floor(), 0, 1)``), and,
+    where the measured floor is not 0, what says so."""
+    said = None
+    if floor.max_dlogprob or floor.diverged:
+        said = (f"batch invariance did not hold: the floor is {floor.max_dlogprob:.3g}{floor.set_by()}"
+                f"{f', {floor.diverged} requests diverged' if floor.diverged else ''} where it should be 0")
+    return Floor(runs=floor.runs), said
+
+
 def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float,
           share_of: Floor | None = None) -> list[tuple[str, str, str]]:
     """(severity, code, message) of a path's distance from the cold run, held to the floor. ``share_of``: judge the

@@ -31,6 +31,11 @@ class PathsParams:
     long_context: int = option(0, "--long-context", min=0, help="Grow every prompt to N tokens or more (0: off; "
                                "N >= 2048 reaches long-context kernels): for the prefix, chunked-prefill and "
                                "offload paths; the model and -a max_model_len must allow N + --max-tokens.")
+    batch_invariant: bool = option(False, "--batch-invariant", help="Run the reference and the path batch-invariant "
+                                   "(vLLM: VLLM_BATCH_INVARIANT=1, on NVIDIA GPUs of compute capability 9.0 or "
+                                   "higher; elsewhere unsupported, in vLLM's words): the floor must be 0, and any "
+                                   "difference fails the path (--logprob-tol and --floor-factor do not "
+                                   "apply).")
     seed: int = option(0, "--seed", help="Random seed.")
     path: str = "prefix-hit"  # this case's path (one of paths), or a reference case's name (catalogue.REFERENCES)
 

@@ -10,6 +10,7 @@ the prefix cache is reset, so only the path's own run reads it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from kvdiag.checks import greedy
@@ -52,6 +53,11 @@ def run(case, ctx):
     traits = engine_traits(case.engine)
     base = engine_spec(case)
     device = _device_type(case, traits)
+    if p.batch_invariant:  # every engine of the case, reference and path, starts batch-invariant
+        env = traits.batch_invariance(device)
+        if isinstance(env, str):
+            return greedy.unsupported(case, f"--batch-invariant: {env}")
+        os.environ.update(env)
     texts = greedy.prompt_texts(case.model, p.num_prompts)
     # what the engine cannot run is said before the tokenizer loads (transformers' import alone takes seconds)
     rough = [[0] * (len(t.encode()) + 2) for t in texts]  # a bound on each prompt's tokens

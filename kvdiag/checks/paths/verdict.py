@@ -7,7 +7,7 @@ from __future__ import annotations
 
 # the findings analyze() adds: dropped before it judges again (--resume)
 ANALYSIS_KINDS = ("divergence", "near_tie", "logprob_drift", "nan_output", "not_taken", "not_counted",
-                  "no_reference", "graph_mode", "own_floor")
+                  "no_reference", "graph_mode", "own_floor", "batch_invariance")
 
 
 def verdict(case, p, path, config, floor, trial, env: dict):
@@ -50,12 +50,18 @@ def judge_also(rec, p, path, label: str, floor, share_of, reference, out, reques
 def _judged(rec, p, floor, d, said: str, share_of=None) -> dict:
     """Add to ``rec`` the findings of distance ``d`` held to ``floor`` (``floor.judge``), each message after
     ``said``; returns the comparison's metrics."""
-    from kvdiag.checks.paths.floor import judge
+    from kvdiag.checks.paths.floor import judge, zero_floor
 
-    tol = floor.tolerance(p.logprob_tol, p.floor_factor)
-    for severity, kind, message in judge(d, floor, p.logprob_tol, p.floor_factor, share_of):
+    measured, logprob_tol, factor = share_of or floor, p.logprob_tol, p.floor_factor
+    if p.batch_invariant:  # the floor must be 0, and any difference is the path's (floor.zero_floor)
+        floor, broken = zero_floor(measured)
+        share_of, logprob_tol, factor = None, 0.0, 1.0
+        if broken and not any(f.kind == "batch_invariance" for f in rec.findings):
+            rec.add("warning", "batch_invariance", broken)
+    tol = floor.tolerance(logprob_tol, factor)
+    for severity, kind, message in judge(d, floor, logprob_tol, factor, share_of):
         rec.add(severity, kind, f"{said}: {message}")
-    return {"floor": vars(share_of or floor), "tolerance": tol, **d.metrics(tol)}
+    return {"floor": vars(measured), "tolerance": tol, **d.metrics(tol)}
 
 
 def analyze(run, p) -> None:

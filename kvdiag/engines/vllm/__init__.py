@@ -105,6 +105,18 @@ def missing() -> str | None:
     return None
 
 
+BATCH_INVARIANT_ENV = {"VLLM_BATCH_INVARIANT": "1"}  # vLLM's switch (docs/features/batch_invariance.md)
+
+
+def batch_invariance(device: str) -> dict | str:
+    """vLLM's batch-invariant mode: documented for NVIDIA GPUs of compute capability 9.0 or higher (the engine's
+    start says so for an older GPU, and vLLM for a kernel that does not take it), never on the CPU."""
+    if device != "cuda" or cpu_only():
+        return ("VLLM_BATCH_INVARIANT=1: vLLM's batch invariance needs an NVIDIA GPU of compute capability 9.0 or "
+                "higher; this case runs on the CPU")
+    return dict(BATCH_INVARIANT_ENV)
+
+
 class VllmTraits(EngineTraits):
     """What kvdiag asks vLLM before any worker starts (kvdiag.engines.traits): the module-level names above, so that
     a test may replace one of them (``cpu_only``) for the whole of kvdiag."""
@@ -118,6 +130,9 @@ class VllmTraits(EngineTraits):
 
     def missing(self) -> str | None:
         return missing()
+
+    def batch_invariance(self, device: str) -> dict | str:
+        return batch_invariance(device)
 
     def cpu_only(self) -> bool:
         return cpu_only()

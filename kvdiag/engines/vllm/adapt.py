@@ -236,8 +236,9 @@ NO_BACKEND = "no valid attention backend"  # vLLM's words when no attention back
 
 
 def create_llm(kwargs: dict):
-    """``vllm.LLM(**kwargs)``. A config vLLM rejects (validation error), an unimplemented path or a configuration
-    no attention backend takes raises EngineUnsupported with vLLM's message; anything else (a crash) propagates."""
+    """``vllm.LLM(**kwargs)``. A config vLLM rejects (validation error), an unimplemented path, a configuration
+    no attention backend takes or a kernel that refuses batch invariance (``VLLM_BATCH_INVARIANT=1``) raises
+    EngineUnsupported with vLLM's message; anything else (a crash) propagates."""
     from pydantic import ValidationError
     from vllm import LLM
 
@@ -245,10 +246,34 @@ def create_llm(kwargs: dict):
         return LLM(**kwargs)
     except (ValidationError, NotImplementedError) as e:
         raise EngineUnsupported(vllm_message(e)) from e
-    except ValueError as e:
-        if NO_BACKEND not in str(e).lower():
+    except (ValueError, RuntimeError, AssertionError) as e:
+        said = str(e).lower()
+        if NO_BACKEND not in said and not (BATCH_INVARIANCE in said and batch_invariant()):
             raise
         raise EngineUnsupported(first_line(e)) from e
+
+
+BATCH_INVARIANCE = "batch invarian"  # in vLLM's refusals: "... does not support batch invariance"
+
+
+def batch_invariant() -> bool:
+    """This process asks vLLM for batch invariance (``VLLM_BATCH_INVARIANT``, read as vLLM reads it)."""
+    import os
+
+    try:
+        return int(os.environ.get("VLLM_BATCH_INVARIANT", "0")) != 0
+    except ValueError:
+        return False
+
+
+def hold_batch_invariance() -> None:
+    """vLLM reads ``VLLM_BATCH_INVARIANT`` once, where ``batch_invariant.py`` is imported: in the fork server
+    (preimport.py), before a case set it. Its flag is set again from this process's environment."""
+    import sys
+
+    module = sys.modules.get("vllm.model_executor.layers.batch_invariant")
+    if module is not None and isinstance(getattr(module, "VLLM_BATCH_INVARIANT", None), bool):
+        module.VLLM_BATCH_INVARIANT = batch_invariant()
 
 
 def backend_refusal(kwargs: dict) -> str | None:

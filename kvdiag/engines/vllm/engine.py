@@ -72,6 +72,15 @@ def _apply_faults(spec: EngineSpec) -> None:
         raise EngineUnsupported(str(e)) from e
 
 
+def _batch_invariance(platform) -> None:
+    """Batch invariance where vLLM documents it (NVIDIA, compute capability 9.0 or higher), or EngineUnsupported."""
+    if not platform.is_cuda() or not platform.has_device_capability(90):
+        raise EngineUnsupported("VLLM_BATCH_INVARIANT=1: vLLM's batch invariance needs an NVIDIA GPU of compute "
+                                f"capability 9.0 or higher (docs/features/batch_invariance.md); this is "
+                                f"{platform.get_device_name() if platform.is_cuda() else platform.device_type}")
+    adapt.hold_batch_invariance()
+
+
 _REFUSALS: dict[str, str | None] = {}  # backend_refusal's answers in this process, by its arguments
 
 
@@ -120,6 +129,8 @@ class VllmEngine(Engine, ReportsFinished, Replayable, ModelFacts, EndOfText, Hol
         if self.llm is not None:
             self.shutdown()
         kwargs, sampling = adapt.llm_kwargs(spec, current_platform)
+        if adapt.batch_invariant():  # kvdiag paths --batch-invariant
+            _batch_invariance(current_platform)
         if spec.faults:  # kvdiag selftest: patch this process's vLLM before anything of it runs (faults/)
             _apply_faults(spec)
         sleep_reason = None
