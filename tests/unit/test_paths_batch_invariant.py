@@ -98,7 +98,7 @@ def test_under_batch_invariance_any_difference_fails_and_a_floor_above_0_is_said
     assert bool(said) is warned
     if warned:
         assert said[0].severity == "warning"
-        assert said[0].message.startswith("batch invariance did not hold: the floor is 0.001, set by the second")
+        assert said[0].message.startswith("under batch invariance the floor is 0.001, not 0, set by the second")
 
 
 def test_a_gpu_below_compute_capability_9_is_unsupported_in_the_engine_start():

@@ -141,8 +141,9 @@ def zero_floor(floor: Floor) -> tuple[Floor, str | None]:
     where the measured floor is not 0, what says so."""
     said = None
     if floor.max_dlogprob or floor.diverged:
-        said = (f"batch invariance did not hold: the floor is {floor.max_dlogprob:.3g}{floor.set_by()}"
-                f"{f', {floor.diverged} requests diverged' if floor.diverged else ''} where it should be 0")
+        said = (f"under batch invariance the floor is {floor.max_dlogprob:.3g}, not 0{floor.set_by()}"
+                f"{f', {floor.diverged} requests diverged' if floor.diverged else ''}: the engine's own runs differ "
+                f"where batch invariance does not reach")
     return Floor(runs=floor.runs), said
 
 
