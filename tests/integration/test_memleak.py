@@ -445,31 +445,66 @@ def test_the_clean_builtin_engine_has_its_kv_cache_recorded_and_passes():
     assert rec.metrics["kv_survived_storages"] == [0, 0]
 
 
+class _SimulatedClock:
+    """settled_census's time source in these tests: ``sleep`` advances the clock and then runs what is due (a late
+    release the engine's thread would make), so the waits are asserted in simulated seconds, not by timing luck."""
+
+    def __init__(self):
+        self.now, self.due, self.slept = 0.0, [], 0
+
+    def at(self, t: float, action):
+        self.due.append((t, action))
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float):
+        self.now += s
+        self.slept += 1
+        for item in [d for d in self.due if d[0] <= self.now]:
+            self.due.remove(item)
+            item[1]()
+
+    def census(self, base, **kw):
+        from kvdiag.checks.memleak.run import settled_census
+
+        return settled_census(base, cuda=False, clock=self, sleep=self.sleep, **kw)
+
+
 def test_references_a_thread_drops_soon_after_shutdown_do_not_survive_and_real_ones_do():
     """memleak's census after shutdown waits (up to SETTLE_S) for tensors that a thread of the engine releases late;
-    a tensor still held when the wait ends is a survivor."""
-    import threading
-    import time
+    a tensor still held when the wait ends is a survivor, and the wait ends then, not before and not much later."""
+    import torch
 
+    from kvdiag.checks.memleak.run import SETTLE_S
+    from kvdiag.measure.memory import survivors, take_census
+
+    base = take_census()
+    held = [torch.zeros(1 << 22)]  # 16 MiB, released 0.5 s after shutdown
+    clock = _SimulatedClock()
+    clock.at(0.5, held.clear)
+    assert survivors(base, take_census()).keys  # at shutdown it is still there
+    assert not survivors(base, clock.census(base)).keys
+    assert clock.now == 0.5 and not clock.due  # it stopped waiting once the release came
+    kept = torch.zeros(1 << 22)
+    clock = _SimulatedClock()
+    assert survivors(base, clock.census(base)).keys
+    assert SETTLE_S <= clock.now < SETTLE_S + 0.25 and kept.numel()
+    clock = _SimulatedClock()
+    assert survivors(base, clock.census(base, wait_s=0.5)).keys
+    assert 0.5 <= clock.now < 0.75
+
+
+def test_the_real_clock_is_the_default_and_a_held_tensor_is_still_a_survivor():
+    """Without a simulated clock the wait runs on time.monotonic: a kept tensor survives a short real wait."""
     import torch
 
     from kvdiag.checks.memleak.run import settled_census
     from kvdiag.measure.memory import survivors, take_census
 
     base = take_census()
-    held = [torch.zeros(1 << 22)]  # 16 MiB, released by a thread 0.5 s later
-
-    def drop():
-        time.sleep(0.5)
-        held.clear()
-
-    threading.Thread(target=drop).start()
-    assert survivors(base, take_census()).keys  # at shutdown it is still there
-    assert not survivors(base, settled_census(base, cuda=False)).keys
     kept = torch.zeros(1 << 22)
-    t0 = time.monotonic()
-    assert survivors(base, settled_census(base, cuda=False, wait_s=0.5)).keys
-    assert 0.5 <= time.monotonic() - t0 < 2.0 and kept.numel()
+    assert survivors(base, settled_census(base, cuda=False, wait_s=0.3)).keys and kept.numel()
 
 
 def test_the_record_says_where_the_time_went_phase_by_phase():
@@ -492,38 +527,30 @@ def test_survivors_the_previous_shutdown_left_or_small_ones_are_not_waited_for_l
     """A process-lifetime cache (the same tensor after every shutdown) cost every cycle the whole settle wait; given
     the previous shutdown's survivors, the census returns at once, and still waits for a new tensor a thread drops.
     Survivors under ``SETTLE_MIN_BYTES`` (vLLM's 64 KiB Triton buffer cache) are not waited for even in the first
-    cycle; they are still counted."""
-    import threading
-    import time
-
+    cycle; they are still counted. Times are the simulated clock's."""
     import torch
 
-    from kvdiag.checks.memleak.run import SETTLE_MIN_BYTES, settled_census
+    from kvdiag.checks.memleak.run import SETTLE_MIN_BYTES
     from kvdiag.measure.memory import survivors, take_census
 
-    wait = 3.0  # "at once" is one census, which took 0.73 s on CI's two loaded cores: well under the wait
+    wait = 3.0
     base = take_census()
     small = [torch.zeros(SETTLE_MIN_BYTES // 4 // 4)]  # 256 KiB that stays
-    t0 = time.monotonic()
-    assert survivors(base, settled_census(base, cuda=False, wait_s=wait)).keys
-    assert time.monotonic() - t0 < wait
+    clock = _SimulatedClock()
+    assert survivors(base, clock.census(base, wait_s=wait)).keys
+    assert clock.slept == 0  # at once: one census
     cache = [torch.zeros(SETTLE_MIN_BYTES // 4)]  # 1 MiB that stays
-    t0 = time.monotonic()
-    first = survivors(base, settled_census(base, cuda=False, wait_s=wait)).keys
-    assert len(first) == 2 and time.monotonic() - t0 >= wait  # the first cycle cannot tell a cache from a late drop
-    t0 = time.monotonic()
-    assert survivors(base, settled_census(base, cuda=False, wait_s=wait, known=first)).keys == first
-    assert time.monotonic() - t0 < wait
+    clock = _SimulatedClock()
+    first = survivors(base, clock.census(base, wait_s=wait)).keys
+    assert len(first) == 2 and clock.now >= wait  # the first cycle cannot tell a cache from a late drop
+    clock = _SimulatedClock()
+    assert survivors(base, clock.census(base, wait_s=wait, known=first)).keys == first
+    assert clock.slept == 0
     held = [torch.zeros(1 << 20)]
-
-    def drop():
-        time.sleep(0.3)
-        held.clear()
-
-    threading.Thread(target=drop).start()
-    t0 = time.monotonic()
-    assert survivors(base, settled_census(base, cuda=False, wait_s=wait, known=first)).keys == first
-    assert 0.3 <= time.monotonic() - t0 < wait
+    clock = _SimulatedClock()
+    clock.at(0.3, held.clear)
+    assert survivors(base, clock.census(base, wait_s=wait, known=first)).keys == first
+    assert 0.3 <= clock.now < 0.3 + 0.25  # waited for the new one, and only until it went
     assert small and cache and not held
 
 

@@ -6,12 +6,12 @@ tasks from their fork server, which loaded them once (issue 26), the README's ma
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cpu_seconds import timed_run
 
 ROOT = Path(__file__).resolve().parents[2]
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CI": "true"}
@@ -20,15 +20,7 @@ OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CI"
 def kvdiag(*args, cwd=None, timeout=600):
     """The run and the CPU seconds it took: "in seconds" is the work done, which a busy machine does not stretch as
     it stretches the wall clock."""
-    before = _children_cpu()
-    r = subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True, env=OFFLINE,
-                       timeout=timeout, cwd=cwd)
-    return r, _children_cpu() - before
-
-
-def _children_cpu() -> float:
-    u = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return u.ru_utime + u.ru_stime
+    return timed_run([sys.executable, "-m", "kvdiag", *args], env=OFFLINE, timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

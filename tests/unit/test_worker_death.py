@@ -180,9 +180,9 @@ def test_the_whole_scanned_log_is_read_in_well_under_a_second():
     noise = "INFO 05-01 12:00:00 [core.py:1] step 1 done: 12 tokens, KV cache usage 3.1%\n"
     log = "--- kvdiag stage: lm_eval (c) ---\nRuntimeError: CUDA error: misaligned address\n" \
           + noise * (SCAN_BYTES // len(noise)) + SEGFAULT_DUMP.split("\n", 2)[2]
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: what a loaded machine does not stretch
     got = cause(log)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0
     assert got.line == "CUDA error: misaligned address" and got.stage == "lm_eval"  # the dump without its stage
 
 

