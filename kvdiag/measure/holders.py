@@ -48,14 +48,34 @@ class Holder:
 
 def holders(keys, named_roots: dict[int, str] | None = None, max_depth: int = MAX_DEPTH) -> list[Holder]:
     """Group the tensors with census ``keys`` by what holds them, largest first."""
+    return holders_of([keys], named_roots, max_depth)[0]
+
+
+def holders_of(key_sets: list, named_roots: dict[int, str] | None = None,
+               max_depth: int = MAX_DEPTH) -> list[list[Holder]]:
+    """``holders`` of each set of census keys, from one walk over them all (each level of a walk is a
+    ``gc.get_referrers`` over every object: the costly part)."""
+    keys = set().union(*key_sets)
+    if not keys:
+        return [[] for _ in key_sets]
     sources = live_tensors(keys)
-    storages = [storage_key(t) for t in sources]  # no references: ids and sizes only
+    census = {(id(t), *storage_key(t)[:2]): storage_key(t) for t in sources}  # no references: ids and sizes only
     walk = _Walk(named_roots or {}, ignore={id(sources)})
     walk.run(tuple(sources), max_depth)
+    paths = {key: walk.path(key[0]) for key in census}
+    nodes = {i: walk.nodes[i] for path in paths.values() if path for i in path}
+    named = walk.named
+    del sources, walk
+    out = [_grouped([(census[k], paths[k]) for k in ks if k in census], nodes, named) for ks in key_sets]
+    del nodes
+    return out
+
+
+def _grouped(found: list, nodes: dict, named: dict) -> list[Holder]:
+    """Holders from (storage key, path or None) per tensor: each storage under its shortest path, grouped by root."""
     best: dict[tuple, tuple[int, list | None]] = {}  # storage -> (bytes, shortest path)
     counts: dict[tuple, int] = {}
-    for t, st in zip(sources, storages):
-        path = walk.path(id(t))
+    for st, path in found:
         counts[st[:2]] = counts.get(st[:2], 0) + 1
         old = best.get(st[:2])
         if old is None or (path is not None and (old[1] is None or len(path) < len(old[1]))):
@@ -63,13 +83,12 @@ def holders(keys, named_roots: dict[int, str] | None = None, max_depth: int = MA
     groups: dict[str, Holder] = {}
     fallback = FROZEN if gc.get_freeze_count() > 0 else UNATTRIBUTED
     for st, (nbytes, path) in sorted(best.items(), key=lambda kv: -kv[1][0]):
-        holder, expr, chain = describe([walk.nodes[i] for i in path], walk.named) if path else (fallback, "?", [])
+        holder, expr, chain = describe([nodes[i] for i in path], named) if path else (fallback, "?", [])
         h = groups.setdefault(holder, Holder(holder, expr, chain))
         h.bytes += nbytes
         h.largest = max(h.largest, nbytes)
         h.count += 1
         h.tensors += counts[st]
-    del sources, walk
     return sorted(groups.values(), key=lambda h: -h.bytes)
 
 

