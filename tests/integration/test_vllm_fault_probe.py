@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 from test_vllm_cpu_poison import _vllm_cpu  # noqa: E402
 from vllm_selftest_run import names  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.skipif(not _vllm_cpu(), reason="needs vllm-cpu")]
+pytestmark = [pytest.mark.nightly, pytest.mark.vllm, pytest.mark.skipif(not _vllm_cpu(), reason="needs vllm-cpu")]
 MEMORY = "kv_cache_kept_after_shutdown"  # the memory scenario's fault that ``clean`` stands for
 NAMES = names()  # every fault but the four S5 path faults test_vllm_path_faults.py holds (nightly)
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
