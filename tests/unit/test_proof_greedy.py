@@ -166,30 +166,36 @@ def test_kvdiag_proves_a_wake_failure_after_the_run(tmp_path, monkeypatch):
     assert (tmp_path / "repro" / "wake-cycle_vllm_m_auto_L1.py").exists()
 
 
-def test_selftest_prove_holds_the_poison_reproducer_to_its_faults_patch(tmp_path, monkeypatch):
-    """`selftest --prove`: with the fault's patch in the script's engine process it reproduces, without it it does
-    not (the fault was in kvdiag's worker: the case's own arguments name none)."""
+def prove_with_patch(tmp_path, monkeypatch, rec, fake_fault: str):
+    """`selftest --prove` on ``rec`` (its check's caught fault "f1"), the fault's patch putting the stand-in vLLM's
+    ``fake_fault`` into the script's engine process: (the fault's row, the run)."""
     from kvdiag.checks.selftest import proofs
 
     class Traits:
         @staticmethod
         def fault_patch(faults, kv_cache_dtype):
-            return "import os\nos.environ['FAKE_VLLM_FAULT'] = 'poison'\n"
+            return f"import os\nos.environ['FAKE_VLLM_FAULT'] = {fake_fault!r}\n"
 
     monkeypatch.setattr("kvdiag.engines.base.engine_traits", lambda engine: Traits())
     monkeypatch.setenv("PYTHONPATH", str(FAKE))
-    rec = poison_case(None)
     rec.params["selftest"] = "f1"
-    row = {"fault": "f1", "intended": "poison", "status": "caught", "caught_by_intended": True}
+    row = {"fault": "f1", "intended": rec.check, "status": "caught", "caught_by_intended": True}
     run = RunRecord("kvdiag selftest -e vllm --prove", "", [rec], {}, run_dir=str(tmp_path),
                     analysis={"selftest": {"faults": [row], "clean": {}, "ok": True}})
     proofs.prove_faults(run, "vllm")
+    return row, run
+
+
+def test_selftest_prove_holds_the_poison_reproducer_to_its_faults_patch(tmp_path, monkeypatch):
+    """`selftest --prove`: with the fault's patch in the script's engine process it reproduces, without it it does
+    not (the fault was in kvdiag's worker: the case's own arguments name none)."""
+    row, run = prove_with_patch(tmp_path, monkeypatch, poison_case(None), "poison")
     assert (row["proof"]["patched"], row["proof"]["plain"], run.analysis["selftest"]["ok"]) == (1, 0, True)
 
 
 def test_selftest_prove_says_why_a_caught_fault_has_no_reproducer():
-    """memleak's survivors are judged on kvdiag's own census of the process: `selftest --prove` says so for such a
-    fault, rather than leaving it out."""
+    """A caught fault whose failing case has no script (here a memleak case whose engine recorded no start): `selftest
+    --prove` says so for such a fault, rather than leaving it out."""
     from rich.console import Console
 
     from kvdiag.checks.selftest import proofs
@@ -206,8 +212,8 @@ def test_selftest_prove_says_why_a_caught_fault_has_no_reproducer():
     con = Console(width=80, record=True)
     _proofs(run.analysis["selftest"], con)
     out = " ".join(con.export_text().split())
-    assert "kv_cache_kept_after_shutdown: not proved: memleak writes reproducers only for a failure inside the " \
-           "engine" in out
+    assert "kv_cache_kept_after_shutdown: not proved: its failing memleak case has no reproducer (a finding a " \
+           "plain script does not show, or an engine start kvdiag could not record)" in out
     row = {"fault": "prefix_hit_treated_fresh", "intended": "paths", "status": "caught"}
     run = RunRecord("kvdiag selftest --prove", "", [], {}, run_dir="/nonexistent",
                     analysis={"selftest": {"faults": [row], "clean": {}, "ok": True}})

@@ -5,7 +5,8 @@ started with ``fake_fault="..."`` changes it as the named fault says, so a test 
 Sleep mode as vLLM's (``enable_sleep_mode=True``, ``sleep``/``wake_up``/``collective_rpc("reload_weights")``), and the
 in-process engine core's block pool and cache tensors where vLLM keeps them (a script poisons free blocks there): each
 request of a call takes a free block, which the engine zeroes before use as vLLM zeroes fresh blocks, unless its
-fault says not."""
+fault says not. The engine core's ``shutdown()`` drops the cache, unless a leak fault keeps it (``leak_kv``), or a
+tensor is kept at every start (``leak_grows``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections import OrderedDict
 from types import SimpleNamespace
 
 STARTS = []
+KEPT = []  # what the leak faults keep after a shutdown
 
 
 class SamplingParams:
@@ -31,6 +33,10 @@ class LLM:
         self.evicted = set()  # first blocks pushed out of a full cache, least recently run first
         if self.fault == "refuse" and kwargs.get("kv_cache_dtype", "auto") != "auto":
             raise ValueError(f"kv_cache_dtype {kwargs['kv_cache_dtype']!r} is not supported")
+        if self.fault == "leak_grows":  # one more 1 MiB tensor every start, never released
+            import torch
+
+            KEPT.append(torch.ones(1 << 20, dtype=torch.uint8))
         self.asleep: set[str] = set()
         self.woken = False  # a KV cache wake happened: the "wake" fault's stale block tables read wrong
         self._core = None
@@ -40,7 +46,7 @@ class LLM:
         """vLLM's in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its block pool and cache tensors;
         fault ``remote_core``: the engine core's client only, as when it runs in its own process."""
         if self.fault == "remote_core":
-            return SimpleNamespace(engine_core=SimpleNamespace())
+            return SimpleNamespace(engine_core=SimpleNamespace(shutdown=self._shutdown))
         if self._core is None:
             import torch
 
@@ -54,7 +60,15 @@ class LLM:
                 scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool)),
                 model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(
                     model_runner=runner))))
-        return SimpleNamespace(engine_core=SimpleNamespace(engine_core=self._core))
+        return SimpleNamespace(engine_core=SimpleNamespace(engine_core=self._core, shutdown=self._shutdown))
+
+    def _shutdown(self):
+        """The engine core's ``shutdown()``: the cache goes with the core, unless fault ``leak_kv`` keeps it (a module
+        global, as vLLM's S4 bugs did)."""
+        if self.fault == "leak_kv" and self._core is not None:
+            KEPT.append(self._core.model_executor.driver_worker.worker.model_runner.vllm_config.compilation_config
+                        .static_forward_context["model.layers.0.self_attn.attn"].kv_cache)
+        self._core = None
 
     def sleep(self, level=1):
         if not self.kwargs.get("enable_sleep_mode"):
