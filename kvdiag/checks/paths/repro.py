@@ -36,7 +36,20 @@ def script(case, run) -> str | None:
     return filled("vllm_paths_script.py", {
         "title": f"{case.id}: {path.summary}",
         "kvdiag_saw": "; ".join(f.message for f in case.findings if f.severity == "error"),
-        "tolerance": m["tolerance"], "logprobs": 2, "engines": engines, "runs": runs})
+        "tolerance": m["tolerance"], "logprobs": 2, "batch_invariance": batch_invariance(case),
+        "engines": engines, "runs": runs})
+
+
+def batch_invariance(case) -> dict | None:
+    """The environment ``--batch-invariant`` set before the case's engines started (the engine's traits'), which the
+    script sets in its own environment before vLLM is imported; None without it."""
+    from kvdiag.checks.paths.params import PathsParams
+    from kvdiag.engines.base import engine_traits
+
+    if not PathsParams.from_case(case).batch_invariant:
+        return None
+    env = engine_traits(case.engine).batch_invariance("cuda")  # it is taken only on a GPU: the case ran on one
+    return env if isinstance(env, dict) else None
 
 
 def batches(prompts: list[list[int]], max_tokens: int, all_but_one: bool) -> list[dict]:

@@ -31,6 +31,8 @@ class LLM:
         self.cached = OrderedDict()  # the first blocks run since the last reset: a prompt that starts so hits
         self.room = kwargs.get("num_gpu_blocks_override")  # first blocks the cache holds (None: any number)
         self.evicted = set()  # first blocks pushed out of a full cache, least recently run first
+        if self.fault == "invariant_only" and os.environ.get("VLLM_BATCH_INVARIANT") != "1":
+            raise ValueError("this engine starts only batch-invariant (VLLM_BATCH_INVARIANT=1)")
         if self.fault == "refuse" and kwargs.get("kv_cache_dtype", "auto") != "auto":
             raise ValueError(f"kv_cache_dtype {kwargs['kv_cache_dtype']!r} is not supported")
         if self.fault == "leak_grows":  # one more 1 MiB tensor every start, never released
