@@ -37,10 +37,10 @@ def wake_case(fault: str | None, level: int = 1, staged: bool = False, kind: str
     return rec
 
 
-def poison_case(fault: str | None, kinds=("nan_output",)):
-    case = Case("poison", "vllm", "/m", "auto", "t", params={"value": "nan", "seed": 0}, id="poison/vllm/m/auto")
+def poison_case(fault: str | None, kinds=("nan_output",), value: str = "nan"):
+    case = Case("poison", "vllm", "/m", "auto", "t", params={"value": value, "seed": 0}, id="poison/vllm/m/auto")
     rec = case.result("fail", metrics={
-        "value": "nan", "replay": replay(num_gpu_blocks_override=6, enable_prefix_caching=False,
+        "value": value, "replay": replay(num_gpu_blocks_override=6, enable_prefix_caching=False,
                                          **({"fake_fault": fault} if fault else {})),
         "waves": [{"prompts": PROMPTS[0::2], "max_tokens": 7}, {"prompts": PROMPTS[1::2], "max_tokens": 3},
                   {"prompts": PROMPTS, "max_tokens": 5}]})
@@ -124,7 +124,24 @@ def test_the_poison_script_exits_1_exactly_when_a_fresh_block_is_read_unzeroed(t
         assert "NOT REPRODUCED" in p.stdout
 
 
-def test_no_script_where_the_case_passed_recorded_no_start_or_failed_only_on_its_kv_slots(tmp_path):
+@pytest.mark.parametrize("fault, code", [("nan_write", 1), (None, 0)])
+def test_a_nan_kv_finding_is_shown_by_the_written_slots_the_script_scans_itself(tmp_path, fault, code):
+    """A case failed only on its written KV slots (``nan_kv``): the script runs the poisoned waves alone and, after
+    each, scans the slots whose bytes changed since its fill; an engine that writes NaN into the cache (its outputs
+    unchanged) reproduces, one that writes finite values does not, though unwritten poisoned slots hold Inf."""
+    rec = poison_case(fault, kinds=("nan_kv",), value="inf")
+    script = write(tmp_path, rec)
+    ns: dict = {"__name__": "reproducer"}
+    exec(compile(script.read_text(), str(script), "exec"), ns)
+    assert [s["do"] for s in ns["CASE"]["steps"][:3]] == ["fill", "generate", "scan"] and ns["CASE"]["compare"] == []
+    p = run_script(script)
+    assert p.returncode == code, p.stdout + p.stderr
+    assert ("wave 1: 4 of the 4 KV slots it wrote hold NaN/Inf" if fault else
+            "wave 1: none of the 4 KV slots it wrote holds NaN/Inf") in p.stdout
+    assert ("REPRODUCED: 3 difference(s)" if code else "NOT REPRODUCED: no KV slot a wave wrote holds") in p.stdout
+
+
+def test_no_script_where_the_case_passed_recorded_no_start_or_failed_on_nothing_the_script_sees(tmp_path):
     from kvdiag.checks.poison.repro import script as poison_script
     from kvdiag.checks.wake_cycle.repro import script as wake_script
 
@@ -132,8 +149,7 @@ def test_no_script_where_the_case_passed_recorded_no_start_or_failed_only_on_its
     rec = wake_case("wake")
     del rec.metrics["replay"]
     assert wake_script(rec) is None
-    assert poison_script(poison_case("poison", kinds=("nan_kv",))) is None  # the plain script judges outputs
-    assert poison_script(poison_case("poison", kinds=("nan_kv", "divergence"))) is not None
+    assert poison_script(poison_case("poison", kinds=("no_fresh_blocks",))) is None  # nothing the script sees
 
 
 def test_kvdiag_records_what_the_scripts_replay():

@@ -2,8 +2,8 @@
 reproducers (memleak, paths, wake-cycle, poison and dtypes on vLLM), the script of its failing case runs twice outside
 kvdiag: with the fault's patch in the script's engine processes, where it must reproduce (exit 1), and without it,
 where it must not (exit 0); else the self-test fails. A fault the engine cannot patch into a plain process (its
-traits' ``fault_patch``), or whose check writes no reproducer for what it caught (poison's ``nan_kv`` alone, an engine
-start kvdiag could not record), is not proved: its row says why (``unproved``)."""
+traits' ``fault_patch``), or whose check writes no reproducer for what it caught (a finding no plain script shows,
+an engine start kvdiag could not record), is not proved: its row says why (``unproved``)."""
 
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ class LLM:
             pool = SimpleNamespace(blocks=blocks, num_gpu_blocks=n)
             layers = {"model.layers.0.self_attn.attn": SimpleNamespace(kv_cache=[torch.zeros(n, 2, 4)])}
             runner = SimpleNamespace(vllm_config=SimpleNamespace(
-                compilation_config=SimpleNamespace(static_forward_context=layers)))
+                compilation_config=SimpleNamespace(static_forward_context=layers),
+                cache_config=SimpleNamespace(block_size=2)))
             self._core = SimpleNamespace(
                 scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool)),
                 model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(
@@ -106,7 +107,8 @@ class LLM:
                     for pos in o.outputs[0].logprobs:
                         for lp in pos.values():
                             lp.logprob = math.nan
-                cache[block] = 0.5  # what the request wrote
+                cache[block] = math.nan if self.fault == "nan_write" else 0.5  # what the request wrote (fault
+                # nan_write: NaN into the cache, the outputs unchanged)
         for p in prompts:  # a block of 2 tokens
             key = tuple(p["prompt_token_ids"][:2])
             self.cached[key] = None
