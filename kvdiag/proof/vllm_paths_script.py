@@ -36,19 +36,27 @@ def engine_run(index: int) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine["llm"])
-    out = {"reference": {}, "path": {}}
+    out, kept = {"reference": {}, "path": {}}, {}
     for step in run["steps"]:
         params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0, logprobs=CASE["logprobs"],
                                 **engine["sampling"])
         if step["reset"]:
             llm.reset_prefix_cache()
-        results = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], params, use_tqdm=False)
+        prompts = step["prompts"]
+        if step.get("cuts"):  # each (prompt, cut): the prompt and the tokens a decode kept gave up to the cut
+            prompts = [prompts[i] + kept[step["from"]][str(i)]["token_ids"][:k] for i, k in step["cuts"]]
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got = {}
         for label, result in zip(step["labels"], results):
             c = result.outputs[0]
             tops = [sorted((lp.logprob for lp in pos.values()), reverse=True)[:2] for pos in c.logprobs or []]
             chosen = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or [])]
-            if step.get("as"):
-                out[step["as"]][label] = {"token_ids": list(c.token_ids), "logprobs": chosen, "top": tops}
+            got[label] = {"token_ids": list(c.token_ids), "logprobs": chosen, "top": tops}
+        kept[step.get("keep")] = got
+        for (i, k), label in zip(step.get("cuts") or (), step["labels"]):  # the reference: the decode's token there
+            out["reference"][label] = {key: v[k:k + 1] for key, v in kept[step["from"]][str(i)].items()}
+        if step.get("as"):
+            out[step["as"]].update(got)
     return out
 
 

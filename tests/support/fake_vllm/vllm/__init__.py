@@ -120,7 +120,15 @@ class LLM:
 
     def _one(self, prompt, n, batch):
         ids = [(sum(prompt) + 7 * i) % 101 for i in range(n)]
+        if self.kwargs.get("fake_chain"):  # each token from all before it: a decode and a prefill of its tokens agree
+            ids = []
+            for _ in range(n):
+                ids.append((3 * sum(prompt) + 3 * sum(ids) + len(prompt) + len(ids)) % 101)
+        if self.fault == "window" and batch > 1:  # a batch's decode past position 4 reads a freed block's tokens
+            ids[4:] = [(t + 1) % 101 for t in ids[4:]]
         lps = [-0.05 * (i + 1) for i in range(n)]
+        if self.kwargs.get("fake_chain"):  # a token's logprob from the token, wherever it is decoded
+            lps = [-0.05 * (1 + t % 5) for t in ids]
         if self.fault == "token" and len(prompt) % 2 == 0:  # a decided token changed at position 1
             ids[1] = (ids[1] + 1) % 101
         if self.fault == "drift":
