@@ -2,7 +2,8 @@
 it was started (``protocol.Replayable``; vLLM): in a fresh process, a baseline of the live tensors and CUDA's
 allocated bytes, then each cycle as kvdiag ran it (the engine with kvdiag's arguments, the prompts, the shutdown as
 kvdiag does it) and a census of what survived, held to what kvdiag saw: the KV cache by identity, survivors shaped by
-the cache, surviving bytes as large as kvdiag's finding, survivors that grow every cycle, CUDA memory kept. A case
+the cache, surviving bytes as large as kvdiag's finding, survivors that grow every cycle, CUDA memory kept: all the
+cycles for a growth, else up to the first cycle a finding names (one engine start, mostly). A case
 whose engine could not start again has the engine's own command (``proof/crash.py``); one failed only on what the
 script does not measure (processes left running, the driver's or RSS's views, gc.freeze) has none."""
 
@@ -27,12 +28,15 @@ def script(case, run=None) -> str | None:
     expect = expected(errors, m.get("kv_geometry"))
     if not any(v for k, v in expect.items() if k != "geometry"):
         return None
-    first = m["replay"]["llm"]
+    first, starts = m["replay"]["llm"], m["replay_cycles"]
+    if not expect.get("grows"):  # up to the first cycle a finding names: one engine start where that is the first
+        starts = starts[:max(1, min((f.evidence["cycle"] for f in errors if isinstance(f.evidence.get("cycle"), int)),
+                                    default=1))]
     return filled("vllm_memleak_script.py", {
-        "title": f"{case.id}: what survives {len(m['replay_cycles'])} engine shutdown(s)",
+        "title": f"{case.id}: what survives {len(starts)} engine shutdown(s)",
         "kvdiag_saw": "; ".join(f.message for f in errors), "engine": m["replay"], "prompts": m["prompt_ids"],
         "max_tokens": m["max_tokens"],
-        "cycles": [{k: v for k, v in llm.items() if first.get(k) != v} for llm in m["replay_cycles"]],
+        "cycles": [{k: v for k, v in llm.items() if first.get(k) != v} for llm in starts],
         "expect": expect})
 
 
