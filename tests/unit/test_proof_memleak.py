@@ -2,7 +2,7 @@
 tensors, then each cycle as kvdiag ran it (start with kvdiag's arguments, the prompts, the shutdown) and a census of
 what survived, held to what kvdiag saw; exit 1 exactly when the leak shows. The engine is the stand-in vLLM
 (tests/support/fake_vllm), whose leaks are known: the KV cache kept in a module global at shutdown (``leak_kv``), a
-1 MiB tensor kept at every start (``leak_grows``)."""
+512 KiB tensor kept at every start (``leak_grows``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def leak_case(fault: str | None, kinds=("kv_cache_survived",), cycles: int = 2):
         "replay": {"engine": "vllm", "llm": llm, "sampling": {}, "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
         "replay_cycles": [llm] * cycles})
     evidence = {"kv_cache_survived": {"survived_mib": 0.0002, "cycle": 1},
-                "tensor_survived": {"per_cycle_mib": [1.0, 2.0], "holder": "KEPT"},
+                "tensor_survived": {"per_cycle_mib": [0.5, 1.0], "holder": "KEPT"},
                 "restart_impossible": {"reproduce": "python3 -c 'import vllm'"},
                 "leftover_processes": {}}
     for kind in kinds:
@@ -37,13 +37,13 @@ def leak_case(fault: str | None, kinds=("kv_cache_survived",), cycles: int = 2):
 
 
 def test_the_script_reproduces_survivors_that_grow_every_cycle(tmp_path):
-    """A tensor kept at every start: the script's own census sees 1 then 2 MiB survive, as kvdiag did."""
+    """A tensor kept at every start: the script's own census sees 0.5 then 1 MiB survive, as kvdiag did."""
     env = {**os.environ, "PYTHONPATH": str(FAKE)}  # the stand-in vLLM (and the real torch), no kvdiag
     p = subprocess.run([sys.executable, str(write(tmp_path, leak_case("leak_grows", ("tensor_survived",))))],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "REPRODUCED: the survivors grow every cycle" in p.stdout
-    assert "here 1 → 2 MiB" in p.stdout and "kvdiag saw: memleak: tensor_survived" in p.stdout
+    assert "here 0.5 → 1 MiB" in p.stdout and "kvdiag saw: memleak: tensor_survived" in p.stdout
 
 
 def test_selftest_prove_holds_the_memleak_reproducer_to_its_faults_patch(tmp_path, monkeypatch):
