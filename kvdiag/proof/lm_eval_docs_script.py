@@ -10,8 +10,11 @@ in kvdiag's run.
     python3 THIS_FILE            # exit 1: the regression reproduces; 0: it does not; 2: an engine did not run
     python3 THIS_FILE --run 0    # the baseline dtype's scores alone, as JSON (--run 1: the dtype's)
 
-Needs lm_eval and vLLM (and its torch); the documents come from the task's own dataset (a task shipped with kvdiag
-is read from the task folder named in CASE). CASE is what kvdiag recorded; edit it to try another configuration.
+Needs lm_eval and vLLM (and its torch). A task scored by loglikelihood (multiple choice) has its documents inline:
+``CASE["requests"]``, each document's (context, continuation) pairs as lm_eval made them (few-shot examples and chat
+template applied), its gold choice and its choices' lengths; they are scored by lm_eval's vLLM backend, without the
+task or its dataset. Otherwise the documents come from the task's own dataset (a task shipped with kvdiag is read
+from the task folder named in CASE). CASE is what kvdiag recorded; edit it to try another configuration.
 """
 
 import json
@@ -23,10 +26,38 @@ CASE: dict = {}  # filled in by kvdiag: the task, its documents and scores, the 
 MARK = "@@reproducer-output "
 
 
+def score_inline(engine: dict) -> dict:
+    """{doc id: the metric's value} of the documents from their requests below (no task, no dataset): each
+    (context, continuation)'s loglikelihood from lm_eval's vLLM backend, the metric as lm_eval's task computes it
+    (multiple choice: the choice of highest loglikelihood, per character for acc_norm, against the gold one)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.vllm_causallms import VLLM
+
+    lm = VLLM(pretrained=engine["llm"]["model"], **{k: v for k, v in engine["llm"].items() if k != "model"})
+    reqs, owner = [], []
+    for doc, r in CASE["requests"].items():
+        for pair in r["arguments"]:
+            reqs.append(Instance("loglikelihood", {}, tuple(pair), len(reqs), (CASE["task"], int(doc), 1)))
+            owner.append(doc)
+    got = lm.loglikelihood(reqs)
+    name, out = CASE["metric"].partition(",")[0], {}
+    for doc, r in CASE["requests"].items():
+        lls = [ll for (ll, _), o in zip(got, owner) if o == doc]
+        if r["type"] == "loglikelihood":  # one continuation: is it the greedy one
+            out[doc] = float(next(g for (_, g), o in zip(got, owner) if o == doc))
+            continue
+        per = [ll / n if name == "acc_norm" and n else ll for ll, n in zip(lls, r["chars"])]
+        pred = max(range(len(per)), key=per.__getitem__)
+        out[doc] = float(pred in r["gold"] if isinstance(r["gold"], list) else pred == r["gold"])
+    return out
+
+
 def score(index: int) -> dict:
     """{doc id: the metric's value} of the documents, scored by lm_eval with engine ``index``'s vLLM."""
     engine = CASE["engines"][index]
     os.environ.update(engine["env"])
+    if CASE.get("requests"):
+        return score_inline(engine)
     import lm_eval
     from lm_eval.tasks import TaskManager
 

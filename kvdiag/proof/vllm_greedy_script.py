@@ -5,7 +5,8 @@ One engine starts in a fresh process with every argument and environment variabl
 below as kvdiag did: greedy generate calls (the prompts as token ids), and between them what the check did to the
 engine: a sleep and vLLM's documented wake (wake-cycle), or the free KV blocks filled with poison or zeros before each
 wave (poison: the blocks no request holds, read from vLLM's own block pool, filled in the attention and state layers'
-cache tensors; this needs the engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, as kvdiag runs it).
+cache tensors; this needs the engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, as kvdiag runs it;
+where kvdiag found NaN/Inf in the KV slots a wave wrote, each poisoned wave's written slots are scanned after it).
 Each later run is then held to its reference run as kvdiag holds it: every greedy token the same, each logprob within
 the tolerance, none NaN or inf; where the case judged memory, the bytes a sleep freed (CUDA's driver view) against
 those kvdiag expected, and what a wake brought back.
@@ -39,16 +40,13 @@ def used_memory():
     return total - free
 
 
-def fill_free_blocks(llm, value: str, seed: int) -> int:
-    """Fill every block no request holds (vLLM's block pool, in this process) in every cache tensor indexed by block
-    (attention K/V and scales, Mamba states): ``random`` with seeded bits, else with ``CASE["fill"][value]``'s number
-    for the tensor's dtype as kvdiag fills it (1-byte codes, fp8 stored as uint8 and int8: the code's bits). Returns
-    the blocks filled."""
+def cache_tensors(llm) -> tuple:
+    """(vLLM's block pool, its model runner, every cache tensor indexed by block: attention K/V and scales, Mamba
+    states), from the engine core in this process (AttributeError where it is in another)."""
     import torch
 
-    core = llm.llm_engine.engine_core.engine_core  # AttributeError: the engine core is in another process
+    core = llm.llm_engine.engine_core.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool
-    free = [b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is None]
     runner = core.model_executor.driver_worker.worker.model_runner
     layers = runner.vllm_config.compilation_config.static_forward_context.values()
     tensors, seen = [], set()
@@ -60,6 +58,56 @@ def fill_free_blocks(llm, value: str, seed: int) -> int:
         elif isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == pool.num_gpu_blocks and id(x) not in seen:
             seen.add(id(x))
             tensors.append(x)
+    return pool, runner, tensors
+
+
+_SNAP: list = []  # (tensor, its copy) of every cache tensor right after a fill that a scan compares with
+
+
+def snapshot(llm) -> None:
+    import torch
+
+    with torch.inference_mode():
+        _SNAP[:] = [(t, t.clone()) for t in cache_tensors(llm)[2]]
+
+
+def scan_written(llm) -> dict:
+    """The KV slots the last wave wrote (any byte changed since the fill's snapshot), and how many of them hold a
+    NaN or Inf, as kvdiag scans them: a slot is one token's place in a block, read along the tensor's axis of the
+    block's slots (a tensor without one is not scanned); fp8 caches read as the fp8 they store."""
+    import torch
+
+    block_size = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner \
+        .vllm_config.cache_config.block_size
+    fp8 = torch.float8_e5m2 if "e5m2" in str(CASE["engine"]["llm"].get("kv_cache_dtype")) else torch.float8_e4m3fn
+    written = bad = 0
+    for t, before in _SNAP:
+        axis = next((i for i in (1, 2) if t.dim() > i and t.shape[i] == block_size), None)
+        if axis is None or t.dtype == torch.int8:  # no slots to read, or int8 codes (no NaN code)
+            continue
+
+        def slots(x):
+            return x.movedim(axis, 1).reshape(t.shape[0], block_size, -1)
+
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]  # NaN != NaN
+        changed = slots(t.view(bits)).ne(slots(before.view(bits))).any(-1)
+        values = slots(t.view(fp8) if t.element_size() == 1 else t).float()
+        nonfinite = (~values.isfinite()).any(-1)
+        written += int(changed.sum())
+        bad += int((changed & nonfinite).sum())
+    _SNAP.clear()
+    return {"written": written, "nonfinite": bad}
+
+
+def fill_free_blocks(llm, value: str, seed: int) -> int:
+    """Fill every block no request holds (vLLM's block pool, in this process) in every cache tensor indexed by block
+    (attention K/V and scales, Mamba states): ``random`` with seeded bits, else with ``CASE["fill"][value]``'s number
+    for the tensor's dtype as kvdiag fills it (1-byte codes, fp8 stored as uint8 and int8: the code's bits). Returns
+    the blocks filled."""
+    import torch
+
+    pool, _, tensors = cache_tensors(llm)
+    free = [b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is None]
     if not free or not tensors:
         return 0
     g = torch.Generator().manual_seed(seed)
@@ -96,9 +144,14 @@ def step_once(llm, step: dict):
         llm.wake_up(tags=step["tags"])
     elif do == "reload_weights":  # level 2 discarded the weights: read them again from the checkpoint
         llm.collective_rpc("reload_weights")
+    elif do == "scan":
+        return scan_written(llm)
     elif do == "fill":
         try:
-            return fill_free_blocks(llm, step["value"], step.get("seed", 0))
+            filled = fill_free_blocks(llm, step["value"], step.get("seed", 0))
+            if step.get("snapshot"):  # a scan after the wave finds the slots it wrote against this
+                snapshot(llm)
+            return filled
         except Exception:  # noqa: BLE001 - e.g. the engine core in another process (tensor parallel)
             if step.get("optional"):  # wake-cycle's scrub: the wake is what is shown, with or without it
                 return None
@@ -202,6 +255,12 @@ def main() -> int:
             said += [f"{later}: {line}" for line in held(got[ref], got[later], CASE["tolerance"])]
     if CASE.get("memory"):
         said += memory_held(got, CASE["memory"])
+    for label in [k for k in got if k.startswith("scan ")]:  # the slots each poisoned wave wrote
+        n = got[label]
+        if n["nonfinite"]:
+            said.append(f"{label[5:]}: {n['nonfinite']} of the {n['written']} KV slots it wrote hold NaN/Inf")
+        else:
+            print(f"  {label[5:]}: none of the {n['written']} KV slots it wrote holds NaN/Inf")
     for line in said:
         print("  " + line)
     if not end.get("done"):
@@ -216,6 +275,9 @@ def main() -> int:
     if said:
         print(f"REPRODUCED: {len(said)} difference(s) beyond kvdiag's rule (tolerance {CASE['tolerance']:.3g})")
         return 1
+    if not CASE["compare"]:
+        print("NOT REPRODUCED: no KV slot a wave wrote holds NaN/Inf")
+        return 0
     print(f"NOT REPRODUCED: every later run matched its reference (tolerance {CASE['tolerance']:.3g})"
           + (", and memory was freed and came back" if CASE.get("memory") else ""))
     return 0

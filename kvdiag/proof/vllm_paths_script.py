@@ -10,6 +10,10 @@ it before that, or a NaN/inf.
     python3 THIS_FILE              # exit 1: the failure reproduces; 0: it does not; 2: an engine did not run
     python3 THIS_FILE --run 0      # the first engine's outputs alone, as JSON (what the comparison reads)
 
+Where kvdiag ran the case batch-invariant (``paths --batch-invariant``), the script sets vLLM's switch
+(``CASE["batch_invariance"]``, ``VLLM_BATCH_INVARIANT=1``) in its own environment before vLLM is imported, and says
+so first: then any difference belongs to the path, and the tolerance is 0.
+
 Needs only vLLM (and its torch). CASE is what kvdiag recorded; edit it to try another configuration.
 """
 
@@ -28,23 +32,31 @@ def engine_run(index: int) -> dict:
     ``reset``; its outputs kept under its ``as`` (reference or path; a step without one only fills the cache)."""
     run = CASE["runs"][index]
     engine = CASE["engines"][run["engine"]]
-    os.environ.update(engine["env"])
+    os.environ.update({**(CASE.get("batch_invariance") or {}), **engine["env"]})
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine["llm"])
-    out = {"reference": {}, "path": {}}
+    out, kept = {"reference": {}, "path": {}}, {}
     for step in run["steps"]:
         params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0, logprobs=CASE["logprobs"],
                                 **engine["sampling"])
         if step["reset"]:
             llm.reset_prefix_cache()
-        results = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], params, use_tqdm=False)
+        prompts = step["prompts"]
+        if step.get("cuts"):  # each (prompt, cut): the prompt and the tokens a decode kept gave up to the cut
+            prompts = [prompts[i] + kept[step["from"]][str(i)]["token_ids"][:k] for i, k in step["cuts"]]
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got = {}
         for label, result in zip(step["labels"], results):
             c = result.outputs[0]
             tops = [sorted((lp.logprob for lp in pos.values()), reverse=True)[:2] for pos in c.logprobs or []]
             chosen = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or [])]
-            if step.get("as"):
-                out[step["as"]][label] = {"token_ids": list(c.token_ids), "logprobs": chosen, "top": tops}
+            got[label] = {"token_ids": list(c.token_ids), "logprobs": chosen, "top": tops}
+        kept[step.get("keep")] = got
+        for (i, k), label in zip(step.get("cuts") or (), step["labels"]):  # the reference: the decode's token there
+            out["reference"][label] = {key: v[k:k + 1] for key, v in kept[step["from"]][str(i)].items()}
+        if step.get("as"):
+            out[step["as"]].update(got)
     return out
 
 
@@ -96,6 +108,11 @@ def main() -> int:
         return 0
     print(f"reproducing: {CASE['title']}")
     print(f"kvdiag saw: {CASE['kvdiag_saw']}")
+    if CASE.get("batch_invariance"):  # before any vLLM import: vLLM reads it once, where its kernels are chosen
+        os.environ.update(CASE["batch_invariance"])
+        print("batch-invariant, as kvdiag ran it (paths --batch-invariant): "
+              + " ".join(f"{k}={v}" for k, v in CASE["batch_invariance"].items()) + " set in this script's "
+              "environment before vLLM is imported; the reference and the path must then agree exactly")
     runs = {"reference": {}, "path": {}}
     for i in range(len(CASE["runs"])):
         got = in_fresh_process(i)

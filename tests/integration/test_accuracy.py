@@ -250,6 +250,19 @@ def test_corrupted_dtypes_are_a_significant_regression_and_a_collapse(tmp_path):
         assert acc["discordant"][0] > 0 and acc["discordant"][1] == 0  # only right answers lost
         assert {f["kind"] for f in bad["findings"]} == {verdict, "drift"}
         assert bad["metrics"]["mean_kl"] > drift.FAMILY_LIMITS[dtype].mean_kl
+    # what lm_eval scored each document by, kept once (the baseline's) for a reproducer that carries them inline:
+    # one context per document, its choices, the gold one among them
+    import gzip
+
+    with gzip.open(tmp_path / "run" / "artifacts" / cases["auto"]["metrics"]["artifacts"]["requests"], "rt") as f:
+        docs = json.load(f)["kv_recall"]
+    samples = json.loads((tmp_path / "run" / "artifacts" / cases["auto"]["metrics"]["artifacts"]["samples"])
+                         .read_text())["kv_recall"]["acc"]
+    assert sorted(docs) == sorted(samples) and len(docs) == 40
+    for doc in docs.values():
+        assert doc["type"] == "multiple_choice" and len({c for c, _ in doc["arguments"]}) == 1
+        assert 0 <= doc["gold"] < len(doc["arguments"]) == len(doc["chars"])
+    assert "requests" not in cases["int8_per_token_head"]["metrics"]["artifacts"]
 
 
 @pytest.mark.slow

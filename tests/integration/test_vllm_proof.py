@@ -3,7 +3,8 @@ fault that drops a hit's last block; the script it writes starts vLLM alone, wit
 reproduces the failure where the fault's patch is in its process, and not where it is not (then the failure was
 kvdiag's own doing, as a re-introduced fault is). The patch goes in through a ``sitecustomize`` on PYTHONPATH, so that
 it reaches the script's engine process as it reached kvdiag's worker. Nightly: three engine starts, each in a fresh
-process that imports vLLM (2.5 minutes on 2 busy cores)."""
+process that imports vLLM (2.5 minutes on 2 busy cores). memleak's reproducer likewise, through `kvdiag selftest
+--prove` (the last test)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,19 @@ def test_a_process_of_the_reproducers_cannot_import_kvdiag(tmp_path):
     p = subprocess.run([sys.executable, "-c", "import kvdiag"], env={**os.environ, "PYTHONPATH": str(site)},
                        capture_output=True, text=True)
     assert p.returncode == 1 and "a reproducer imports no kvdiag" in p.stderr
+
+
+def test_selftest_proves_a_memleak_fault_with_its_patch_and_not_without(tmp_path):
+    """memleak's reproducer on real vLLM: the self-test's per-start leak (a tensor kept at every engine start) is
+    caught by kvdiag, and its script, run twice outside kvdiag, sees the survivors grow with the fault's patch in its
+    engine process and nothing without it. Eight engine starts: two cycles each of the clean case, the fault's case
+and the script's two runs."""
+    import json
+
+    r = subprocess.run([sys.executable, "-m", "kvdiag", "selftest", "-e", "vllm", "-c", "memleak", "--fault",
+                        "tensor_kept_per_start", "--prove", "-f", "json", "-o", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (row,) = json.loads(r.stdout)["analysis"]["selftest"]["faults"]
+    assert (row["proof"]["patched"], row["proof"]["plain"]) == (1, 0), row["proof"]["output"]
+    assert "NOT REPRODUCED: after 2 cycle(s) nothing kvdiag saw survives shutdown" in row["proof"]["output"]

@@ -6,6 +6,7 @@ starts. Real vLLM on an H200 is the GPU suite's (the report names the command)."
 from __future__ import annotations
 
 import os
+import shlex
 from types import SimpleNamespace
 
 import pytest
@@ -123,3 +124,31 @@ def test_a_worker_forked_after_vllm_read_the_switch_still_runs_batch_invariant(m
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     hold_batch_invariance()
     assert read_early.VLLM_BATCH_INVARIANT is True
+
+
+def test_the_reproducer_switches_batch_invariance_on_itself_and_says_so(tmp_path, monkeypatch):
+    """A case kvdiag ran batch-invariant: its script sets vLLM's switch in its own environment before vLLM is
+    imported (here the engine's recorded environment lacks it, and the stand-in path engine starts only with it) and
+    says so first; a crash's plain command sets it too."""
+    from test_proof import records, run_script
+
+    from kvdiag.checks.paths.repro import script
+    from kvdiag.engines import vllm
+    from kvdiag.engines.vllm import repro
+    from kvdiag.results import RunRecord
+
+    monkeypatch.setattr(vllm, "cpu_only", lambda: False)  # the switch is vLLM's on a GPU only
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    ref, rec = records("chunked-prefill", "invariant_only")
+    assert "'batch_invariance': None" in script(rec, RunRecord("kvdiag paths", "", [ref, rec], {}))
+    rec.params["batch_invariant"] = True
+    (tmp_path / "repro.py").write_text(script(rec, RunRecord("kvdiag paths", "", [ref, rec], {})))
+    p = run_script(tmp_path / "repro.py")
+    assert p.returncode == 0 and "NOT REPRODUCED" in p.stdout, p.stdout + p.stderr
+    assert "batch-invariant, as kvdiag ran it (paths --batch-invariant): VLLM_BATCH_INVARIANT=1 set in this " \
+           "script's environment before vLLM is imported" in " ".join(p.stdout.split())
+
+    assert "VLLM_BATCH_INVARIANT" not in repro.command({"model": "/m"}, generate=False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")  # as the worker of a batch-invariant case has it
+    code = shlex.split(repro.command({"model": "/m"}, True))[2]  # python3 -c CODE
+    assert "os.environ['VLLM_BATCH_INVARIANT'] = '1'; from vllm import LLM" in code

@@ -156,6 +156,37 @@ def test_the_script_names_every_engine_argument_kvdiag_used_and_needs_no_kvdiag(
     assert ns["CASE"]["engines"]["path"]["env"] == {"VLLM_FAKE": "1"}
 
 
+def window_case(fault: str | None, finding: str = "sliding-window: request (0, 5) first differs at position 5"):
+    """A sliding-window case as the paths check records it on vLLM: judged in its engine against prefills at the cuts
+    past the window of its decode (the stand-in's tokens each from all before it: a prefill agrees with a decode)."""
+    case = Case("paths", "vllm", "/m", "auto", "t", params={"path": "sliding-window", "max_tokens": 6},
+                id="paths/vllm/m/auto/sliding-window")
+    rec = case.result("fail", metrics={
+        "path": "sliding-window", "role": "own", "replay": replay(fake_chain=True, **({"fake_fault": fault} if fault
+                                                                                     else {})),
+        "prompts": PROMPTS[:3], "generated": 9, "cuts": [[0, 5], [1, 6], [2, 8], [1, 2]], "tolerance": 0.01})
+    rec.add("error", "divergence", finding)
+    return rec
+
+
+@pytest.mark.parametrize("fault, code", [("window", 1), (None, 0)])
+def test_a_sliding_window_failure_reproduces_in_one_engine_its_decode_then_prefills_at_the_cuts(tmp_path, fault, code):
+    """The batch decodes past the window, then each (prompt, cut) is prefilled for one token: a decode that read
+    freed blocks differs from the prefill at the cuts past position 4 (not at the cut at 2); a clean one agrees."""
+    from kvdiag.checks.paths.repro import script
+
+    rec = window_case(fault)
+    (tmp_path / "repro.py").write_text(script(rec, RunRecord("kvdiag paths", "", [rec], {})))
+    p = run_script(tmp_path / "repro.py")
+    assert p.returncode == code, p.stdout + p.stderr
+    if fault:
+        assert "REPRODUCED: 3 of 4 requests differ" in p.stdout and "request 0 at 5: token 0 is" in p.stdout
+    assert script(window_case(fault, "sliding-window, the batch against each prompt alone: 40% of positions moved"),
+                  RunRecord("kvdiag paths", "", [], {})) is None  # judged by a share of positions: not by the cuts
+    ref, spec = records("spec-ngram", "token")  # speculative decoding: held to its reference case's engine, as any
+    assert "'engines': {'reference'" in script(spec, RunRecord("kvdiag paths", "", [ref, spec], {}))
+
+
 def test_no_script_for_a_passing_case_or_an_engine_that_records_no_start(tmp_path):
     from kvdiag.checks.paths.repro import script
 

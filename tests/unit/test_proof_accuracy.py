@@ -66,3 +66,56 @@ def test_no_script_for_a_case_failed_on_drift_alone(tmp_path):
     rec.findings = []
     rec.add("error", "drift", "drift (fp8): mean KL 0.3 > 0.1")
     assert script(rec, run) is None
+
+
+def inline_run(tmp_path):
+    """``recorded``, with the baseline's requests artifact: each document a yes/no choice, the gold one first."""
+    import gzip
+
+    run, rec = recorded(tmp_path)
+    docs = {str(d): {"type": "multiple_choice", "gold": 0, "chars": [3, 2],
+                     "arguments": [[f"doc {d}: is it?", " yes"], [f"doc {d}: is it?", " no"]]} for d in range(8)}
+    with gzip.open(tmp_path / "artifacts" / "auto.requests.json.gz", "wt") as f:
+        json.dump({"kv_recall": docs}, f)
+    run.cases[0].metrics["artifacts"]["requests"] = "auto.requests.json.gz"
+    return run, rec
+
+
+@pytest.mark.parametrize("fault, code", [("flip", 1), (None, 0)])
+def test_a_multiple_choice_regression_carries_its_documents_inline_and_needs_no_task_folder(tmp_path, fault, code):
+    """The changed documents' requests, as lm_eval made them, are in the script: it scores them by lm_eval's vLLM
+    backend where neither kvdiag's task folder nor any dataset is (lm_eval.tasks cannot be imported)."""
+    from kvdiag.checks.accuracy.repro import script
+
+    run, rec = inline_run(tmp_path)
+    text = script(rec, run)
+    ns: dict = {"__name__": "reproducer"}
+    exec(compile(text, "r.py", "exec"), ns)
+    assert list(ns["CASE"]["requests"]) == ["1", "3", "5"] and "include_path" not in ns["CASE"]
+    assert ns["CASE"]["requests"]["3"]["arguments"] == [["doc 3: is it?", " yes"], ["doc 3: is it?", " no"]]
+    (tmp_path / "r.py").write_text(text)
+    env = {**os.environ, "PYTHONPATH": f"{SUPPORT / 'fake_lm_eval'}{os.pathsep}{SUPPORT / 'fake_vllm'}",
+           "FAKE_LM_EVAL_NO_TASKS": "1", **({"FAKE_LM_EVAL_FAULT": fault} if fault else {})}
+    p = subprocess.run([sys.executable, str(tmp_path / "r.py")], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert p.returncode == code, p.stdout + p.stderr
+    assert "  3: 1 -> 0; now 1 -> " + ("0" if fault else "1") in p.stdout
+
+
+def test_kvdiag_keeps_what_lm_eval_scored_each_loglikelihood_document_by():
+    """lm_eval's requests per document of a multiple-choice task, its gold choice as lm_eval reads a target (an
+    index, a choice's text, several), each choice's length without the delimiter; a generation task, and a document
+    whose gold is not among its choices, are left out."""
+    from kvdiag.checks.accuracy.harness.lm_eval_results import requests
+
+    def row(d, target, choices=(" a", " bb")):
+        return {"doc_id": d, "target": target, "arguments": [("ctx", c) for c in choices]}
+
+    res = {"configs": {"mc": {"output_type": "multiple_choice", "target_delimiter": " "},
+                       "gen": {"output_type": "generate_until"}},
+           "samples": {"mc": [row(0, 1), row(1, "a"), row(2, [0, 1]), row(3, "zz")], "gen": [row(0, "x")]}}
+    got = requests(res)
+    assert list(got) == ["mc"] and list(got["mc"]) == ["0", "1", "2"]
+    assert [got["mc"][d]["gold"] for d in "012"] == [1, 0, [0, 1]]
+    assert got["mc"]["0"] == {"type": "multiple_choice", "arguments": [["ctx", " a"], ["ctx", " bb"]], "gold": 1,
+                              "chars": [1, 2]}

@@ -37,10 +37,10 @@ def wake_case(fault: str | None, level: int = 1, staged: bool = False, kind: str
     return rec
 
 
-def poison_case(fault: str | None, kinds=("nan_output",)):
-    case = Case("poison", "vllm", "/m", "auto", "t", params={"value": "nan", "seed": 0}, id="poison/vllm/m/auto")
+def poison_case(fault: str | None, kinds=("nan_output",), value: str = "nan"):
+    case = Case("poison", "vllm", "/m", "auto", "t", params={"value": value, "seed": 0}, id="poison/vllm/m/auto")
     rec = case.result("fail", metrics={
-        "value": "nan", "replay": replay(num_gpu_blocks_override=6, enable_prefix_caching=False,
+        "value": value, "replay": replay(num_gpu_blocks_override=6, enable_prefix_caching=False,
                                          **({"fake_fault": fault} if fault else {})),
         "waves": [{"prompts": PROMPTS[0::2], "max_tokens": 7}, {"prompts": PROMPTS[1::2], "max_tokens": 3},
                   {"prompts": PROMPTS, "max_tokens": 5}]})
@@ -124,7 +124,24 @@ def test_the_poison_script_exits_1_exactly_when_a_fresh_block_is_read_unzeroed(t
         assert "NOT REPRODUCED" in p.stdout
 
 
-def test_no_script_where_the_case_passed_recorded_no_start_or_failed_only_on_its_kv_slots(tmp_path):
+@pytest.mark.parametrize("fault, code", [("nan_write", 1), (None, 0)])
+def test_a_nan_kv_finding_is_shown_by_the_written_slots_the_script_scans_itself(tmp_path, fault, code):
+    """A case failed only on its written KV slots (``nan_kv``): the script runs the poisoned waves alone and, after
+    each, scans the slots whose bytes changed since its fill; an engine that writes NaN into the cache (its outputs
+    unchanged) reproduces, one that writes finite values does not, though unwritten poisoned slots hold Inf."""
+    rec = poison_case(fault, kinds=("nan_kv",), value="inf")
+    script = write(tmp_path, rec)
+    ns: dict = {"__name__": "reproducer"}
+    exec(compile(script.read_text(), str(script), "exec"), ns)
+    assert [s["do"] for s in ns["CASE"]["steps"][:3]] == ["fill", "generate", "scan"] and ns["CASE"]["compare"] == []
+    p = run_script(script)
+    assert p.returncode == code, p.stdout + p.stderr
+    assert ("wave 1: 4 of the 4 KV slots it wrote hold NaN/Inf" if fault else
+            "wave 1: none of the 4 KV slots it wrote holds NaN/Inf") in p.stdout
+    assert ("REPRODUCED: 3 difference(s)" if code else "NOT REPRODUCED: no KV slot a wave wrote holds") in p.stdout
+
+
+def test_no_script_where_the_case_passed_recorded_no_start_or_failed_on_nothing_the_script_sees(tmp_path):
     from kvdiag.checks.poison.repro import script as poison_script
     from kvdiag.checks.wake_cycle.repro import script as wake_script
 
@@ -132,8 +149,7 @@ def test_no_script_where_the_case_passed_recorded_no_start_or_failed_only_on_its
     rec = wake_case("wake")
     del rec.metrics["replay"]
     assert wake_script(rec) is None
-    assert poison_script(poison_case("poison", kinds=("nan_kv",))) is None  # the plain script judges outputs
-    assert poison_script(poison_case("poison", kinds=("nan_kv", "divergence"))) is not None
+    assert poison_script(poison_case("poison", kinds=("no_fresh_blocks",))) is None  # nothing the script sees
 
 
 def test_kvdiag_records_what_the_scripts_replay():
@@ -166,30 +182,36 @@ def test_kvdiag_proves_a_wake_failure_after_the_run(tmp_path, monkeypatch):
     assert (tmp_path / "repro" / "wake-cycle_vllm_m_auto_L1.py").exists()
 
 
-def test_selftest_prove_holds_the_poison_reproducer_to_its_faults_patch(tmp_path, monkeypatch):
-    """`selftest --prove`: with the fault's patch in the script's engine process it reproduces, without it it does
-    not (the fault was in kvdiag's worker: the case's own arguments name none)."""
+def prove_with_patch(tmp_path, monkeypatch, rec, fake_fault: str):
+    """`selftest --prove` on ``rec`` (its check's caught fault "f1"), the fault's patch putting the stand-in vLLM's
+    ``fake_fault`` into the script's engine process: (the fault's row, the run)."""
     from kvdiag.checks.selftest import proofs
 
     class Traits:
         @staticmethod
         def fault_patch(faults, kv_cache_dtype):
-            return "import os\nos.environ['FAKE_VLLM_FAULT'] = 'poison'\n"
+            return f"import os\nos.environ['FAKE_VLLM_FAULT'] = {fake_fault!r}\n"
 
     monkeypatch.setattr("kvdiag.engines.base.engine_traits", lambda engine: Traits())
     monkeypatch.setenv("PYTHONPATH", str(FAKE))
-    rec = poison_case(None)
     rec.params["selftest"] = "f1"
-    row = {"fault": "f1", "intended": "poison", "status": "caught", "caught_by_intended": True}
+    row = {"fault": "f1", "intended": rec.check, "status": "caught", "caught_by_intended": True}
     run = RunRecord("kvdiag selftest -e vllm --prove", "", [rec], {}, run_dir=str(tmp_path),
                     analysis={"selftest": {"faults": [row], "clean": {}, "ok": True}})
     proofs.prove_faults(run, "vllm")
+    return row, run
+
+
+def test_selftest_prove_holds_the_poison_reproducer_to_its_faults_patch(tmp_path, monkeypatch):
+    """`selftest --prove`: with the fault's patch in the script's engine process it reproduces, without it it does
+    not (the fault was in kvdiag's worker: the case's own arguments name none)."""
+    row, run = prove_with_patch(tmp_path, monkeypatch, poison_case(None), "poison")
     assert (row["proof"]["patched"], row["proof"]["plain"], run.analysis["selftest"]["ok"]) == (1, 0, True)
 
 
 def test_selftest_prove_says_why_a_caught_fault_has_no_reproducer():
-    """memleak's survivors are judged on kvdiag's own census of the process: `selftest --prove` says so for such a
-    fault, rather than leaving it out."""
+    """A caught fault whose failing case has no script (here a memleak case whose engine recorded no start): `selftest
+    --prove` says so for such a fault, rather than leaving it out."""
     from rich.console import Console
 
     from kvdiag.checks.selftest import proofs
@@ -206,8 +228,8 @@ def test_selftest_prove_says_why_a_caught_fault_has_no_reproducer():
     con = Console(width=80, record=True)
     _proofs(run.analysis["selftest"], con)
     out = " ".join(con.export_text().split())
-    assert "kv_cache_kept_after_shutdown: not proved: memleak writes reproducers only for a failure inside the " \
-           "engine" in out
+    assert "kv_cache_kept_after_shutdown: not proved: its failing memleak case has no reproducer (a finding a " \
+           "plain script does not show, or an engine start kvdiag could not record)" in out
     row = {"fault": "prefix_hit_treated_fresh", "intended": "paths", "status": "caught"}
     run = RunRecord("kvdiag selftest --prove", "", [], {}, run_dir="/nonexistent",
                     analysis={"selftest": {"faults": [row], "clean": {}, "ok": True}})

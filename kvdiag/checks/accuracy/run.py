@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import threading
 import time
@@ -16,6 +17,7 @@ from kvdiag.engines.protocol import ModelFacts, SharesWeights
 from kvdiag.errors import UserError
 
 SAMPLES = ".samples.json"
+REQUESTS = ".requests.json.gz"  # the baseline's lm_eval requests per document (lm_eval_results.requests)
 
 
 # ------------------------------------------------------------------ worker side
@@ -67,13 +69,18 @@ def run_case(case, ctx):
         rec.metrics = {**kept, **rec.metrics}  # the drift it measured before, as a dead worker's record has it
         return rec
     ctx.artifact(case, SAMPLES).write_text(json.dumps(out["samples"]))
+    arts = {"samples": ctx.artifact(case, SAMPLES).name}
+    if p.get("role") == "baseline" and out.get("requests"):  # what a score regression's reproducer carries inline:
+        with gzip.open(ctx.artifact(case, REQUESTS), "wt") as f:  # the same for every dtype, kept once
+            json.dump(out["requests"], f)
+        arts["requests"] = ctx.artifact(case, REQUESTS).name
     times["lm_eval"], times["lm_eval_in_engine"] = _lap(t), round(lm.engine_seconds, 3)
     # the audit after lm_eval: reading a hybrid model's cache on vLLM wraps its block pool (engines/vllm/hybrid.py)
     kept["storage"] = cache_storage(engine)
     if out["cells"]:  # kv_needle's documents: the grid cell of each (checks/accuracy/needle.py scores them)
         kept["needle_cells"] = out["cells"]
     ctx.keep(case, "lm_eval", scores=out["scores"], lm_eval=out["settings"], timings=dict(times),
-             storage=kept["storage"], artifacts={"samples": ctx.artifact(case, SAMPLES).name},
+             storage=kept["storage"], artifacts=arts,
              **{k: kept[k] for k in ("needle_cells",) if k in kept})  # shutdown may crash
     released, decoded_error = False, None
     if p.get("drift_decoded") and p.get("role") != "baseline":
@@ -91,7 +98,7 @@ def run_case(case, ctx):
     times["cpu"] = round(_cpu_time() - cpu, 3)
     metrics = {"scores": out["scores"], "lm_eval": out["settings"], **kept, "timings": times,
                "worker": _worker_info(engine), **documents(out["scores"], times["lm_eval"]), "peak_mib": peak_mib(),
-               "artifacts": {"samples": ctx.artifact(case, SAMPLES).name, "drift": ctx.artifact(case, DRIFT).name}}
+               "artifacts": {**arts, "drift": ctx.artifact(case, DRIFT).name}}
     if not released:
         release_engine(case, engine)
     rec = case.result("pass", metrics=metrics)

@@ -37,7 +37,8 @@ uses (``kvdiag/measure/processes.py``). :func:`judge` gives the verdict, one pol
 
 Files: ``params.py`` (its options), ``run.py`` (the worker: cycles and snapshots), ``verdict.py`` (:func:`judge`:
 the policy above), ``kv_identity.py``, ``kv_scaled.py``, ``kv_shape.py``, ``kv_ratio.py``, ``surviving.py``,
-``leftover.py`` and ``restart.py`` (what survived, and why), ``view.py`` (the terminal tables, report.md's
+``leftover.py`` and ``restart.py`` (what survived, and why), ``repro.py`` (a failure's standalone script),
+``view.py`` (the terminal tables, report.md's
 ``--kv-sizes`` table), ``plots.py`` (report.html), ``compare.py`` (``kvdiag compare``).
 """
 
@@ -77,3 +78,8 @@ class Memleak(Check):
         from kvdiag.checks.memleak.view import tables
 
         return tables(run)
+
+    def reproducer(self, case, run):
+        from kvdiag.checks.memleak.repro import script
+
+        return script(case, run)

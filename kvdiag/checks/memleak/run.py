@@ -10,6 +10,7 @@ from kvdiag.checks.common import (
     detector_disabled,
     engine_failed,
     engine_spec,
+    replay_of,
     start_failed,
 )
 from kvdiag.checks.memleak import kv_identity, kv_scaled, kv_shape, leftover, restart
@@ -88,8 +89,20 @@ def run(case, ctx):
     rec = case.result("pass", metrics={"cuda": cuda, "cycles": p.cycles, "max_tokens": p.max_tokens,
                                        "prompts": len(prompts), "kv_sizes": list(p.sizes) if p.sizes else None})
     judge(rec, snaps, cycles, p.threshold_mib, failed_restart, cublas)
+    rec.metrics.update(_replay(cycles))
     rec.metrics["seconds"] = {"baseline": baseline_s, "cycles": [c.seconds for c in cycles], "final": _lap(t)}
     return rec
+
+
+def _replay(cycles: list[Cycle]) -> dict:
+    """What the case's reproducer runs again (``repro.py``): each cycle's engine start (``replay_cycles``: the LLM
+    arguments per cycle; ``--kv-sizes`` changes the cache's), the prompts as token ids and the KV cache's geometry."""
+    if not cycles or not all(c.replay for c in cycles):
+        return {}
+    geo = next((c.kv.geometry for c in cycles if c.kv is not None and c.kv.geometry is not None), None)
+    return {"replay": cycles[0].replay["replay"], "prompt_ids": cycles[0].replay["prompts"],
+            "replay_cycles": [c.replay["replay"]["llm"] for c in cycles],
+            "kv_geometry": geo.to_json() if geo is not None else None}
 
 
 def uses_cuda(device: str) -> bool:
@@ -179,7 +192,7 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
         raise RestartImpossible(f"{type(e).__name__}: {first_line(e)[:400]}") from e
     sec["start"] = _lap(t)
     try:
-        engine.generate(prompts, p.max_tokens)
+        outs = engine.generate(prompts, p.max_tokens)
     except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record (run)
         raise WorkloadFailed from e
     sec["workload"] = _lap(t)
@@ -207,6 +220,7 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
               leftover.new_processes(snaps[0], snaps[-1]), kv, kv_unknown, kv_scaled.over(side, kv),
               shaped_held, shapes, side, size)
     c.seconds = {**sec, "after_shutdown": _lap(t)}
+    c.replay = replay_of(engine, [getattr(o, "prompt_token_ids", ()) for o in outs or ()])
     return c
 
 

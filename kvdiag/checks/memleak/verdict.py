@@ -258,3 +258,4 @@ class Cycle:
     side: list = field(default_factory=list)  # Holders of the survivors not the KV cache's own (kv_ratio.py)
     kv_size: int | None = None  # the KV cache's blocks this cycle ran with (--kv-sizes), None: the case's own
     seconds: dict = field(default_factory=dict)  # start, workload, snapshot, shutdown, after_shutdown
+    replay: dict = field(default_factory=dict)  # the engine's start and the prompts' ids (common.replay_of)

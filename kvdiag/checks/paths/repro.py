@@ -2,7 +2,8 @@
 (``protocol.Replayable``; vLLM). A path held to its reference case runs in two engines, as kvdiag ran it: the
 reference's and the path's, each calling the prompts in the batch layouts kvdiag compared (all the prompts in one
 batch; for a path every run takes, ``Path.own_floor``, also all but one, then one). A prefix-cache path runs in one
-engine: its cold run, then the path's calls in the same engine."""
+engine: its cold run, then the path's calls in the same engine; the sliding window too: the decode past the window,
+then a prefill at each cut past it, held to the decode's token there."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ def script(case, run) -> str | None:
     if case.status != "fail" or not m.get("replay") or m["replay"].get("engine") != "vllm":
         return None
     path, max_tokens = PATHS[m["path"]], PathsParams.from_case(case).max_tokens
-    if m.get("role") == "own" and path.name in PREFIX:
-        engines, runs = {"path": m["replay"]}, [{"engine": "path", "steps": PREFIX[path.name](m, max_tokens)}]
+    if m.get("role") == "own" and path.name in OWN:
+        if path.name == WINDOW and not any(f.severity == "error" and ALONE not in f.message for f in case.findings):
+            return None  # failed only on the batch against each prompt alone: judged by a share, not by the cuts
+        engines, runs = {"path": m["replay"]}, [{"engine": "path", "steps": OWN[path.name](m, max_tokens)}]
     elif m.get("role") == "path":
         ref = next((c for c in run.cases if c.metrics.get("role") == "reference" and c.metrics.get("path") ==
                     path.reference and (c.engine, c.model, c.kv_dtype) == (case.engine, case.model, case.kv_dtype)),
@@ -36,7 +39,20 @@ def script(case, run) -> str | None:
     return filled("vllm_paths_script.py", {
         "title": f"{case.id}: {path.summary}",
         "kvdiag_saw": "; ".join(f.message for f in case.findings if f.severity == "error"),
-        "tolerance": m["tolerance"], "logprobs": 2, "engines": engines, "runs": runs})
+        "tolerance": m["tolerance"], "logprobs": 2, "batch_invariance": batch_invariance(case),
+        "engines": engines, "runs": runs})
+
+
+def batch_invariance(case) -> dict | None:
+    """The environment ``--batch-invariant`` set before the case's engines started (the engine's traits'), which the
+    script sets in its own environment before vLLM is imported; None without it."""
+    from kvdiag.checks.paths.params import PathsParams
+    from kvdiag.engines.base import engine_traits
+
+    if not PathsParams.from_case(case).batch_invariant:
+        return None
+    env = engine_traits(case.engine).batch_invariance("cuda")  # it is taken only on a GPU: the case ran on one
+    return env if isinstance(env, dict) else None
 
 
 def batches(prompts: list[list[int]], max_tokens: int, all_but_one: bool) -> list[dict]:
@@ -92,4 +108,17 @@ def _evicted(m: dict, max_tokens: int) -> list[dict]:
             {**again, "reset": False, "as": "path"}]
 
 
+def _window(m: dict, max_tokens: int) -> list[dict]:
+    """As ``sliding.serve``: the prompts decoded past the window in one batch (after an emptied prefix cache), then
+    each (prompt, cut) past the window prefilled for one token, its prompt and the decode's tokens up to the cut: the
+    decode's token at the cut is the reference, the prefill's the path."""
+    labels = [str(i) for i in range(len(m["prompts"]))]
+    return [{"prompts": m["prompts"], "labels": labels, "max_tokens": m["generated"], "reset": True, "as": None,
+             "keep": "decode"},
+            {"prompts": m["prompts"], "labels": [f"{i} at {k}" for i, k in m["cuts"]], "cuts": m["cuts"],
+             "from": "decode", "max_tokens": 1, "reset": False, "as": "path"}]
+
+
 PREFIX = {"prefix-hit": _hit, "prefix-reset": _reset, "prefix-partial": _partial, "prefix-evicted": _evicted}
+WINDOW, ALONE = "sliding-window", "the batch against each prompt alone"  # sliding.PATH, sliding.ALONE
+OWN = {**PREFIX, WINDOW: _window}  # the paths judged in their own engine that a script replays

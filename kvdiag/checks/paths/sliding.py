@@ -100,6 +100,7 @@ def serve(case, ctx, p, path, engine, prompts, spec, need, config, env):
     """Decode past the window, prefill at the cuts, judge (``verdict.verdict``)."""
     from dataclasses import replace
 
+    from kvdiag.checks.common import replay_of
     from kvdiag.checks.paths.engine_runs import (
         Trial,
         block_size,
@@ -148,6 +149,7 @@ def serve(case, ctx, p, path, engine, prompts, spec, need, config, env):
              "inside_cuts": at["inside"], "cuts": at["past"],
              "preemptions": None if after is None else after - (preempted or 0)}
     rec = verdict(case, p, path, config, floor, Trial(ref[n:], fed[n:], counted, notes), env)
+    rec.metrics.update(replay_of(engine, prompts))  # the decode and the prefills at its cuts again (repro.py)
     # the batch against each prompt alone, at every position: both decode, so past the window they differ by the
     # blocks other requests took (and the batch's noise: its share inside the window, the floor runs'). A small
     # fault moves a logprob by a step of a bf16 logit as noise does, but at many positions (docs/DESIGN.md)

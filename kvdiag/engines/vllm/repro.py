@@ -45,6 +45,8 @@ def forget() -> None:
     _NOTED.clear()
 
 
+CARRIED = ("VLLM_BATCH_INVARIANT",)  # switches kvdiag set in the worker (paths --batch-invariant) a plain start needs
+
 WAKE = {1: "llm.wake_up()",  # vLLM's documented wake after each level (kvdiag/engines/vllm/sleep.py)
         2: "llm.wake_up(tags=['weights']); llm.collective_rpc('reload_weights'); llm.wake_up(tags=['kv_cache'])"}
 
@@ -58,9 +60,12 @@ def command(kwargs: dict, generate: bool, sleep_level: int | None = None, restar
     """``python3 -c '...'``: ``vllm.LLM(**kwargs)`` in a plain process, then (``generate``) one greedy request;
     with ``sleep_level``, then a sleep at that level, vLLM's wake and the request again; with ``restart``, then a
     shutdown and the same start and request again in the same process."""
+    import os
+
     args = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
     start = f"llm = LLM({args})"
-    body = ("import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'; "
+    carried = "".join(f"os.environ[{k!r}] = {os.environ[k]!r}; " for k in CARRIED if os.environ.get(k))
+    body = ("import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'; " + carried +
             f"from vllm import LLM, SamplingParams; {start}")
     request = f"print(llm.generate([{PROMPT!r}], SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0])"
     if generate or restart:

@@ -21,7 +21,14 @@ from lm_eval.api.model import TemplateLM
 
 from kvdiag.case import PROGRESS_S  # seconds between progress lines of a case
 from kvdiag.checks.accuracy.harness import preloaded
-from kvdiag.checks.accuracy.harness.lm_eval_results import cells, examples, summarize, task_groups, task_hashes
+from kvdiag.checks.accuracy.harness.lm_eval_results import (
+    cells,
+    examples,
+    requests,
+    summarize,
+    task_groups,
+    task_hashes,
+)
 from kvdiag.engines.protocol import EndOfText
 from kvdiag.errors import UserError
 
@@ -346,7 +353,7 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
               fewshot_as_multiturn: bool = False, system_instruction: str | None = None, gen_kwargs: dict | None = None,
               metadata: dict | None = None) -> dict:
     """``lm_eval.simple_evaluate`` with per-sample logging; returns ``{"scores": .., "samples": .., "settings": ..,
-    "cells": ..}`` (``summarize``, ``cells``).
+    "cells": .., "requests": ..}`` (``summarize``, ``cells``, ``requests``).
     ``apply_chat_template``: a template name ('default': the tokenizer's), as lm_eval's option."""
     from lm_eval import simple_evaluate
 
@@ -365,6 +372,7 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
                               gen_kwargs=dict(gen_kwargs) if gen_kwargs else None)
     out = summarize(res)
     out["cells"] = cells(res)
+    out["requests"] = requests(res)
     cfg = res.get("config") or {}
     out["settings"] = {"batch_size": lm.batch_size, "engine_calls": lm.engine_calls,
                        "tasks_preloaded": loaded is not None, "chat_template": apply_chat_template,

@@ -1,6 +1,7 @@
 """lm_eval's results of one case -> kvdiag's record: scores and per-document values (``summarize``), each task's
 first prompt and answer (``examples``), task groups (``task_groups``), what each task evaluated (``task_hashes``),
-the grid cell of each document that has one (``cells``: kv_needle's)."""
+the grid cell of each document that has one (``cells``: kv_needle's), what lm_eval scored each document of a
+loglikelihood task by (``requests``: a score regression's reproducer carries them inline)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,47 @@ def cells(res: dict) -> dict:
             if isinstance(doc, dict) and "needle_length" in doc and "needle_depth" in doc:
                 out.setdefault(task, {})[str(row["doc_id"])] = [int(doc["needle_length"]), float(doc["needle_depth"])]
     return out
+
+
+SCORED = ("multiple_choice", "loglikelihood")  # the output types whose documents a reproducer scores without the task
+
+
+def requests(res: dict) -> dict:
+    """{task: {doc_id: {"type", "arguments": [[context, continuation], ...], "gold", "chars"}}} of the tasks whose
+    documents are scored by loglikelihood alone (``SCORED``): lm_eval's requests as it made them (prompt, few-shot
+    examples and chat template applied), the gold choice's index (a list for several) and each choice's length in
+    characters without the target delimiter (``acc_norm``'s divisor), as ``ConfigurableTask.process_results`` takes
+    them. A document whose gold is not among its choices is left out."""
+    out: dict = {}
+    for task, rows in (res.get("samples") or {}).items():
+        cfg = (res.get("configs") or {}).get(task) or {}
+        kind, delim = cfg.get("output_type"), cfg.get("target_delimiter", " ")
+        if kind not in SCORED:
+            continue
+        docs = out.setdefault(task, {})
+        for row in rows:
+            args = [list(a) for a in row.get("arguments") or ()]
+            if str(row.get("doc_id")) in docs or not args or any(len(a) != 2 for a in args):
+                continue
+            choices = [c[len(delim):] if delim and c.startswith(delim) else c for _, c in args]
+            gold = _gold(row.get("target"), choices) if kind == "multiple_choice" else None
+            if kind == "multiple_choice" and gold is None:
+                continue
+            docs[str(row["doc_id"])] = {"type": kind, "arguments": args, "gold": gold,
+                                        "chars": [len(c) for c in choices]}
+    return {t: d for t, d in out.items() if d}
+
+
+def _gold(target, choices: list[str]):
+    """The gold choice's index (a list of them for several), as lm_eval reads a target; None when it is not one."""
+    if isinstance(target, list):
+        got = [_gold(t, choices) for t in target]
+        return None if None in got else got
+    if isinstance(target, str) and target.strip().isdigit() and target not in choices:
+        target = int(target)
+    if isinstance(target, int) and not isinstance(target, bool):
+        return target if 0 <= target < len(choices) else None
+    return choices.index(target) if target in choices else None
 
 
 def _json_value(v):

@@ -5,7 +5,8 @@ started with ``fake_fault="..."`` changes it as the named fault says, so a test 
 Sleep mode as vLLM's (``enable_sleep_mode=True``, ``sleep``/``wake_up``/``collective_rpc("reload_weights")``), and the
 in-process engine core's block pool and cache tensors where vLLM keeps them (a script poisons free blocks there): each
 request of a call takes a free block, which the engine zeroes before use as vLLM zeroes fresh blocks, unless its
-fault says not."""
+fault says not. The engine core's ``shutdown()`` drops the cache, unless a leak fault keeps it (``leak_kv``), or a
+tensor of 512 KiB is kept at every start (``leak_grows``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections import OrderedDict
 from types import SimpleNamespace
 
 STARTS = []
+KEPT = []  # what the leak faults keep after a shutdown
 
 
 class SamplingParams:
@@ -29,8 +31,14 @@ class LLM:
         self.cached = OrderedDict()  # the first blocks run since the last reset: a prompt that starts so hits
         self.room = kwargs.get("num_gpu_blocks_override")  # first blocks the cache holds (None: any number)
         self.evicted = set()  # first blocks pushed out of a full cache, least recently run first
+        if self.fault == "invariant_only" and os.environ.get("VLLM_BATCH_INVARIANT") != "1":
+            raise ValueError("this engine starts only batch-invariant (VLLM_BATCH_INVARIANT=1)")
         if self.fault == "refuse" and kwargs.get("kv_cache_dtype", "auto") != "auto":
             raise ValueError(f"kv_cache_dtype {kwargs['kv_cache_dtype']!r} is not supported")
+        if self.fault == "leak_grows":  # one more 512 KiB tensor every start, never released (under the 1 MiB a
+            import torch  # script waits for while a shutdown settles)
+
+            KEPT.append(torch.ones(1 << 19, dtype=torch.uint8))
         self.asleep: set[str] = set()
         self.woken = False  # a KV cache wake happened: the "wake" fault's stale block tables read wrong
         self._core = None
@@ -40,7 +48,7 @@ class LLM:
         """vLLM's in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its block pool and cache tensors;
         fault ``remote_core``: the engine core's client only, as when it runs in its own process."""
         if self.fault == "remote_core":
-            return SimpleNamespace(engine_core=SimpleNamespace())
+            return SimpleNamespace(engine_core=SimpleNamespace(shutdown=self._shutdown))
         if self._core is None:
             import torch
 
@@ -49,12 +57,21 @@ class LLM:
             pool = SimpleNamespace(blocks=blocks, num_gpu_blocks=n)
             layers = {"model.layers.0.self_attn.attn": SimpleNamespace(kv_cache=[torch.zeros(n, 2, 4)])}
             runner = SimpleNamespace(vllm_config=SimpleNamespace(
-                compilation_config=SimpleNamespace(static_forward_context=layers)))
+                compilation_config=SimpleNamespace(static_forward_context=layers),
+                cache_config=SimpleNamespace(block_size=2)))
             self._core = SimpleNamespace(
                 scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool)),
                 model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(
                     model_runner=runner))))
-        return SimpleNamespace(engine_core=SimpleNamespace(engine_core=self._core))
+        return SimpleNamespace(engine_core=SimpleNamespace(engine_core=self._core, shutdown=self._shutdown))
+
+    def _shutdown(self):
+        """The engine core's ``shutdown()``: the cache goes with the core, unless fault ``leak_kv`` keeps it (a module
+        global, as vLLM's S4 bugs did)."""
+        if self.fault == "leak_kv" and self._core is not None:
+            KEPT.append(self._core.model_executor.driver_worker.worker.model_runner.vllm_config.compilation_config
+                        .static_forward_context["model.layers.0.self_attn.attn"].kv_cache)
+        self._core = None
 
     def sleep(self, level=1):
         if not self.kwargs.get("enable_sleep_mode"):
@@ -90,7 +107,8 @@ class LLM:
                     for pos in o.outputs[0].logprobs:
                         for lp in pos.values():
                             lp.logprob = math.nan
-                cache[block] = 0.5  # what the request wrote
+                cache[block] = math.nan if self.fault == "nan_write" else 0.5  # what the request wrote (fault
+                # nan_write: NaN into the cache, the outputs unchanged)
         for p in prompts:  # a block of 2 tokens
             key = tuple(p["prompt_token_ids"][:2])
             self.cached[key] = None
@@ -102,7 +120,15 @@ class LLM:
 
     def _one(self, prompt, n, batch):
         ids = [(sum(prompt) + 7 * i) % 101 for i in range(n)]
+        if self.kwargs.get("fake_chain"):  # each token from all before it: a decode and a prefill of its tokens agree
+            ids = []
+            for _ in range(n):
+                ids.append((3 * sum(prompt) + 3 * sum(ids) + len(prompt) + len(ids)) % 101)
+        if self.fault == "window" and batch > 1:  # a batch's decode past position 4 reads a freed block's tokens
+            ids[4:] = [(t + 1) % 101 for t in ids[4:]]
         lps = [-0.05 * (i + 1) for i in range(n)]
+        if self.kwargs.get("fake_chain"):  # a token's logprob from the token, wherever it is decoded
+            lps = [-0.05 * (1 + t % 5) for t in ids]
         if self.fault == "token" and len(prompt) % 2 == 0:  # a decided token changed at position 1
             ids[1] = (ids[1] + 1) % 101
         if self.fault == "drift":
