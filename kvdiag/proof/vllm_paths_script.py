@@ -29,6 +29,10 @@ def engine_run(index: int) -> dict:
     run = CASE["runs"][index]
     engine = CASE["engines"][run["engine"]]
     os.environ.update(engine["env"])
+    if run.get("empty_dir"):  # a KV connector's store: this engine stores the prompts, the next loads them
+        import shutil
+
+        shutil.rmtree(run["empty_dir"], ignore_errors=True)
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine["llm"])
