@@ -4,12 +4,13 @@
                                                    [--max-tokens T] [--fault layer] [--compiled]
 
 Three processes of this script, one after another, each one ``vllm.LLM`` of the same arguments (eager unless
-``--compiled``; ``kv_cache_memory_bytes`` 64 MiB): ``cold`` without a connector runs the prompts greedily twice
-(``cold_vs_cold``: the noise floor); ``store`` with vLLM's ``ExampleConnector`` (``kv_role`` ``kv_both``,
-``shared_storage_path`` a fresh directory) runs them once, so the connector saves each prompt's full blocks (all but
-its last token) to safetensors files, a folder per prompt, a file per layer; ``load`` with the same connector runs
-them once more in a fresh process, loading those blocks. ``load_vs_cold``: the loaded run against the first cold run
-(diverged requests, first divergence, largest |Δ logprob| before it, the cold run's top-2 gap there).
+``--compiled``; ``kv_cache_memory_bytes`` 64 MiB): ``cold`` without a connector runs the prompts greedily twice, the
+prefix cache reset before each (``cold_vs_cold``: the noise floor); ``store`` with vLLM's ``ExampleConnector``
+(``kv_role`` ``kv_both``, ``shared_storage_path`` a fresh directory) runs them once, so the connector saves each
+prompt's full blocks (all but its last token) to safetensors files, a folder per prompt, a file per layer; ``load``
+with the same connector runs them once more in a fresh process, loading those blocks. ``load_vs_cold``: the loaded
+run against the first cold run (diverged requests, first divergence, largest |Δ logprob| before it, the cold run's
+top-2 gap there).
 
 Counters of the load: ``external_tokens`` (the ``num_external_tokens`` the in-process scheduler hands its
 connector's ``update_state_after_alloc``, wrapped), ``cached_tokens`` (``RequestOutput.num_cached_tokens``, local
@@ -83,6 +84,7 @@ def run_role(a) -> dict:
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, logprobs=2, ignore_eos=True)
     runs = []
     for _ in range(2 if a.role == "cold" else 1):
+        llm.reset_prefix_cache()  # each cold run cold: the second one must not read the first's blocks
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         runs.append([completion(o) for o in outs])
         cached = sum(int(o.num_cached_tokens or 0) for o in outs)
