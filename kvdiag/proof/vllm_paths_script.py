@@ -49,6 +49,10 @@ def engine_run(index: int) -> dict:
             chosen = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or [])]
             if step.get("as"):
                 out[step["as"]][label] = {"token_ids": list(c.token_ids), "logprobs": chosen, "top": tops}
+    if run.get("drop_dir"):  # the store the engines before this one wrote, read: nothing needs it now
+        import shutil
+
+        shutil.rmtree(run["drop_dir"], ignore_errors=True)
     return out
 
 

@@ -7,6 +7,7 @@ change the output of its own path and of no other.
 """
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -66,6 +67,8 @@ def _path(name, faults=(), e=None, prompts=PROMPTS, **kw):
     out = _run(e, prompts, **kw)
     if name == "prefix":
         out = _run(e, prompts, **kw)
+    if name == "connector":
+        shutil.rmtree(args["kv_connector_dir"])
     return out, e
 
 

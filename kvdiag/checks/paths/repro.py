@@ -54,12 +54,12 @@ def batches(prompts: list[list[int]], max_tokens: int, all_but_one: bool) -> lis
 def path_runs(name: str, calls: list[dict], replay: dict) -> list[dict]:
     """The path engine's runs, each in a fresh process: one, but for kv-connector two, as kvdiag ran it (``run.py``,
     ``connector.py``): the first stores the prompts through the connector (its directory emptied first), the second
-    loads them."""
+    loads them (and removes the directory)."""
     if name != "kv-connector":
         return [{"engine": "path", "steps": [s for c in calls for s in path_steps(name, c)]}]
     store = replay["llm"]["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"]
     return [{"engine": "path", "empty_dir": store, "steps": [{**c, "reset": True, "as": None} for c in calls]},
-            {"engine": "path", "steps": [{**c, "reset": True, "as": "path"} for c in calls]}]
+            {"engine": "path", "drop_dir": store, "steps": [{**c, "reset": True, "as": "path"} for c in calls]}]
 
 
 def path_steps(name: str, call: dict) -> list[dict]:
