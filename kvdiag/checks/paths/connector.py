@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from kvdiag.checks.common import WorkloadFailed
-from kvdiag.checks.paths.engine_runs import TOP, Trial, counted_run, reset
+from kvdiag.checks.paths.engine_runs import TOP, Trial, counted_run, counter, reset
 
 PATH = "kv-connector"
 STORE_TIMEOUT_S = 900  # an engine start, compiled on a fresh machine, and one generate
@@ -46,10 +46,15 @@ def cleanup(case) -> None:
 def run(case, spec, engine, prompts, max_tokens: int, path) -> Trial:
     """The prompts stored by an engine of ``spec`` in a process of its own, then run by ``engine`` (the worker's,
     started with the same ``spec``), which loads what was stored. The store's outcome is in the notes:
-    ``stored_prompts`` (entries in the store directory) and its seconds."""
+    ``stored_prompts`` (entries in the store directory) and its seconds; and ``read_as_cached``, the prompt tokens the
+    engine says it did not compute in the loading run (its ``prefix_hit_tokens``), beside the path's counter."""
     store = _store(case, spec, prompts, max_tokens)
     reset(engine)  # nothing of the worker's own cache may serve the run: only the connector
+    before = counter(engine, "prefix_hit_tokens")
     out, counted = counted_run(engine, prompts, max_tokens, path.counter, "connector load")
+    after = counter(engine, "prefix_hit_tokens")
+    if after is not None:  # vLLM: RequestOutput.num_cached_tokens, local and external (nothing local after the reset)
+        store["read_as_cached"] = after - (before or 0)
     return Trial(None, out, counted, store)
 
 
