@@ -34,8 +34,8 @@ def probe(*args: str) -> dict:
 
 
 def kvdiag(tmp_path, *args: str) -> dict:
-    p = subprocess.run([sys.executable, "-m", "kvdiag", *args, "-f", "json", "--quiet", "--no-prove", "-o",
-                        str(tmp_path / "run")], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    p = subprocess.run([sys.executable, "-m", "kvdiag", *args, "-f", "json", "--quiet", "-o", str(tmp_path / "run")],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert p.returncode in (0, 1), p.stderr[-3000:]
     return json.loads(p.stdout)
 
@@ -44,7 +44,8 @@ def test_plain_vllm_loads_the_cold_tokens_and_kvdiags_path_agrees(tmp_path):
     clean = probe()
     assert clean["external_tokens"] > 0 and clean["stored"]["folders"] > 0, clean
     assert clean["load_vs_cold"]["diverged_requests"] == 0 and clean["load_vs_cold"]["max_dlogprob"] == 0, clean
-    run = kvdiag(tmp_path, "paths", "-e", "vllm", "-p", "kv-connector", "-d", "auto", "--max-tokens", "16")
+    run = kvdiag(tmp_path, "paths", "-e", "vllm", "-p", "kv-connector", "-d", "auto", "--max-tokens", "16",
+                 "--no-prove")
     case = next(c for c in run["cases"] if c["params"]["path"] == "kv-connector")
     m = case["metrics"]
     assert case["status"] == "pass" and m["diverged_requests"] == 0, case["findings"]
