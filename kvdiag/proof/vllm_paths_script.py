@@ -33,6 +33,10 @@ def engine_run(index: int) -> dict:
     run = CASE["runs"][index]
     engine = CASE["engines"][run["engine"]]
     os.environ.update({**(CASE.get("batch_invariance") or {}), **engine["env"]})
+    if run.get("empty_dir"):  # a KV connector's store: this engine stores the prompts, the next loads them
+        import shutil
+
+        shutil.rmtree(run["empty_dir"], ignore_errors=True)
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine["llm"])
@@ -57,6 +61,10 @@ def engine_run(index: int) -> dict:
             out["reference"][label] = {key: v[k:k + 1] for key, v in kept[step["from"]][str(i)].items()}
         if step.get("as"):
             out[step["as"]].update(got)
+    if run.get("drop_dir"):  # the store the engines before this one wrote, read: nothing needs it now
+        import shutil
+
+        shutil.rmtree(run["drop_dir"], ignore_errors=True)
     return out
 
 

@@ -1,4 +1,5 @@
-"""The builtin engine's KV paths (prefix caching, preemption by recompute, chunked prefill) against its cold path.
+"""The builtin engine's KV paths (prefix caching, preemption by recompute, chunked prefill, a KV connector between
+two engines) against its cold path.
 
 The oracle is the same engine with every path off (no prefix cache, a pool that holds every request at its longest,
 each prompt prefilled whole), and for one run of every path transformers' float64 forward. Each path fault must
@@ -6,6 +7,8 @@ change the output of its own path and of no other.
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -27,9 +30,10 @@ ATOL = 1e-4  # float32 batch-composition noise is ~1e-6
 # the last run reads none of its blocks from the cache: only the stale hashes of a fault would hit)
 PATHS = {"cold": ({}, None, 64), "prefix": ({}, True, 64), "preemption": ({"preemption": 1}, None, 14),
          "chunked": ({"enable_chunked_prefill": 1, "max_num_batched_tokens": 10}, None, 64),
-         "evicted": ({}, True, 9)}
+         "evicted": ({}, True, 9), "connector": ({}, None, 64)}
 BREAKS = {"prefix_hit_treated_fresh": ("prefix",), "preempt_keeps_freed_blocks": ("preemption",),
-          "chunk_context_dropped": ("chunked",), "evicted_block_keeps_hash": ("evicted",)}
+          "chunk_context_dropped": ("chunked",), "evicted_block_keeps_hash": ("evicted",),
+          "connector_load_layer_shifted": ("connector",)}
 
 
 def _start(args=None, prefix_caching=None, num_blocks=64, faults=(), e=None, **kw):
@@ -54,12 +58,17 @@ def _diff(a, b) -> float:
 
 def _path(name, faults=(), e=None, prompts=PROMPTS, **kw):
     args, prefix, blocks = PATHS[name]
+    if name == "connector":  # another engine saves the prompts' blocks; this one loads them
+        args = {"kv_connector_dir": tempfile.mkdtemp(prefix="kvdiag-test-connector-")}
+        _run(_start(args, prefix, blocks, faults), prompts, **kw)
     e = _start(args, prefix, blocks, faults, e=e)
     for i in (0, 1, 3) if name == "evicted" else ():
         _run(e, [prompts[i]], **kw)
     out = _run(e, prompts, **kw)
     if name == "prefix":
         out = _run(e, prompts, **kw)
+    if name == "connector":
+        shutil.rmtree(args["kv_connector_dir"])
     return out, e
 
 
@@ -81,7 +90,7 @@ def test_no_switch_takes_no_path_and_counts_nothing(cold):
     counters = e.path_counters()
     if DEV == "cpu":
         assert set(counters) == {"prefix_hit_tokens", "evicted_blocks", "preemptions", "prefill_chunks",
-                                 "cuda_graph_replays"}
+                                 "cuda_graph_replays", "connector_loaded_tokens"}
         assert not any(counters.values())
     assert not any(counters[k] for k in ("prefix_hit_tokens", "preemptions", "prefill_chunks"))
     assert e.fault_fired == dict.fromkeys(PATH_FAULTS, 0) and not e.blocks.hash_of
@@ -167,6 +176,26 @@ def test_chunked_prefill_gives_the_cold_output(cold):
     _start({"max_num_batched_tokens": 10}, e=e)  # without enable_chunked_prefill the budget is raised: no chunk
     assert _run(e) == cold["greedy"] and e.path_counters()["prefill_chunks"] == 0
     e.shutdown()
+
+
+def test_kv_connector_loads_what_another_engine_saved_and_gives_the_cold_output(cold, tmp_path):
+    """A second engine loads each prompt's full blocks from the files the first saved (its counter: those tokens),
+    prefills only the rest and gives the cold output; the saving engine loads nothing and saves once per prompt; a
+    prompt of another kv dtype's store is not read as this one's (the case's store is its own directory)."""
+    args = {"kv_connector_dir": str(tmp_path)}
+    saver = _start(args)
+    assert _diff(_run(saver), cold["greedy"]) <= ATOL and saver.path_counters()["connector_loaded_tokens"] == 0
+    lens = [len(saver.encode(p)) for p in PROMPTS]
+    assert len(list(tmp_path.iterdir())) == sum((n - 1) // BS > 0 for n in lens)  # one file per prompt of a block
+    loader = _start(args)
+    assert _diff(_run(loader), cold["greedy"]) <= ATOL
+    assert loader.path_counters()["connector_loaded_tokens"] == sum((n - 1) // BS * BS for n in lens)
+    assert loader.path_counters()["prefix_hit_tokens"] == 0
+    _start(args, prefix_caching=True, e=loader)  # a prefix-cache hit first, the connector's blocks past it
+    assert _diff(_run(loader), cold["greedy"]) <= ATOL and _diff(_run(loader), cold["greedy"]) <= ATOL
+    assert loader.path_counters()["prefix_hit_tokens"] == loader.path_counters()["connector_loaded_tokens"]
+    saver.shutdown()
+    loader.shutdown()
 
 
 @pytest.mark.parametrize("fault", PATH_FAULTS)

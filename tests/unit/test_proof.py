@@ -77,6 +77,28 @@ def test_a_batch_layout_kvdiag_did_not_compare_is_not_run(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+@pytest.mark.parametrize("fault, code", [("connector", 1), (None, 0)])
+def test_kv_connector_reproduces_with_its_engine_twice_the_first_storing_the_second_loading(tmp_path, fault, code):
+    """kv-connector runs as kvdiag ran it: the path engine in a fresh process stores the prompts through the
+    connector (its directory emptied first: a store kvdiag left, or an earlier reproduction's, is not read), then
+    again in another, loading them, then removing the store. A load that reads wrong (the stand-in's ``connector``
+    fault) reproduces; the same connector without it does not."""
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "left-behind").touch()  # an earlier store's
+    ref, rec = records("kv-connector", fault, own_floor_layouts=False)
+    rec.metrics["replay"]["llm"]["kv_transfer_config"] = {
+        "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    from kvdiag.checks.paths.repro import script
+
+    (tmp_path / "r.py").write_text(script(rec, RunRecord("kvdiag paths", "", [ref, rec], {}, run_dir=str(tmp_path))))
+    p = run_script(tmp_path / "r.py")
+    assert p.returncode == code, p.stdout + p.stderr
+    assert (f"{len(PROMPTS)} of {len(PROMPTS)} requests" if code else f"in all {len(PROMPTS)} requests") in p.stdout
+    assert not store.exists()  # the second engine's run removes what the first stored
+
+
 def own(path: str, fault: str | None, block_size: int = 2, **llm):
     """A prefix-cache path case as the paths check records it: judged in its own engine."""
     case = Case("paths", "vllm", "/m", "auto", "t", params={"path": path, "max_tokens": 6},

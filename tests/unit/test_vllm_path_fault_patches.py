@@ -1,4 +1,4 @@
-"""The S5 vLLM faults of chunked prefill, speculative decoding, the sliding window and CPU offload
+"""The S5 vLLM faults of chunked prefill, speculative decoding, the sliding window, CPU offload and a KV connector
 (kvdiag/engines/vllm/faults/): each wrapper, run on a toy of the vLLM class it patches, changes vLLM's bookkeeping
 exactly where its path is taken and nowhere else; each code point exists in the installed vLLM's source (and in vLLM
 0.24's, where its source is unpacked: KVDIAG_VLLM024_SRC, default /tmp/v24/vllm); offload is not applicable on
@@ -16,11 +16,11 @@ from types import SimpleNamespace as NS
 import pytest
 
 from kvdiag.engines.vllm import faults
-from kvdiag.engines.vllm.faults import offload, patching, paths, spec, window
+from kvdiag.engines.vllm.faults import connector, offload, patching, paths, spec, window
 from kvdiag.engines.vllm.faults.patching import CodePoint
 
 NEW = ("chunk_boundary_token_skipped", "spec_rejected_tokens_kept", "swa_frees_window_block",
-       "offload_load_block_shifted", "evicted_block_keeps_hash")
+       "offload_load_block_shifted", "evicted_block_keeps_hash", "connector_load_layer_shifted")
 V24 = Path(os.environ.get("KVDIAG_VLLM024_SRC", "/tmp/v24/vllm"))
 
 # What each patched method of vLLM does, reduced to the bookkeeping the fault changes.
@@ -96,6 +96,18 @@ class BlockPool:  # the lookup by hash; eviction drops the block from it and res
             return False
         block.reset_hash()
         return True
+
+
+class ExampleConnector:  # one stored file per cache layer, named by _generate_filename_debug; loads them all
+    def _generate_filename_debug(self, layer_name, token_ids, mm_hashes):
+        return f"{token_ids}/{layer_name}.safetensors"
+
+    def start_load_kv(self, forward_context, **kwargs):
+        self.read = [self._generate_filename_debug(n, "t", []) for n, m in forward_context.no_compile_layers.items()
+                     if getattr(m, "kv_cache", None) is not None]
+
+    def save_kv_layer(self, layer_name):
+        return self._generate_filename_debug(layer_name, "t", [])
 '''
 
 
@@ -111,6 +123,7 @@ def toy(tmp_path, monkeypatch):
     monkeypatch.setattr(window, "SKIPPED", cp("SlidingWindowManager.get_num_skipped_tokens"))
     monkeypatch.setattr(offload, "LOAD_JOBS", cp("Offloader.update_state_after_alloc"))
     monkeypatch.setattr(paths, "EVICT", cp("BlockPool._maybe_evict_cached_block"))
+    monkeypatch.setattr(connector, "LOAD", cp("ExampleConnector.start_load_kv"))
     yield __import__("toy_vllm")
     patching.restore()
     sys.modules.pop("toy_vllm", None)
@@ -174,6 +187,18 @@ def test_an_evicted_cached_block_stays_in_the_lookup_under_its_old_hash_and_an_u
     assert cached.block_hash is None  # fresh to its new owner
     assert pool.cached_block_hash_to_block == {"h3": cached}  # but the old prefix still finds it
     assert patching.fired() == {"evicted_block_keeps_hash": 1}
+
+
+def test_a_connector_load_reads_the_second_layers_file_for_the_first_and_the_store_names_its_own(toy):
+    faults.apply(["connector_load_layer_shifted"])
+    c = toy.ExampleConnector()
+    layers = {"l0": NS(kv_cache=1), "mlp": NS(), "l1": NS(kv_cache=1), "l2": NS(kv_cache=1)}
+    c.start_load_kv(NS(no_compile_layers=layers))
+    assert c.read == ["t/l1.safetensors", "t/l1.safetensors", "t/l2.safetensors"]
+    assert patching.fired() == {"connector_load_layer_shifted": 1}
+    assert c.save_kv_layer("l0") == "t/l0.safetensors"  # the storing side, and any later call, names its own
+    c.start_load_kv(NS(no_compile_layers={"l0": NS(kv_cache=1)}))  # one cache layer: none to take it from
+    assert c.read == ["t/l0.safetensors"] and patching.fired() == {"connector_load_layer_shifted": 1}
 
 
 @pytest.mark.parametrize("name", NEW)

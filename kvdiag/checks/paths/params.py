@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from kvdiag.checks import greedy
 from kvdiag.checks.check import option
-from kvdiag.checks.paths.catalogue import DEFAULT, PATHS, REFERENCES
+from kvdiag.checks.paths.catalogue import DEFAULT, OPTIONAL, PATHS, REFERENCES
 
 FLOOR_FACTOR = 4.0  # a path may move logprobs this many times the engine's own run-to-run difference
 
@@ -15,8 +15,9 @@ FLOOR_FACTOR = 4.0  # a path may move logprobs this many times the engine's own 
 @dataclass
 class PathsParams:
     paths: list[str] = option(list(DEFAULT), "--path", "-p", choices=tuple(PATHS),
-                              help="Path to hold to the cold path (repeat): " + ", ".join(PATHS) + ". Default: all; "
-                              "those the engine or platform cannot run are reported unsupported in seconds.")
+                              help="Path to hold to the cold path (repeat): " + ", ".join(PATHS) + ". Default: all "
+                              "but " + ", ".join(OPTIONAL) + " (two engine starts per kv dtype: name it); those the "
+                              "engine or platform cannot run are reported unsupported in seconds.")
     num_prompts: int = option(8, "--num-prompts", min=2, help="Prompts of the fixed set, generated greedily in one "
                               "batch.")
     max_tokens: int = option(32, "--max-tokens", min=1, help="Tokens generated greedily per prompt.")
@@ -104,7 +105,8 @@ def analyze(run, p: PathsParams) -> None:
 HELP = (
     "Hold every path the KV cache takes to the cold path: prefix-cache hits (also after eviction from a full pool), "
     "preemption, chunked prefill, CUDA-graph modes, speculative decoding, CPU offload, decoding past a sliding window "
-    "(held to a prefill of its tokens).\n"
+    "(held to a prefill of its tokens); named only, kv-connector: K/V stored through a KV connector by one engine and "
+    "loaded by another.\n"
     "\n"
     "Per kv dtype and path: the same fixed prompts run greedily cold, twice, and in another order and batch size\n"
     "(the engine's noise floor), then through the path (the same engine, or one started for it). A path fails\n"

@@ -1,9 +1,10 @@
 """The reproducer of a failing path case (``kvdiag.proof``), on an engine that says how it was started
 (``protocol.Replayable``; vLLM). A path held to its reference case runs in two engines, as kvdiag ran it: the
-reference's and the path's, each calling the prompts in the batch layouts kvdiag compared (all the prompts in one
-batch; for a path every run takes, ``Path.own_floor``, also all but one, then one). A prefix-cache path runs in one
-engine: its cold run, then the path's calls in the same engine; the sliding window too: the decode past the window,
-then a prefill at each cut past it, held to the decode's token there."""
+reference's and the path's (kv-connector's twice, in processes of their own: the first stores, the second loads),
+each calling the prompts in the batch layouts kvdiag compared (all the prompts in one batch; for a path every run
+takes, ``Path.own_floor``, also all but one, then one). A prefix-cache path runs in one engine: its cold run, then
+the path's calls in the same engine; the sliding window too: the decode past the window, then a prefill at each cut
+past it, held to the decode's token there."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def script(case, run) -> str | None:
         calls = batches(m["prompts"], max_tokens, path.own_floor and "all_but_one" in (m.get("layouts") or {}))
         engines = {"reference": ref.metrics["replay"], "path": m["replay"]}
         runs = [{"engine": "reference", "steps": [{**c, "reset": True, "as": "reference"} for c in calls]},
-                {"engine": "path", "steps": [s for c in calls for s in path_steps(path.name, c)]}]
+                *path_runs(path.name, calls, m["replay"])]
     else:
         return None
     return filled("vllm_paths_script.py", {
@@ -64,6 +65,17 @@ def batches(prompts: list[list[int]], max_tokens: int, all_but_one: bool) -> lis
         out += [{"prompts": batch, "labels": [f"{i} {NAMES['all_but_one']}" for i in ix], "max_tokens": max_tokens}
                 for ix, batch in reordered(prompts, "all_but_one")]
     return out
+
+
+def path_runs(name: str, calls: list[dict], replay: dict) -> list[dict]:
+    """The path engine's runs, each in a fresh process: one, but for kv-connector two, as kvdiag ran it (``run.py``,
+    ``connector.py``): the first stores the prompts through the connector (its directory emptied first), the second
+    loads them (and removes the directory)."""
+    if name != "kv-connector":
+        return [{"engine": "path", "steps": [s for c in calls for s in path_steps(name, c)]}]
+    store = replay["llm"]["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"]
+    return [{"engine": "path", "empty_dir": store, "steps": [{**c, "reset": True, "as": None} for c in calls]},
+            {"engine": "path", "drop_dir": store, "steps": [{**c, "reset": True, "as": "path"} for c in calls]}]
 
 
 def path_steps(name: str, call: dict) -> list[dict]:

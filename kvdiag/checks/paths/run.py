@@ -23,7 +23,7 @@ from kvdiag.checks.common import (
     spec_starter,
     start_or_record,
 )
-from kvdiag.checks.paths import completions, sliding, workload
+from kvdiag.checks.paths import completions, connector, sliding, workload
 from kvdiag.checks.paths.catalogue import PATHS
 from kvdiag.checks.paths.engine_runs import (
     Trial,
@@ -43,6 +43,13 @@ def run(case, ctx):
     """Case function (runner target ``kvdiag.checks.paths.run:run``): a reference case (its cold runs and floor), a
     path run in the engine of its own cold runs (judged here), or a path run in an engine of its own (its
     completions, judged against its reference case by ``verdict.analyze``)."""
+    try:
+        return _run(case, ctx)
+    finally:
+        connector.cleanup(case)  # the kv-connector path's store directory, if this case made one
+
+
+def _run(case, ctx):
     from kvdiag.checks.paths.catalogue import REFERENCES
     from kvdiag.engines.base import engine_traits
 
@@ -66,10 +73,10 @@ def run(case, ctx):
         config = need if isinstance(need, str) else traits.path_config(p.path, need)
     else:
         rough_need = workload.needs(rough, p.max_tokens, base.block_size, device)
-        config = traits.path_config(p.path, _spanned(rough_need, p.path, device))
+        config = traits.path_config(p.path, _spanned(rough_need, p.path, device, case))
         if not isinstance(config, str):
             need = _need(case, traits, base, texts, p.max_tokens, device)
-            config = need if isinstance(need, str) else traits.path_config(p.path, _spanned(need, p.path, device))
+            config = need if isinstance(need, str) else traits.path_config(p.path, _spanned(need, p.path, device, case))
     if isinstance(config, str):
         return greedy.unsupported(case, config)
     if p.long_context and (room := traits.max_model_len(case.model, base.engine_args)) < need["max_model_len"]:
@@ -114,7 +121,10 @@ def _serve(case, ctx, p, path, engine, prompts, spec, need, config):
         return sliding.serve(case, ctx, p, path, engine, prompts, spec, need, config, env)
     if path is not None and path.reference is not None:  # judged in the parent against its reference case
         ctx.stage(case, f"path {path.name}")
-        trial = PATH_RUNS.get(path.name, _plain)(engine, prompts, p.max_tokens, path)
+        if path.name == connector.PATH:  # a second engine, in a process of its own, stores what this one loads
+            trial = connector.run(case, spec, engine, prompts, p.max_tokens, path)
+        else:
+            trial = PATH_RUNS.get(path.name, _plain)(engine, prompts, p.max_tokens, path)
         trial.notes.update(_graph_mode(engine, path.name))
         return case.result("pass", environment=env, metrics={
             "path": path.name, "role": "path", "judged_later": True, "counter": path.counter,
@@ -156,11 +166,12 @@ def _prefix_prompts(engine, spec, prompts, max_tokens: int) -> tuple[list, dict]
     return workload.lengthened(prompts, want), {"prompts_grown_to": want, "engine_block_size": block}
 
 
-def _spanned(need: dict, path: str, device: str) -> dict:
-    """``need`` with the GPUs this worker sees and those the path spans, for a spanning path (params.spanning)."""
+def _spanned(need: dict, path: str, device: str, case) -> dict:
+    """``need`` with the GPUs this worker sees and those the path spans, for a spanning path (params.spanning); with
+    the store directory, for the kv-connector path (``connector.need``)."""
     from kvdiag.checks.paths.params import spanning
 
-    return {**need, **spanning(path, device)}
+    return {**need, **spanning(path, device), **connector.need(case, path)}
 
 
 def _kv_block(traits, base) -> int:

@@ -2,8 +2,10 @@
 itself. The engine (``engine.py``) and its traits (the package's ``TRAITS``) read them here, without torch."""
 
 SPEC_ARGS = ("max_model_len", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "dtype")  # -a sets them
-# -a keys the engine reads itself; preemption and enable_chunked_prefill: the KV paths of scheduler.py
-OWN_ARGS = ("max_num_batched_tokens", "ignore_eos", "cuda_graphs", "preemption", "enable_chunked_prefill")
+# -a keys the engine reads itself; preemption, enable_chunked_prefill and kv_connector_dir: the KV paths of
+# scheduler.py
+OWN_ARGS = ("max_num_batched_tokens", "ignore_eos", "cuda_graphs", "preemption", "enable_chunked_prefill",
+            "kv_connector_dir")
 
 
 def engine_arg_names() -> list[str]:

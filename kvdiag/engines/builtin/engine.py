@@ -45,7 +45,8 @@ _WEIGHT_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": 
                   "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 TAGS = ("weights", "kv_cache")
 TOKEN_BUDGET, CPU_TOKEN_BUDGET = 8192, 2048  # default new tokens per forward pass (_token_budget)
-PATH_COUNTERS = ("prefix_hit_tokens", "evicted_blocks", "preemptions", "prefill_chunks", "cuda_graph_replays")
+PATH_COUNTERS = ("prefix_hit_tokens", "evicted_blocks", "preemptions", "prefill_chunks", "cuda_graph_replays",
+                 "connector_loaded_tokens")
 
 
 def _device(name: str) -> torch.device:
@@ -234,8 +235,9 @@ class BuiltinEngine(Engine, ModelFacts, EndOfText, SharesWeights, PathProbes):
     def path_counters(self) -> dict[str, int]:
         """Since ``start``: ``prefix_hit_tokens`` (prompt tokens not computed because their blocks were cached),
         ``evicted_blocks`` (cached blocks handed out again, their hash dropped), ``preemptions``, ``prefill_chunks``
-        (prefill entries of a prompt whose prefill spans several entries, every one of them counted) and
-        ``cuda_graph_replays`` (decode steps replayed from a CUDA graph)."""
+        (prefill entries of a prompt whose prefill spans several entries, every one of them counted),
+        ``cuda_graph_replays`` (decode steps replayed from a CUDA graph) and ``connector_loaded_tokens`` (prompt
+        tokens loaded from the KV connector, ``-a kv_connector_dir``)."""
         return dict(self.counters)
 
     def preempted_at(self) -> list[tuple[tuple[int, ...], int]]:

@@ -45,6 +45,9 @@ prefill, no preemption) gives; ``engine.fault_fired`` counts how often each fire
   counts the chunk's own tokens only (positions and K/V writes stay right), so it does not attend over
   the chunks before it (the kernel reads that many positions from the sequence's start). Fires on every
   chunk after the first (``-a enable_chunked_prefill=1``).
+- ``connector_load_layer_shifted``: the KV connector (``-a kv_connector_dir``, ``connector.py``) loads the first
+  layer's K/V from the second layer's stored blocks, so a prompt loaded from another engine's store reads another
+  layer's K/V in layer 0 (the class of vLLM #57661, NIXL truncated layers). Fires on every load (``kv-connector``).
 
 Memory held after shutdown (S0, S4: ``memleak``), applied by :meth:`Faults.on_start`:
 
@@ -73,7 +76,7 @@ from kvdiag.errors import UserError
 
 ALIASES = {"unzeroed_page_reads": ("whole_page_reads", "no_zero_fresh_blocks")}
 PATH_FAULTS = ("prefix_hit_treated_fresh", "evicted_block_keeps_hash", "preempt_keeps_freed_blocks",
-               "chunk_context_dropped")
+               "chunk_context_dropped", "connector_load_layer_shifted")
 
 
 UNSUPPORTED_BF16 = "Unsupported data type of kv cache: bfloat16"
@@ -98,6 +101,7 @@ class Faults:
     evicted_block_keeps_hash: bool = False
     preempt_keeps_freed_blocks: bool = False
     chunk_context_dropped: bool = False
+    connector_load_layer_shifted: bool = False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

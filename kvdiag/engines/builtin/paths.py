@@ -1,8 +1,9 @@
 """How the builtin engine takes each path of the ``paths`` check (``kvdiag/checks/paths/catalogue.py``): its prefix
 cache (``EngineSpec.prefix_caching``; for ``prefix-evicted`` in a pool of the prompts' size), preemption by
-recompute (``-a preemption=1`` and a tight pool), chunked prefill (``-a enable_chunked_prefill=1``), and its decode
-CUDA graphs against none. It has no piecewise graphs, no speculative decoding, no offload, no tensor parallelism and
-never runs past a sliding window: those are unsupported, said before any engine starts."""
+recompute (``-a preemption=1`` and a tight pool), chunked prefill (``-a enable_chunked_prefill=1``), its KV connector
+(``-a kv_connector_dir``: files a second engine loads), and its decode CUDA graphs against none. It has no piecewise
+graphs, no speculative decoding, no offload, no tensor parallelism and never runs past a sliding window: those are
+unsupported, said before any engine starts."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def path_config(path: str, need: dict) -> PathConfig | str:
                           args={"preemption": 1})
     if path == "chunked-prefill":
         return PathConfig(args={"enable_chunked_prefill": 1, "max_num_batched_tokens": need["chunk_tokens"]})
+    if path == "kv-connector":  # two engines of these arguments: one saves each prompt's blocks, one loads them
+        return PathConfig(args={"kv_connector_dir": need["connector_dir"]})
     if path in ("cudagraph-full", "cold-nographs"):
         if need["device"] != "cuda":
             return NO_GRAPHS

@@ -16,6 +16,8 @@ the newly admitted prompts whole or decodes one token for every running request.
 - ``-a enable_chunked_prefill=1``: ``max_num_batched_tokens`` is not raised to max_model_len: a prompt longer than
   what is left of the step's budget is prefilled in chunks, and a token is sampled only after its last chunk.
   Prompts part-way through their prefill go on first; no decode step runs while one is.
+- ``-a kv_connector_dir=DIR`` (``connector.py``): a prompt computed here has its full blocks saved to DIR; a new
+  prompt whose blocks are there loads them (past any prefix-cache hit) and prefills only the rest.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ class Scheduler:
         self.chunked = flag(args, "enable_chunked_prefill")
         self.budget = engine._batched_tokens if self.chunked else engine._token_budget
         self.faults, self.counters, self.fired = engine.faults, engine.counters, engine.fault_fired
+        self.connector = None  # -a kv_connector_dir: prompts' full blocks saved to and loaded from files
+        if args.get("kv_connector_dir"):
+            from kvdiag.engines.builtin.connector import Connector
+
+            self.connector = Connector(str(args["kv_connector_dir"]), engine.kv,
+                                       self.faults.connector_load_layer_shifted)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.prefilling: list[Seq] = []  # admitted, prompt not all computed yet (chunked prefill)
@@ -85,11 +93,14 @@ class Scheduler:
                 held += 1
                 continue
             hits = self._hits(r)
-            new = len(r.tokens) - len(hits) * self.bs
+            stored = self._stored(r, len(hits))
+            new = len(r.tokens) - max(len(hits), stored) * self.bs
             if not self._room(r, hits) or (work and (left <= 0 if self.chunked else new > left)):
                 break
             self.waiting.popleft()
             self._admit(r, hits)
+            if stored:
+                self._load(r, len(hits), stored)
             work.append((r, min(new, left) if self.chunked else new))
             left -= work[-1][1]
             admitted.append(r)
@@ -109,6 +120,8 @@ class Scheduler:
             r.computed += n
             if self.caching:
                 self._cache(r)
+            if self.connector and r.computed == len(r.tokens) == len(r.prompt) and r.prefill_from == 0:
+                self.connector.save(r.tokens, r.table)  # computed here, not loaded: what a second engine loads
         self.prefilling = [r for r in self.prefilling + admitted if r.computed < len(r.tokens)]
         rows = [i for i, (r, _) in enumerate(work) if r.computed == len(r.tokens)]
         if rows:
@@ -143,6 +156,21 @@ class Scheduler:
             self.reserved += r.reserved
         self.blocks.grow(r.table, len(r.tokens))
         r.computed = r.prefill_from = len(hits) * self.bs
+
+    def _stored(self, r: Seq, hits: int) -> int:
+        """The leading blocks of a new prompt the connector holds, where they are more than its prefix-cache hit
+        (0: none to load)."""
+        if self.connector is None or len(r.tokens) != len(r.prompt):
+            return 0
+        n = self.connector.loadable(r.tokens)
+        return n if n > hits else 0
+
+    def _load(self, r: Seq, hits: int, n: int) -> None:
+        """The connector's blocks past the prefix-cache hit into the request's own: they count as computed."""
+        if self.connector.load(r.tokens, r.table, hits, n):
+            self.fired["connector_load_layer_shifted"] += 1
+        self.counters["connector_loaded_tokens"] += (n - hits) * self.bs
+        r.computed = r.prefill_from = n * self.bs
 
     def _cache(self, r: Seq) -> None:
         n = r.computed // self.bs

@@ -60,6 +60,8 @@ FAULTS: tuple[Fault, ...] = (
           ("kv_paths",), "a preempted request keeps its freed blocks and resumes on them without recompute"),
     Fault("chunk_context_dropped", "S5", "paths", {"paths": items(("auto", {"path": "chunked-prefill"}))},
           ("kv_paths",), "a prefill chunk after the first attends only to its own tokens"),
+    Fault("connector_load_layer_shifted", "S5", "paths", {"paths": items(("auto", {"path": "kv-connector"}))},
+          ("kv_paths",), "the KV connector loads the first layer's K/V from the second layer's stored blocks"),
 )
 
 CATALOGUE = Catalogue("builtin", FAULTS, forked=False)

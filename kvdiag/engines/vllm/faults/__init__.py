@@ -22,14 +22,16 @@ chunk_boundary_token_skipped                S5     ``sched.scheduler.Scheduler._
 spec_rejected_tokens_kept                   S5     ``Scheduler.update_from_output`` and ``.schedule``      paths
 swa_frees_window_block                      S5     ``SlidingWindowManager.get_num_skipped_tokens``         paths
 offload_load_block_shifted                  S5     offloading ``update_state_after_alloc`` (load jobs)     paths
+connector_load_layer_shifted                S5     ``ExampleConnector.start_load_kv`` (layer 0 from 1)     paths
 ==========================================  =====  ======================================================  ==========
 
 Each fault's function (in ``shutdown.py``, ``cache_dtype.py``, ``wake.py``, ``zeroing.py``, ``paths.py``, ``spec.py``,
-``window.py``, ``offload.py``) names the vLLM PR (the S5 faults: the bug class, no known fix; their code points are
-the scheduler's, the KV-cache manager's, its block pool's and the offloading connector's), the
-versions it applies to and its intended check. Each patch records that it fired (:func:`fired`): the patched code
-actually ran. kvdiag applies the faults a case names in its worker, at ``VllmEngine.start``, before ``vllm.LLM``;
-the self-test puts what fired into the case record and never counts a fault that did not fire as caught.
+``window.py``, ``offload.py``, ``connector.py``) names the vLLM PR (the S5 faults: the bug class, no known fix; their
+code points are the scheduler's, the KV-cache manager's, its block pool's, the offloading connector's and the example
+connector's), the versions it applies to and its intended check. Each patch records that it fired (:func:`fired`):
+the patched code actually ran. kvdiag applies the faults a case names in its worker, at ``VllmEngine.start``, before
+``vllm.LLM``; the self-test puts what fired into the case record and never counts a fault that did not fire as
+caught.
 
 A plain script applies the same patches::
 
@@ -56,7 +58,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvdiag.engines.vllm.cpu_layout import packed_reason
-from kvdiag.engines.vllm.faults import cache_dtype, offload, paths, shutdown, spec, wake, window, zeroing
+from kvdiag.engines.vllm.faults import cache_dtype, connector, offload, paths, shutdown, spec, wake, window, zeroing
 from kvdiag.engines.vllm.faults.patching import (
     CodePoint,
     NotApplicable,
@@ -106,6 +108,7 @@ FAULTS = {f.name: f for f in (
     VllmFault(spec.REJECTED_KEPT, spec.spec_rejected_tokens_kept, (spec.UPDATE, spec.SCHEDULE)),
     VllmFault(window.WINDOW_FREED, window.swa_frees_window_block, (window.SKIPPED,)),
     VllmFault(offload.LOAD_SHIFTED, offload.offload_load_block_shifted, (offload.LOAD_JOBS,), (OFFLOAD,)),
+    VllmFault(connector.LAYER_SHIFTED, connector.connector_load_layer_shifted, (connector.LOAD,)),
 )}
 
 

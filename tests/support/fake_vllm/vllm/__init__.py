@@ -6,7 +6,9 @@ Sleep mode as vLLM's (``enable_sleep_mode=True``, ``sleep``/``wake_up``/``collec
 in-process engine core's block pool and cache tensors where vLLM keeps them (a script poisons free blocks there): each
 request of a call takes a free block, which the engine zeroes before use as vLLM zeroes fresh blocks, unless its
 fault says not. The engine core's ``shutdown()`` drops the cache, unless a leak fault keeps it (``leak_kv``), or a
-tensor of 512 KiB is kept at every start (``leak_grows``)."""
+tensor of 512 KiB is kept at every start (``leak_grows``). A KV connector as vLLM's ``ExampleConnector``
+(``kv_transfer_config``'s ``shared_storage_path``): a prompt run with none stored there is stored (a file), one stored
+is loaded, which its ``connector`` fault reads wrong."""
 
 from __future__ import annotations
 
@@ -97,8 +99,9 @@ class LLM:
     def generate(self, prompts, params, use_tqdm=False):
         assert not self.asleep, "generate while asleep"
         batch = len(prompts)
-        out = [SimpleNamespace(outputs=[self._one(p["prompt_token_ids"], params.max_tokens, batch)])
-               for p in prompts]
+        loaded = [self._connector(p["prompt_token_ids"]) for p in prompts]
+        out = [SimpleNamespace(outputs=[self._one(p["prompt_token_ids"], params.max_tokens, batch, hit)])
+               for p, hit in zip(prompts, loaded)]
         if self._core is not None:  # each request a fresh block: read unzeroed under the "poison" fault
             cache = self._core.model_executor.driver_worker.worker.model_runner.vllm_config.compilation_config \
                 .static_forward_context["model.layers.0.self_attn.attn"].kv_cache[0]
@@ -118,7 +121,20 @@ class LLM:
                 self.evicted.add(self.cached.popitem(last=False)[0])
         return out
 
-    def _one(self, prompt, n, batch):
+    def _connector(self, prompt) -> bool:
+        """Whether the prompt's K/V was loaded from the connector's store (else it is stored there now)."""
+        config = self.kwargs.get("kv_transfer_config")
+        if not config:
+            return False
+        store = config["kv_connector_extra_config"]["shared_storage_path"]
+        name = os.path.join(store, "-".join(map(str, prompt)))
+        if os.path.exists(name):
+            return True
+        os.makedirs(store, exist_ok=True)
+        open(name, "w").close()
+        return False
+
+    def _one(self, prompt, n, batch, loaded=False):
         ids = [(sum(prompt) + 7 * i) % 101 for i in range(n)]
         if self.kwargs.get("fake_chain"):  # each token from all before it: a decode and a prefill of its tokens agree
             ids = []
@@ -138,6 +154,8 @@ class LLM:
         if self.fault == "hit" and tuple(prompt[:2]) in self.cached:  # a prefix-cache hit reads a wrong block
             ids[1] = (ids[1] + 1) % 101
         if self.fault == "evicted" and tuple(prompt[:2]) in self.evicted:  # an evicted block kept its hash: it hits
+            ids[1] = (ids[1] + 1) % 101
+        if self.fault == "connector" and loaded:  # K/V loaded from the connector's store into the wrong place
             ids[1] = (ids[1] + 1) % 101
         if self.fault == "nan":
             lps[0] = math.nan
