@@ -59,6 +59,11 @@ class EngineTraits:
     """The engine's ``shutdown()`` ends with ``gc.collect()`` (and ``empty_cache()`` on CUDA): memleak does not run the
     same full collection again right after it (about 0.3 s with vLLM imported)."""
 
+    children_exit_s: float = 10.0
+    """How long the processes the engine started (tensor-parallel workers) may take to end after ``shutdown()``
+    returns: memleak waits up to this long before it names those still alive. An engine that starts none, or whose
+    ``shutdown()`` returns once they are gone, can say less: a leftover then costs no wait."""
+
     cpu_parallel: bool = False
     """On the CPU several of its cases may run at once (by default up to 4): in workers of their own, or with
     ``--isolate run`` on threads of one worker whose engines share the weights one loaded

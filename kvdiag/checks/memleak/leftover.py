@@ -2,8 +2,9 @@
 
 An engine that runs outside kvdiag's worker process (vLLM's workers under tensor parallelism or
 ``distributed_executor_backend=mp``) must stop every process it started when it shuts down. After each
-shutdown memleak waits up to ``WAIT_S`` for the processes it did not have at the baseline to end, then names
-those still alive (their GPU memory is NVML's, where NVML's pids are this machine's):
+shutdown memleak waits up to the engine's ``children_exit_s`` (kvdiag.engines.traits) for the processes it did
+not have at the baseline to end, then names those still alive (their GPU memory is NVML's, where NVML's pids are
+this machine's):
 
 - error ``engine_process_alive``: one of them holds GPU memory, or more are alive after every cycle;
 - warning ``process_alive``: the same ones after every cycle, holding no GPU memory NVML can see (a pool the
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 from kvdiag.measure.memory import MiB
 
-WAIT_S = 10.0
 NAMED = 4  # processes named in a message
 HOLDER = "processes the engine started and did not stop"
 
@@ -51,8 +51,9 @@ def findings(rec, alive: list[dict]) -> None:
     if holding or grows:
         why = f"{sum(p['gpu_mib'] for p in holding.values()):.0f} MiB of GPU memory held" if holding else \
             f"more after every cycle ({' -> '.join(map(str, counts))})"
+        wait = rec.metrics.get("children_exit_s", 0)
         rec.add("error", "engine_process_alive", f"{len(last)} process(es) started during the run are alive "
-                f"{WAIT_S:.0f} s after shutdown(), {why}: {named}; holder: processes shutdown() did not stop",
+                f"{wait:g} s after shutdown(), {why}: {named}; holder: processes shutdown() did not stop",
                 **evidence)
     else:
         rec.add("warning", "process_alive", f"{len(last)} process(es) started during the run are alive after "

@@ -88,6 +88,7 @@ def run(case, ctx):
         cycles[-1].holders = holders(last.keys | set(list(last.small_keys)[:MAX_SMALL_ATTRIBUTED]))
     rec = case.result("pass", metrics={"cuda": cuda, "cycles": p.cycles, "max_tokens": p.max_tokens,
                                        "prompts": len(prompts), "kv_sizes": list(p.sizes) if p.sizes else None})
+    rec.metrics["children_exit_s"] = engine_traits(case.engine).children_exit_s
     judge(rec, snaps, cycles, p.threshold_mib, failed_restart, cublas)
     rec.metrics.update(_replay(cycles))
     rec.metrics["seconds"] = {"baseline": baseline_s, "cycles": [c.seconds for c in cycles], "final": _lap(t)}
@@ -202,7 +203,7 @@ def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps
     engine.shutdown()
     sec["shutdown"] = _lap(t)
     cleanup(cuda, collect=not engine_traits(case.engine).shutdown_collects)  # gc.collect costs ~0.3 s with vLLM
-    wait_children(snaps[0].processes or {}, leftover.WAIT_S)
+    wait_children(snaps[0].processes or {}, engine_traits(case.engine).children_exit_s)
     now = settled_census(base, cuda, known=known)
     snaps.append(snapshot("after-shutdown", n, cuda, now))
     s = survivors(base, now)

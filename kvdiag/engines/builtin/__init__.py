@@ -23,6 +23,7 @@ class BuiltinTraits(EngineTraits):
 
     preload = ("torch", "kvdiag.engines.builtin.engine", "tokenizers")  # not transformers: tokenizer.py
     shutdown_collects = True  # shutdown() ends with gc.collect() (and empty_cache() on CUDA)
+    children_exit_s = 1.0  # it starts no process: one alive after shutdown() is a leak whatever the wait
     cpu_parallel = True  # small models use one core better than two; threads share the weights (share_weights)
 
     def model_problem(self, folder: str) -> str | None:
