@@ -90,7 +90,7 @@ def test_list_and_bad_names():
     r = kvdiag("selftest", "--list", "-f", "json")
     assert r.returncode == 0, r.stderr
     rows = {x["fault"]: x for x in json.loads(r.stdout)["faults"]}
-    assert list(rows) == list(BUILTIN.names) and len(rows) == 16
+    assert list(rows) == list(BUILTIN.names) and len(rows) == 17
     assert rows["scale_cache_registry"]["bug_class"] == "S0" and rows["scale_cache_registry"]["intended"] == "memleak"
     assert rows["v_with_k_scales"]["intended"] == "accuracy" and rows["explicit_bf16_rejected"]["intended"] == "dtypes"
     for args, needle in ((["--fault", "nope"], "unknown fault 'nope'; valid: scale_cache_registry, "),

