@@ -59,7 +59,7 @@ def holders_of(key_sets: list, named_roots: dict[int, str] | None = None,
     if not keys:
         return [[] for _ in key_sets]
     sources = live_tensors(keys)
-    census = {(id(t), *storage_key(t)[:2]): storage_key(t) for t in sources}  # no references: ids and sizes only
+    census = {(id(t), *st[:2]): st for t in sources for st in (storage_key(t),)}  # no references: ids and sizes
     walk = _Walk(named_roots or {}, ignore={id(sources)})
     walk.run(tuple(sources), max_depth)
     paths = {key: walk.path(key[0]) for key in census}

@@ -27,7 +27,6 @@ from kvdiag.measure.memory import (
     private_pool_bytes,
     release_cublas_workspaces,
     snapshot,
-    storage_key,
     survivors,
     take_census,
 )
@@ -158,7 +157,7 @@ def settled_census(base: Census, cuda: bool, wait_s: float = SETTLE_S, known: fr
     if not pending or clock() >= deadline:
         return now
     del now
-    waited = [weakref.ref(t) for t in live_tensors() if (st := storage_key(t)) is not None and st[:2] in pending]
+    waited = [weakref.ref(t) for t in live_tensors(pending)]
     while any(r() is not None for r in waited) and clock() < deadline:
         sleep(0.25)
     del waited
@@ -166,11 +165,11 @@ def settled_census(base: Census, cuda: bool, wait_s: float = SETTLE_S, known: fr
     return take_census()
 
 
-def _unsettled(base: Census, now: Census, known: frozenset) -> set:
-    """The storages of the survivors not in ``known`` when together they hold ``SETTLE_MIN_BYTES`` or more (each
+def _unsettled(base: Census, now: Census, known: frozenset) -> frozenset:
+    """The census keys of the survivors not in ``known`` when together they hold ``SETTLE_MIN_BYTES`` or more (each
     storage counted once), else none."""
-    storages = {key[1:] for key in survivors(base, now).keys - known}
-    return storages if sum(now.storages.get(st, 0) for st in storages) >= SETTLE_MIN_BYTES else set()
+    keys = survivors(base, now).keys - known
+    return keys if sum(now.storages.get(st, 0) for st in {key[1:] for key in keys}) >= SETTLE_MIN_BYTES else frozenset()
 
 
 def _cycle(case, n: int, p: LeakParams, prompts, cuda: bool, base: Census, snaps: list,
