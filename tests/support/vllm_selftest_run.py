@@ -10,12 +10,12 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-# The S5 faults of chunked prefill, speculative decoding, the sliding window, offload and eviction: their probes (an
-# engine per path, a few minutes together) and their self-test verdicts are tests/integration/test_vllm_path_faults.py's
-# (nightly); here the faults CI runs
+# Path faults but one, whose probes (an engine per path) and self-test verdicts are nightly:
+# tests/integration/test_vllm_path_faults.py's, the connector's test_vllm_connector.py's, and the split leak's
+# test_vllm_split_leak.py's. CI keeps prefix_hit_block_dropped: the vLLM paths check's one run in CI.
 ELSEWHERE = ("chunk_boundary_token_skipped", "spec_rejected_tokens_kept", "swa_frees_window_block",
-             "offload_load_block_shifted", "evicted_block_keeps_hash",
-             "per_layer_side_buffers_kept_after_shutdown")  # and the split leak's: test_vllm_split_leak.py (nightly)
+             "offload_load_block_shifted", "evicted_block_keeps_hash", "preempt_keeps_computed_tokens",
+             "connector_load_layer_shifted", "per_layer_side_buffers_kept_after_shutdown")
 
 
 def names() -> tuple[str, ...]:
