@@ -61,26 +61,66 @@ def cache_tensors(llm) -> tuple:
     return pool, runner, tensors
 
 
-_SNAP: list = []  # (tensor, its copy) of every cache tensor right after a fill that a scan compares with
+_SNAP: list = []  # (tensor, its copy) of every attention K/V tensor right after a fill that a scan compares with
+_OWNERS: dict = {}  # {block id: the KV cache group it was last handed to}, recorded from the first snapshot on
+
+
+class _OwnedPool:
+    """One KV cache group's handle on the shared block pool (a hybrid's groups overlay one pool): hands out blocks as
+    the pool does, and records the group, so that a scan reads a block a state group wrote as states, not K/V."""
+
+    def __init__(self, pool, group: int):
+        self.__dict__.update(_pool=pool, _group=group)
+
+    def get_new_blocks(self, num_blocks: int):
+        blocks = self._pool.get_new_blocks(num_blocks)
+        _OWNERS.update((b.block_id, self._group) for b in blocks)
+        return blocks
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._pool, name, value)
+
+
+def state_blocks(llm) -> list[int]:
+    """The blocks last handed to a group of Mamba states (none but on a hybrid), tracked from the first call on."""
+    managers = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.coordinator.single_type_managers
+    for gid, m in enumerate(managers):
+        if not isinstance(m.block_pool, _OwnedPool):
+            m.block_pool = _OwnedPool(m.block_pool, gid)
+    states = {gid for gid, m in enumerate(managers) if "Mamba" in type(m.kv_cache_spec).__name__}
+    return [b for b, g in _OWNERS.items() if g in states]
 
 
 def snapshot(llm) -> None:
     import torch
 
+    layers = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner \
+        .vllm_config.compilation_config.static_forward_context.values()
+    attention = {id(t) for m in layers if hasattr(m, "impl") for t in _tensors(getattr(m, "kv_cache", None))}
+    state_blocks(llm)  # from here on, which group each block goes to
     with torch.inference_mode():
-        _SNAP[:] = [(t, t.clone()) for t in cache_tensors(llm)[2]]
+        _SNAP[:] = [(t, t.clone()) for t in cache_tensors(llm)[2] if id(t) in attention]
+
+
+def _tensors(x) -> list:
+    return [t for y in x for t in _tensors(y)] if isinstance(x, (list, tuple)) else [x] if x is not None else []
 
 
 def scan_written(llm) -> dict:
     """The KV slots the last wave wrote (any byte changed since the fill's snapshot), and how many of them hold a
-    NaN or Inf, as kvdiag scans them: a slot is one token's place in a block, read along the tensor's axis of the
-    block's slots (a tensor without one is not scanned); fp8 caches read as the fp8 they store."""
+    NaN or Inf, as kvdiag scans them: a slot is one token's place in a block of an attention layer, read along the
+    tensor's axis of the block's slots (a tensor without one is not scanned; nor, on a hybrid, a block last handed
+    to a state group); fp8 caches read as the fp8 they store."""
     import torch
 
     block_size = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner \
         .vllm_config.cache_config.block_size
     fp8 = torch.float8_e5m2 if "e5m2" in str(CASE["engine"]["llm"].get("kv_cache_dtype")) else torch.float8_e4m3fn
     written = bad = 0
+    states = torch.as_tensor(state_blocks(llm), dtype=torch.long)
     for t, before in _SNAP:
         axis = next((i for i in (1, 2) if t.dim() > i and t.shape[i] == block_size), None)
         if axis is None or t.dtype == torch.int8:  # no slots to read, or int8 codes (no NaN code)
@@ -91,6 +131,7 @@ def scan_written(llm) -> dict:
 
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]  # NaN != NaN
         changed = slots(t.view(bits)).ne(slots(before.view(bits))).any(-1)
+        changed[states.to(changed.device)] = False  # a state group's block: its bytes are states, not K/V
         values = slots(t.view(fp8) if t.element_size() == 1 else t).float()
         nonfinite = (~values.isfinite()).any(-1)
         written += int(changed.sum())

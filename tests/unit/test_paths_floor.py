@@ -203,3 +203,25 @@ def test_recomputed_parts_pair_only_where_both_engines_fed_the_same_tokens():
     assert len(a) == len(b) == 3 and labels == ["0", "1", "0 recomputed after its cut at 2"]
     path["layouts"]["recomputed"]["cuts"] = [1, 2]  # cut elsewhere: not the same prompt either
     assert len(layouts.pair(ref, path)[0]) == 2
+
+
+@pytest.mark.parametrize("load_shift, store_shift, fails", [(0.08, None, True), (0.08, 0.03, False),
+                                                            (0.3, 0.03, True)])
+def test_kv_connectors_floor_takes_the_storing_engines_own_difference_from_the_cold_run(tmp_path, load_shift,
+                                                                                          store_shift, fails):
+    """kv-connector's storing engine is a fresh engine of the path's arguments that computed every token: where it
+    differs from the cold run as much as the loading engine does, the load added nothing (a compiled vLLM does so
+    in each fresh process), and the path passes; a load that moves a logprob ten times that still fails."""
+    from kvdiag.checks.paths import completions
+    from kvdiag.checks.paths.verdict import STORE
+
+    def shifted(by):
+        return [comp([5, 6, 7, 8], [-0.1, -0.2 - by, -0.3, -0.4]), COLD[1]]
+
+    ref = _record("cold", "reference", COLD, floor=REF_FLOOR)
+    store = {"store_completions": completions.to_json(shifted(store_shift))} if store_shift is not None else {}
+    rec = _record("kv-connector", "path", shifted(load_shift), counted=None, **store)
+    kinds = _judged(tmp_path, ref, rec)
+    assert (rec.status == "fail" and "logprob_drift" in kinds) is fails, rec.findings
+    if store_shift is not None:
+        assert rec.metrics["floor"]["parts"][STORE] == pytest.approx(store_shift)

@@ -6,7 +6,9 @@ files under a directory of this case; the builtin engine: ``-a kv_connector_dir`
 arguments runs the prompts in a process of its own (``python -m kvdiag.checks.paths.connector``), which stores each
 prompt's full blocks through the connector and exits; then the worker's engine runs the same prompts, reading those
 blocks from the connector instead of computing them. Its outputs are held to the cold reference case
-(``verdict.analyze``); its counter, ``connector_loaded_tokens``, says how many prompt tokens it loaded.
+(``verdict.analyze``); its counter, ``connector_loaded_tokens``, says how many prompt tokens it loaded. The storing
+engine computes every token itself: its outputs against the cold run are a fresh engine's own difference, which
+the floor takes (a compiled vLLM differs there as much as the load does; docs/vllm-findings.md).
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def _store(case, spec, prompts, max_tokens: int) -> dict:
 
         line = (said or {}).get("error") or cause(p.stdout + "\n" + p.stderr).line or f"exit status {p.returncode}"
         raise WorkloadFailed("connector store (the storing engine's process)") from RuntimeError(line)
-    return {"stored_prompts": len(os.listdir(directory)), "store_seconds": said["seconds"]}
+    return {"stored_prompts": len(os.listdir(directory)), "store_seconds": said["seconds"],
+            "store_completions": said["completions"]}
 
 
 def _last_json(text: str) -> dict | None:
@@ -102,20 +105,22 @@ def _child(job_file: str) -> int:
 
     with open(job_file) as f:
         job = json.load(f)
+    from kvdiag.checks.paths.completions import to_json
+
     t = time.perf_counter()
     spec = dict(job["spec"])
     spec["faults"] = tuple(spec.get("faults") or ())
     engine = create_engine(job["engine"])
     try:
         engine.start(EngineSpec(**spec))
-        engine.generate(job["prompts"], job["max_tokens"], greedy=True, logprobs=TOP)
+        out = engine.generate(job["prompts"], job["max_tokens"], greedy=True, logprobs=TOP)
         engine.shutdown()
     except Exception as e:  # noqa: BLE001 - said to the worker, which records the case's failure
         from kvdiag.errors import first_line
 
         print(json.dumps({"error": f"{type(e).__name__}: {first_line(e)}"}), flush=True)
         return 1
-    print(json.dumps({"seconds": round(time.perf_counter() - t, 1)}), flush=True)
+    print(json.dumps({"seconds": round(time.perf_counter() - t, 1), "completions": to_json(out)}), flush=True)
     return 0
 
 

@@ -64,11 +64,14 @@ def _judged(rec, p, floor, d, said: str, share_of=None) -> dict:
     return {"floor": vars(measured), "tolerance": tol, **d.metrics(tol)}
 
 
+STORE = "a fresh engine of the same arguments (kv-connector's store)"  # the floor part its storing engine sets
+
+
 def analyze(run, p) -> None:
     """Judge every path case that ran in an engine of its own against its reference case."""
     from kvdiag.checks.paths import completions, layouts
     from kvdiag.checks.paths.catalogue import PATHS
-    from kvdiag.checks.paths.floor import Floor
+    from kvdiag.checks.paths.floor import Floor, distance
 
     refs = {(c.engine, c.model, c.kv_dtype, c.metrics.get("path")): c for c in run.cases
             if c.metrics.get("role") == "reference"}
@@ -88,6 +91,9 @@ def analyze(run, p) -> None:
             floor = Floor(**ref.metrics["floor"])
             if m.get("recompute_floor"):  # a recompute at the path's own preemption points (engine_runs.py)
                 floor.merge(Floor(**m["recompute_floor"]))
+            if m.get("store_completions"):  # kv-connector: the storing engine, fresh, computed every token
+                floor.add(distance(completions.from_json(ref.metrics["completions"]),
+                                   completions.from_json(m["store_completions"])), STORE)
             held, out, labels = layouts.pair(ref.metrics, m) if path.own_floor else (
                 completions.from_json(ref.metrics["completions"]), completions.from_json(m["completions"]), None)
             if m.get("own_floor") and Floor(**m["own_floor"]).max_dlogprob > p.floor_factor * max(

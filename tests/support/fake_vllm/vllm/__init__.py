@@ -26,6 +26,14 @@ class SamplingParams:
         self.max_tokens, self.logprobs, self.extra = max_tokens, logprobs, extra
 
 
+class FullAttentionSpec:  # vLLM's KV cache group specs, by name: an attention group and a state group
+    pass
+
+
+class MambaSpec:
+    pass
+
+
 class LLM:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
@@ -56,13 +64,16 @@ class LLM:
 
             n = self.kwargs.get("num_gpu_blocks_override") or 8
             blocks = [SimpleNamespace(block_id=i, ref_cnt=0, is_null=i == 0, block_hash=None) for i in range(n)]
-            pool = SimpleNamespace(blocks=blocks, num_gpu_blocks=n)
-            layers = {"model.layers.0.self_attn.attn": SimpleNamespace(kv_cache=[torch.zeros(n, 2, 4)])}
+            pool = SimpleNamespace(blocks=blocks, num_gpu_blocks=n, get_new_blocks=lambda k: blocks[-k:])
+            groups = [SimpleNamespace(block_pool=pool, kv_cache_spec=FullAttentionSpec()),
+                      SimpleNamespace(block_pool=pool, kv_cache_spec=MambaSpec())]  # a hybrid's two groups
+            layers = {"model.layers.0.self_attn.attn": SimpleNamespace(kv_cache=[torch.zeros(n, 2, 4)], impl=None)}
             runner = SimpleNamespace(vllm_config=SimpleNamespace(
                 compilation_config=SimpleNamespace(static_forward_context=layers),
                 cache_config=SimpleNamespace(block_size=2)))
             self._core = SimpleNamespace(
-                scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool)),
+                scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(
+                    block_pool=pool, coordinator=SimpleNamespace(single_type_managers=groups))),
                 model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(
                     model_runner=runner))))
         return SimpleNamespace(engine_core=SimpleNamespace(engine_core=self._core, shutdown=self._shutdown))
@@ -112,6 +123,11 @@ class LLM:
                             lp.logprob = math.nan
                 cache[block] = math.nan if self.fault == "nan_write" else 0.5  # what the request wrote (fault
                 # nan_write: NaN into the cache, the outputs unchanged)
+            if self.fault == "state_block":  # a hybrid's state group writes part of its block's first slot: the
+                # rest keeps what was there, which K/V read of that slot would call non-finite
+                managers = self._core.scheduler.kv_cache_manager.coordinator.single_type_managers
+                (b,) = managers[1].block_pool.get_new_blocks(1)
+                cache[b.block_id, 0, :2] = 0.25
         for p in prompts:  # a block of 2 tokens
             key = tuple(p["prompt_token_ids"][:2])
             self.cached[key] = None
