@@ -57,7 +57,12 @@ def engine_run(index: int) -> dict:
             chosen = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or [])]
             got[label] = {"token_ids": list(c.token_ids), "logprobs": chosen, "top": tops}
         kept[step.get("keep")] = got
-        for (i, k), label in zip(step.get("cuts") or (), step["labels"]):  # the reference: the decode's token there
+        if step.get("past"):  # compared from these positions on; the tokens before them must agree (``inside``)
+            got = {label: {"inside": r["token_ids"][:step["past"][label]],
+                           **{key: r[key][step["past"][label]:] for key in ("token_ids", "logprobs", "top")}}
+                   for label, r in got.items()}
+        cuts = (step.get("cuts") or ()) if step.get("as") else ()  # a compared cut's reference: the decode's token
+        for (i, k), label in zip(cuts, step["labels"]):
             out["reference"][label] = {key: v[k:k + 1] for key, v in kept[step["from"]][str(i)].items()}
         if step.get("as"):
             out[step["as"]].update(got)
@@ -81,16 +86,24 @@ def in_fresh_process(index: int) -> dict | None:
     return None
 
 
-def held(ref: dict, got: dict, tol: float) -> list[str]:
-    """What ``got`` does beyond ``tol`` against ``ref`` (one line per request): [] when it matches."""
-    said = []
+def held(ref: dict, got: dict, tol: float, share: dict | None = None) -> list[str]:
+    """What ``got`` does beyond ``tol`` against ``ref`` (one line per request): [] when it matches. With ``share``,
+    logprobs are judged as a whole by the share of positions that moved by more than ``share["moved_by"]``
+    before each request's first divergence, at most ``share["allowed"]``."""
+    said, moves = [], []
     for label, a in ref.items():
         b = got[label]
+        if a.get("inside") != b.get("inside"):  # apart before the compared positions: kvdiag leaves it out
+            print(f"  request {label}: left out, as kvdiag leaves it out: its tokens differ before the compared "
+                  "positions")
+            continue
         pos = next((i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y), None)
         if pos is None and len(a["token_ids"]) != len(b["token_ids"]):
             pos = min(len(a["token_ids"]), len(b["token_ids"]))
         upto = len(b["token_ids"]) if pos is None else pos
-        moved = max((abs(x - y) for x, y in zip(a["logprobs"][:upto], b["logprobs"][:upto])), default=0.0)
+        steps = [abs(x - y) for x, y in zip(a["logprobs"][:upto], b["logprobs"][:upto])]
+        moves += steps
+        moved = max(steps, default=0.0)
         bad = [lp for lp in b["logprobs"] if not math.isfinite(lp)]
         why = []
         if pos is not None:
@@ -101,12 +114,17 @@ def held(ref: dict, got: dict, tol: float) -> list[str]:
                 found = b["token_ids"][pos] if pos < len(b["token_ids"]) else "end"
                 why.append(f"token {pos} is {found}, the reference's {expected} (its top two "
                            + (f"{gap:.3g} apart)" if gap is not None else "not known)"))
-        if moved > tol:
+        if moved > tol and not share:
             why.append(f"a logprob moved {moved:.3g} before that")
         if bad:
             why.append(f"{len(bad)} non-finite logprob(s)")
         if why:
             said.append(f"request {label}: " + "; ".join(why))
+    if share and moves:
+        n = sum(not m <= share["moved_by"] for m in moves)  # NaN: moved
+        if n / len(moves) > share["allowed"]:
+            said.append(f"{n}/{len(moves)} positions moved (|Δ logprob| > {share['moved_by']:g}) before any "
+                        f"divergence: a share of {n / len(moves):.3g} > {share['allowed']:.3g}")
     return said
 
 
@@ -129,11 +147,15 @@ def main() -> int:
         for role in runs:
             runs[role].update(got[role])
     tol = CASE["tolerance"]
-    said = held(runs["reference"], runs["path"], tol)
+    said = held(runs["reference"], runs["path"], tol, CASE.get("share"))
     for line in said:
         print("  " + line)
     if said:
-        print(f"REPRODUCED: {len(said)} of {len(runs['reference'])} requests differ beyond the tolerance {tol:.3g}")
+        share = CASE.get("share")
+        print(f"REPRODUCED: {len(said)} of {len(runs['reference'])} requests differ beyond the tolerance {tol:.3g}"
+              if not share else f"REPRODUCED: {len(said)} difference(s) beyond kvdiag's rule in "
+              f"{len(runs['reference'])} requests (tolerance {tol:.3g}, a share of at most {share['allowed']:.3g} "
+              "of positions moved)")
         return 1
     print(f"NOT REPRODUCED: the path matched the reference in all {len(runs['reference'])} requests "
           f"(tolerance {tol:.3g})")

@@ -186,7 +186,9 @@ def window_case(fault: str | None, finding: str = "sliding-window: request (0, 5
     rec = case.result("fail", metrics={
         "path": "sliding-window", "role": "own", "replay": replay(fake_chain=True, **({"fake_fault": fault} if fault
                                                                                      else {})),
-        "prompts": PROMPTS[:3], "generated": 9, "cuts": [[0, 5], [1, 6], [2, 8], [1, 2]], "tolerance": 0.01})
+        "prompts": PROMPTS[:3], "generated": 9, "cuts": [[0, 5], [1, 6], [2, 8], [1, 2]], "tolerance": 0.01,
+        "window": len(PROMPTS[0]) + 2, "inside_cuts": [],
+        "the batch against each prompt alone": {"tolerance": 0.02, "floor": {"moved_share": 0.0}}})
     rec.add("error", "divergence", finding)
     return rec
 
@@ -203,8 +205,13 @@ def test_a_sliding_window_failure_reproduces_in_one_engine_its_decode_then_prefi
     assert p.returncode == code, p.stdout + p.stderr
     if fault:
         assert "REPRODUCED: 3 of 4 requests differ" in p.stdout and "request 0 at 5: token 0 is" in p.stdout
-    assert script(window_case(fault, "sliding-window, the batch against each prompt alone: 40% of positions moved"),
-                  RunRecord("kvdiag paths", "", [], {})) is None  # judged by a share of positions: not by the cuts
+    alone = script(window_case(fault, "sliding-window, the batch against each prompt alone: 40% of positions moved"),
+                   RunRecord("kvdiag paths", "", [], {}))  # the batch against each prompt alone, not the cuts
+    (tmp_path / "alone.py").write_text(alone)
+    p = run_script(tmp_path / "alone.py")
+    assert p.returncode == code and "'share': {'moved_by': 0.01, 'allowed': 0.03}" in alone, p.stdout + p.stderr
+    if fault:  # the batch moves off each prompt alone past the window (its first 2 positions inside: not compared)
+        assert "request 0: token 2 is" in p.stdout and "REPRODUCED: 3 difference(s)" in p.stdout, p.stdout
     ref, spec = records("spec-ngram", "token")  # speculative decoding: held to its reference case's engine, as any
     assert "'engines': {'reference'" in script(spec, RunRecord("kvdiag paths", "", [ref, spec], {}))
 

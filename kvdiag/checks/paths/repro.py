@@ -21,10 +21,13 @@ def script(case, run) -> str | None:
     if case.status != "fail" or not m.get("replay") or m["replay"].get("engine") != "vllm":
         return None
     path, max_tokens = PATHS[m["path"]], PathsParams.from_case(case).max_tokens
+    share = None
     if m.get("role") == "own" and path.name in OWN:
+        steps = OWN[path.name](m, max_tokens)
         if path.name == WINDOW and not any(f.severity == "error" and ALONE not in f.message for f in case.findings):
-            return None  # failed only on the batch against each prompt alone: judged by a share, not by the cuts
-        engines, runs = {"path": m["replay"]}, [{"engine": "path", "steps": OWN[path.name](m, max_tokens)}]
+            # failed only on the batch against each prompt alone: that comparison, judged as kvdiag judged it
+            steps, share = _alone(m), _share(m[ALONE], PathsParams.from_case(case).floor_factor)
+        engines, runs = {"path": m["replay"]}, [{"engine": "path", "steps": steps}]
     elif m.get("role") == "path":
         ref = next((c for c in run.cases if c.metrics.get("role") == "reference" and c.metrics.get("path") ==
                     path.reference and (c.engine, c.model, c.kv_dtype) == (case.engine, case.model, case.kv_dtype)),
@@ -40,8 +43,8 @@ def script(case, run) -> str | None:
     return filled("vllm_paths_script.py", {
         "title": f"{case.id}: {path.summary}",
         "kvdiag_saw": "; ".join(f.message for f in case.findings if f.severity == "error"),
-        "tolerance": m["tolerance"], "logprobs": 2, "batch_invariance": batch_invariance(case),
-        "engines": engines, "runs": runs})
+        "tolerance": m[ALONE]["tolerance"] if share else m["tolerance"], "share": share, "logprobs": 2,
+        "batch_invariance": batch_invariance(case), "engines": engines, "runs": runs})
 
 
 def batch_invariance(case) -> dict | None:
@@ -129,6 +132,28 @@ def _window(m: dict, max_tokens: int) -> list[dict]:
              "keep": "decode"},
             {"prompts": m["prompts"], "labels": [f"{i} at {k}" for i, k in m["cuts"]], "cuts": m["cuts"],
              "from": "decode", "max_tokens": 1, "reset": False, "as": "path"}]
+
+
+def _alone(m: dict) -> list[dict]:
+    """As ``sliding.serve`` and ``sliding.against_alone``: the decode past the window in one batch, the prefills at
+    its cuts (the engine's state as kvdiag left it), then each prompt decoded alone; the batch's completions are the
+    path, each prompt's alone the reference, both past the positions whose context fits the window (``past``)."""
+    n, window = len(m["prompts"]), m["window"]
+    past = {str(i): max(0, window - len(q)) for i, q in enumerate(m["prompts"])}
+    cuts = [list(c) for c in m["inside_cuts"] + m["cuts"]]
+    return [{"prompts": m["prompts"], "labels": [str(i) for i in range(n)], "max_tokens": m["generated"],
+             "reset": True, "as": "path", "keep": "decode", "past": past},
+            {"prompts": m["prompts"], "labels": [f"{i} at {k}" for i, k in cuts], "cuts": cuts, "from": "decode",
+             "max_tokens": 1, "reset": False, "as": None},
+            *({"prompts": [q], "labels": [str(i)], "max_tokens": m["generated"], "reset": False, "as": "reference",
+               "past": {str(i): past[str(i)]}} for i, q in enumerate(m["prompts"]))]
+
+
+def _share(judged: dict, factor: float) -> dict:
+    """The share rule kvdiag held the batch against each prompt alone to (``floor.judge`` with ``share_of``)."""
+    from kvdiag.checks.paths.floor import MOVED_BY, MOVED_SHARE
+
+    return {"moved_by": MOVED_BY, "allowed": max(MOVED_SHARE, factor * judged["floor"].get("moved_share", 0.0))}
 
 
 PREFIX = {"prefix-hit": _hit, "prefix-reset": _reset, "prefix-partial": _partial, "prefix-evicted": _evicted}
