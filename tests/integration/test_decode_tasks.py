@@ -28,6 +28,21 @@ def test_conversations_and_decoded_drift_through_the_command(tmp_path):
     assert set(scores["kv_multiturn"]) == {"exact_match", "turns_right"}
     assert scores["kv_multiturn"]["turns_right"]["score"] >= scores["kv_multiturn"]["exact_match"]["score"] > 0
 
+    # what a score regression's reproducer carries inline, kept once (the baseline's): each document's request,
+    # the document, its target and answer, and each task's scoring (its custom process_results as its file's text)
+    import gzip
+
+    from kvdiag.checks.accuracy.harness.lm_eval_generations import SCORING
+
+    with gzip.open(run_dir / "artifacts" / cases["auto"]["metrics"]["artifacts"]["requests"], "rt") as f:
+        kept = json.load(f)
+    for task, process in (("kv_decode", "process_decode"), ("kv_multiturn", "process_turns")):
+        assert sorted(kept[task]) == list("01234") and kept[SCORING][task]["max_length"] > 0
+        assert kept[SCORING][task]["config"]["process_results"]["@function"] == process
+        doc = kept[task]["0"]
+        assert doc["type"] == "generate_until" and doc["target"] == doc["doc"]["target"]
+        assert doc["arguments"][0][1]["until"] == [" ", ";"] and doc["arguments"][0][0] == doc["doc"]["context"]
+
     rows = by_dtype(run["analysis"]["accuracy"]["rows"])
     for row in rows["bfloat16"]:  # bit for bit auto: every turn of every document the same
         assert (row["delta"], row["verdict"]) == (0.0, "ok"), row

@@ -276,14 +276,16 @@ def task_manager(include_paths: tuple[str, ...] = (), include_defaults: bool = F
 
 
 class _Loaded:
-    """A TaskManager whose ``load`` gives the tasks the fork server loaded (``preloaded``), once."""
+    """A TaskManager whose ``load`` gives the tasks the fork server loaded (``preloaded``), once, and keeps what it
+    gave (``got``: lm_eval's task objects, whose scoring a generation task's reproducer carries)."""
 
     def __init__(self, tm, loaded):
-        self._tm, self._loaded = tm, loaded
+        self._tm, self._loaded, self.got = tm, loaded, None
 
     def load(self, task_list):
         out, self._loaded = self._loaded, None
-        return out if out is not None else self._tm.load(task_list)
+        self.got = out if out is not None else self._tm.load(task_list)
+        return self.got
 
     def __getattr__(self, name):
         return getattr(self._tm, name)
@@ -347,6 +349,19 @@ def _match(name: str, tm) -> list[str]:
 # ------------------------------------------------------------------ running
 
 
+def generation_requests(res: dict, tasks: dict, lm) -> dict:
+    """The generation tasks' requests per document (``lm_eval_generations.generations``) and, under ``SCORING``,
+    each one's scoring, with the lengths this model generated under (prompt cut to ``max_length`` less the answer's
+    tokens; ``max_gen_toks`` where a request names none)."""
+    from kvdiag.checks.accuracy.harness.lm_eval_generations import SCORING, generations, scoring
+
+    got = generations(res)
+    if not got:
+        return {}
+    return {**got, SCORING: {t: {**scoring(tasks.get(t)), "max_length": lm.max_length,
+                                 "max_gen_toks": lm.max_gen_toks} for t in got}}
+
+
 def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), include_defaults: bool = False,
               limit: float | None = None, num_fewshot: int | None = None, seed: int = 0,
               bootstrap_iters: int = 1000, apply_chat_template: str | None = None,
@@ -362,9 +377,10 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
     template = True if apply_chat_template == CHAT_TEMPLATE_DEFAULT else (apply_chat_template or False)
     meta = json.dumps(metadata, sort_keys=True, default=str) if metadata else None
     tm = task_manager(include_paths, include_defaults, meta)
-    loaded = preloaded.take(preloaded.key(tasks, include_paths, include_defaults, metadata))
+    pre = preloaded.take(preloaded.key(tasks, include_paths, include_defaults, metadata))
+    loaded = _Loaded(tm, pre)
     with _without_env_probe():
-        res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm if loaded is None else _Loaded(tm, loaded),
+        res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=loaded,
                               log_samples=True, limit=limit, num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
                               random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                               fewshot_random_seed=seed, apply_chat_template=template,
@@ -372,10 +388,10 @@ def run_tasks(lm, tasks: list[str], *, include_paths: tuple[str, ...] = (), incl
                               gen_kwargs=dict(gen_kwargs) if gen_kwargs else None)
     out = summarize(res)
     out["cells"] = cells(res)
-    out["requests"] = requests(res)
+    out["requests"] = {**requests(res), **generation_requests(res, (loaded.got or {}).get("tasks") or {}, lm)}
     cfg = res.get("config") or {}
     out["settings"] = {"batch_size": lm.batch_size, "engine_calls": lm.engine_calls,
-                       "tasks_preloaded": loaded is not None, "chat_template": apply_chat_template,
+                       "tasks_preloaded": pre is not None, "chat_template": apply_chat_template,
                        "fewshot_as_multiturn": bool(fewshot_as_multiturn), "system_instruction": system_instruction,
                        "gen_kwargs": cfg.get("gen_kwargs"), "examples": examples(res),
                        "groups": task_groups(res.get("group_subtasks") or {}), "tasks": task_hashes(res)}

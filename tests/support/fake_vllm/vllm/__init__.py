@@ -8,7 +8,10 @@ request of a call takes a free block, which the engine zeroes before use as vLLM
 fault says not. The engine core's ``shutdown()`` drops the cache, unless a leak fault keeps it (``leak_kv``), or a
 tensor of 512 KiB is kept at every start (``leak_grows``). A KV connector as vLLM's ``ExampleConnector``
 (``kv_transfer_config``'s ``shared_storage_path``): a prompt run with none stored there is stored (a file), one stored
-is loaded, which its ``connector`` fault reads wrong."""
+is loaded, which its ``connector`` fault reads wrong. A request with stop strings (a generation task's) recalls: the
+prompt's last word completed as the first earlier word that starts with it (kvdiag's key-value tasks: "k" of
+"... kv=1 ; k" answers "v=1"), characters as tokens (``get_tokenizer``); under the ``token`` fault the answer to a
+prompt whose token ids sum to an even number has its second character changed."""
 
 from __future__ import annotations
 
@@ -107,12 +110,28 @@ class LLM:
         self.evicted.clear()
         return True
 
+    def get_tokenizer(self):
+        return SimpleNamespace(encode=lambda text: [ord(c) for c in text], decode=lambda ids: "".join(map(chr, ids)))
+
+    def _recalled(self, prompt, stop, max_tokens) -> str:
+        words = "".join(map(chr, prompt)).split(" ")
+        answer = next((w[len(words[-1]):] for w in words[:-1] if w.startswith(words[-1]) and w != words[-1]), "")
+        if self.fault == "token" and sum(prompt) % 2 == 0 and len(answer) > 1:
+            answer = answer[0] + ("#" if answer[1] != "#" else "%") + answer[2:]
+        for s in stop:
+            answer = answer.split(s)[0]
+        return answer[:max_tokens]
+
     def generate(self, prompts, params, use_tqdm=False):
         assert not self.asleep, "generate while asleep"
         batch = len(prompts)
         loaded = [self._connector(p["prompt_token_ids"]) for p in prompts]
         out = [SimpleNamespace(outputs=[self._one(p["prompt_token_ids"], params.max_tokens, batch, hit)])
                for p, hit in zip(prompts, loaded)]
+        if params.extra.get("stop"):  # a generation task's request: its answer as text
+            for p, o in zip(prompts, out):
+                o.outputs[0].text = self._recalled(p["prompt_token_ids"], params.extra["stop"],
+                                                    params.max_tokens)
         if self._core is not None:  # each request a fresh block: read unzeroed under the "poison" fault
             cache = self._core.model_executor.driver_worker.worker.model_runner.vllm_config.compilation_config \
                 .static_forward_context["model.layers.0.self_attn.attn"].kv_cache[0]
