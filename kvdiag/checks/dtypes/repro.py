@@ -5,7 +5,7 @@
   (``crash_script.py``);
 - non-finite logprobs: both engines run the probe's greedy prompts; any NaN/inf of this dtype's reproduces;
 - not bit-identical to 'auto' where it stores what 'auto' stores: the same runs, any token or logprob that differs
-  reproduces (``vllm_paths_script.py`` at tolerance 0).
+  reproduces (``paths_script.py`` at tolerance 0).
 
 A row wrong by its drift against its family's limits (KL, top-1 agreement over the drift probe's teacher-forced
 distributions) has none: those limits are kvdiag's own calibrated measure, not a rule a plain script restates."""
@@ -42,12 +42,12 @@ def script(case, run) -> str | None:
     tol = 0.0 if case.metrics.get("finite") else SO_FAR
     call = {"prompts": base.metrics["prompts"], "labels": [str(i) for i in range(len(base.metrics["prompts"]))],
             "max_tokens": drift.GREEDY_TOKENS, "reset": True}
-    return filled("vllm_paths_script.py", {
+    return filled("paths_script.py", {
         "title": f"{case.id}: kv_cache_dtype={case.kv_dtype!r} against 'auto'" +
                  (", bit for bit" if tol == 0 else ", finite logprobs"),
         "kvdiag_saw": saw, "tolerance": tol, "logprobs": 2, "engines": {"reference": start, "path": own},
         "runs": [{"engine": "reference", "steps": [{**call, "as": "reference"}]},
-                 {"engine": "path", "steps": [{**call, "as": "path"}]}]})
+                 {"engine": "path", "steps": [{**call, "as": "path"}]}]}, engine="vllm")
 
 
 def start_command(start: dict, kv_dtype: str) -> str:
