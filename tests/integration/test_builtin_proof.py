@@ -1,7 +1,8 @@
-"""The builtin engine's failures come with a proof (issue 66): `kvdiag selftest -c paths --prove` writes the failing
-path case's reproducer, a script that starts the builtin engine through its public API alone, and runs it outside
-kvdiag, in fresh processes: with the fault's patch it reproduces (exit 1) and prints the first difference kvdiag
-recorded, without it it does not (exit 0). The oracle is the script's own exit code and output, not kvdiag's."""
+"""The builtin engine's failures come with a proof (issue 66): `kvdiag selftest --prove` writes each failing case's
+reproducer, a script that starts the builtin engine through its public API alone, and runs it outside kvdiag, in
+fresh processes: with the fault's patch it reproduces (exit 1) and prints the first difference kvdiag recorded,
+without it it does not (exit 0). The oracle is the script's own exit code and output, not kvdiag's. One command for a
+paths fault (a path held to its own cold run) and the poison fault (the free blocks filled by the script itself)."""
 
 import ast
 import json
@@ -10,12 +11,25 @@ import subprocess
 import sys
 from pathlib import Path
 
-KVDIAG_SAW = re.compile(r"request (\S+) first differs at generated position (\d+): (\d+) instead of (\d+)")
-SCRIPT_SAW = re.compile(r"request (\S+): token (\d+) is (\d+), the reference's (\d+)")
+import pytest
+
+FAULTS = {"paths": "evicted_block_keeps_hash", "poison": "unzeroed_page_reads"}
+KVDIAG_SAW = re.compile(r"first differs at generated position (\d+): (\d+)")  # ... instead of N
+SCRIPT_SAW = re.compile(r"token (\d+) is (\d+), the reference's (\d+)")
+
+
+@pytest.fixture(scope="module")
+def proved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("proof") / "run"
+    r = subprocess.run([sys.executable, "-m", "kvdiag", "selftest", "-c", ",".join(FAULTS), "--fault",
+                        ",".join(FAULTS.values()), "--prove", "-f", "json", "-o", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout), out
 
 
 def kvdiag_modules(script: Path) -> set[str]:
-    """Every kvdiag module the script imports, at any depth."""
+    """Every kvdiag or vLLM module the script imports, at any depth."""
     out = set()
     for node in ast.walk(ast.parse(script.read_text())):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
@@ -24,20 +38,17 @@ def kvdiag_modules(script: Path) -> set[str]:
     return out
 
 
-def test_a_builtin_path_fault_is_proved_by_its_reproducer_with_the_fault_and_not_without(tmp_path):
-    out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "kvdiag", "selftest", "-c", "paths", "--fault",
-                        "evicted_block_keeps_hash", "--prove", "-f", "json", "-o", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    run = json.loads(r.stdout)
-    (row,) = run["analysis"]["selftest"]["faults"]
+@pytest.mark.parametrize("check", sorted(FAULTS))
+def test_a_builtin_fault_is_proved_by_its_reproducer_with_the_fault_and_not_without(proved, check):
+    run, out = proved
+    row = next(r for r in run["analysis"]["selftest"]["faults"] if r["fault"] == FAULTS[check])
     proof = row["proof"]
     assert (proof["patched"], proof["plain"], proof["ok"]) == (1, 0, True), proof
     script = Path(proof["script"])
-    assert script.parent == out / "repro" and script.exists()
+    assert script.parent == out / "repro" and script.name.startswith(check) and script.exists()
     assert kvdiag_modules(script) == {"kvdiag.engines.builtin"}  # the engine's API: no check, runner, CLI or vLLM
-    (case,) = [c for c in run["cases"] if c["status"] == "fail"]
+    (case,) = [c for c in run["cases"] if c["status"] == "fail" and c["check"] == check]
     finding = next(f["message"] for f in case["findings"] if f["kind"] == "divergence")
     assert "REPRODUCED:" in proof["patched_output"] and "NOT REPRODUCED" in proof["output"]
-    assert KVDIAG_SAW.search(finding).groups() in SCRIPT_SAW.findall(proof["patched_output"])
+    position, token = KVDIAG_SAW.search(finding).groups()
+    assert (position, token) in {(p, t) for p, t, _ in SCRIPT_SAW.findall(proof["patched_output"])}

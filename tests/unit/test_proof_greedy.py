@@ -1,4 +1,4 @@
-"""The reproducers of wake-cycle and poison (kvdiag.proof's vllm_greedy_script.py): one engine with kvdiag's
+"""The reproducers of wake-cycle and poison (kvdiag.proof's greedy_script.py): one engine with kvdiag's
 arguments runs the prompts, does to the engine what the check did (a sleep and vLLM's wake; the free blocks zeroed,
 then poisoned), runs them again and holds the later run to the first; exit 1 exactly when the failure shows. The engine
 is the stand-in vLLM (tests/support/fake_vllm), whose faults are known: a wake that leaves stale block tables, a wake
