@@ -1,8 +1,8 @@
 """The builtin engine says how it was started (``protocol.Replayable``), as its failures' reproducers start it again
 through its public API (``kvdiag.engines.builtin``: ``BuiltinEngine``, ``EngineSpec``): the spec as ``start`` got
 it, without its faults (a self-test's fault goes into a reproducer by its patch, never by the recorded spec), and
-the environment it read. The paths, poison and wake-cycle scripts written for it name that API and no vLLM; those
-written for vLLM name no kvdiag."""
+the environment it read. The paths, poison, wake-cycle and memleak scripts written for it name that API and no vLLM;
+those written for vLLM name no kvdiag."""
 
 import json
 from dataclasses import replace
@@ -29,7 +29,7 @@ def test_an_engine_started_from_its_replay_args_is_started_as_kvdiag_started_it_
     assert r["env"]["OMP_NUM_THREADS"] == str(torch.get_num_threads())  # a CPU sum's order follows the threads
 
 
-@pytest.mark.parametrize("script", ["paths_script.py", "greedy_script.py"])
+@pytest.mark.parametrize("script", ["paths_script.py", "greedy_script.py", "memleak_script.py"])
 @pytest.mark.parametrize("engine, has, lacks", [
     ("builtin", "from kvdiag.engines.builtin import BuiltinEngine, EngineSpec", "vllm"),
     ("vllm", "from vllm import LLM", "kvdiag.engines"),
