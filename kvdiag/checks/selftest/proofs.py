@@ -1,8 +1,8 @@
 """``kvdiag selftest --prove``: the self-test proves the proofs. For each fault caught by a check that writes
-reproducers (memleak, paths, wake-cycle, poison and dtypes on vLLM; the same but dtypes on the builtin engine), the
-script of its failing case runs twice outside kvdiag: with the fault's patch in the script's engine processes, where
-it must reproduce (exit 1), and without it, where it must not (exit 0); else the self-test fails. Each run's output's
-tail is kept (``patched_output``, ``output``). A fault the engine cannot patch into a plain process (its traits'
+reproducers (memleak, paths, wake-cycle, poison and dtypes, on vLLM and on the builtin engine), the script of its
+failing case runs twice outside kvdiag: with the fault's patch in the script's engine processes, where it must
+reproduce (exit 1), and without it, where it must not (exit 0); else the self-test fails. Each run's output's tail is
+kept (``patched_output``, ``output``). A fault the engine cannot patch into a plain process (its traits'
 ``fault_patch``), or whose check writes no reproducer for what it caught (a finding no plain script shows, an engine
 start kvdiag could not record, an engine the check writes none for), is not proved: its row says why
 (``unproved``)."""
