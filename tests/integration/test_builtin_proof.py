@@ -65,7 +65,7 @@ PROVABLE = {"prefix_hit_treated_fresh", "evicted_block_keeps_hash", "preempt_kee
 
 @pytest.mark.nightly
 def test_selftest_prove_on_the_builtin_engine_proves_every_fault_a_script_shows_and_says_why_of_the_rest(tmp_path):
-    """`kvdiag selftest --prove`, every check (about 3 minutes on 2 cores): each fault in PROVABLE reproduces with its
+    """`kvdiag selftest --prove`, every check (2-3 minutes on 2 cores): each fault in PROVABLE reproduces with its
     patch and not without; each other caught fault says why it has no proof; the self-test passes."""
     r = subprocess.run([sys.executable, "-m", "kvdiag", "selftest", "--prove", "-f", "json", "-o", str(tmp_path)],
                        capture_output=True, text=True, timeout=1200)
