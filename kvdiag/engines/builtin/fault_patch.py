@@ -6,17 +6,16 @@ from __future__ import annotations
 
 
 def apply(names) -> None:
-    """Every later start of a ``BuiltinEngine`` in this process re-introduces ``names`` besides its spec's faults."""
-    from dataclasses import replace
-
-    from kvdiag.engines.builtin.engine import BuiltinEngine
+    """Every later engine start in this process re-introduces ``names`` besides its spec's faults: the faults it parses
+    (``Faults.parse``, which ``BuiltinEngine.start`` calls) get them too. Nothing imports torch here: the script sets
+    the threads kvdiag's engine ran with (``OMP_NUM_THREADS``) before torch is imported."""
     from kvdiag.engines.builtin.faults import Faults
 
-    added = tuple(Faults.expand(names))
+    added = Faults.expand(names)
     Faults.parse(added)  # an unknown name is said here, not at the first start
-    start = BuiltinEngine.start
+    parse = Faults.parse.__func__
 
-    def start_with_faults(self, spec):
-        return start(self, replace(spec, faults=tuple(spec.faults) + added))
+    def parse_with_faults(cls, more):
+        return parse(cls, [*(more or ()), *added])
 
-    BuiltinEngine.start = start_with_faults
+    Faults.parse = classmethod(parse_with_faults)
