@@ -63,8 +63,8 @@ def given(ctx) -> set[str]:
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
 ProveOpt = Annotated[bool, typer.Option(
     "--prove/--no-prove", envvar="KVDIAG_PROVE", help="Write each failing case's reproducer (RUN_DIR/repro/CASE.py: "
-    "the engine alone, no kvdiag), run it in a fresh process and say whether it reproduces (up to 3 runs when it "
-    "does not at once).")]
+    "the engine alone: vLLM, or the builtin engine's own API, none of kvdiag's checks), run it in a fresh process "
+    "and say whether it reproduces (up to 3 runs when it does not at once).")]
 StrictOpt = Annotated[bool, typer.Option(
     "--strict", help="A failure whose reproducer did not reproduce outside kvdiag is an error of its case, not a "
     "warning (it may be kvdiag's own doing).")]

@@ -26,8 +26,8 @@ SelftestJobsOpt = Annotated[Optional[int], typer.Option(
     "each vLLM engine with its own explicit KV cache).")]
 ProveFaultsOpt = Annotated[bool, typer.Option(
     "--prove", help="Also prove each caught fault outside kvdiag: its failing case's reproducer (RUN_DIR/repro) "
-    "must reproduce with the fault's patch and not without it (two engine starts a fault; paths, wake-cycle and "
-    "poison on vLLM; a caught fault without one says why).")]
+    "must reproduce with the fault's patch and not without it (two engine starts a fault; memleak, paths, "
+    "wake-cycle, poison and dtypes, on vLLM and the builtin engine; a caught fault without one says why).")]
 ListOpt = Annotated[bool, typer.Option("--list", help="List the faults, their bug class and intended check; "
                                                       "run nothing.")]
 SelftestIsolateOpt = Annotated[Isolate, typer.Option(
@@ -59,10 +59,10 @@ def selftest(
     engine runs the same cases and must pass with no error finding (a warning is shown, not failed).
     Exit code 0 only when every applicable fault is caught by its intended check and the clean
     engine passed; 1 otherwise. With --prove, each fault caught by a check that writes reproducers
-    (memleak, paths, wake-cycle, poison and dtypes on vLLM) must also be proved outside kvdiag: its
-    reproducer reproduces with the fault's patch and not without it. Sizes are small (the shipped tiny
-    model, short prompts, one or two cycles): a few minutes on two CPU cores. vLLM's cases run eager, on
-    a GPU each in a worker of its own (the output says why).
+    (memleak, paths, wake-cycle, poison and dtypes, on vLLM and on the builtin engine) must also be
+    proved outside kvdiag: its reproducer reproduces with the fault's patch and not without it. Sizes
+    are small (the shipped tiny model, short prompts, one or two cycles): a few minutes on two CPU
+    cores. vLLM's cases run eager, on a GPU each in a worker of its own (the output says why).
     """
     from kvdiag.checks.selftest import plan
 

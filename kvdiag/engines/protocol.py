@@ -117,9 +117,10 @@ class ReportsFinished(Protocol):
 
 @runtime_checkable
 class Replayable(Protocol):
-    """An engine that says how its last start can be repeated without kvdiag (``kvdiag.proof``): a JSON-able dict
-    with ``engine`` (its name) and what that engine's reproducer needs (vLLM: the ``LLM`` arguments, the extra
-    SamplingParams and the ``VLLM_*`` environment). Engines without it get no reproducer."""
+    """An engine that says how its last start can be repeated without kvdiag's checks (``kvdiag.proof``): a JSON-able
+    dict with ``engine`` (its name) and what that engine's reproducer needs (vLLM: the ``LLM`` arguments, the extra
+    SamplingParams and the ``VLLM_*`` environment; builtin: its ``EngineSpec`` without faults and the environment it
+    read). Engines without it get no reproducer."""
 
     def replay_args(self) -> dict | None: ...
 

@@ -188,7 +188,8 @@ def _toy_engine(monkeypatch):
 
 
 SHIPPED = {
-    "builtin": (_builtin_engine, {"Engine", "ModelFacts", "EndOfText", "SharesWeights", "PathProbes"}),
+    "builtin": (_builtin_engine, {"Engine", "ModelFacts", "EndOfText", "SharesWeights", "PathProbes",
+                                  "Replayable"}),
     "vllm": (_vllm_engine, {"Engine", "ReportsFinished", "Replayable", "ModelFacts", "EndOfText",
                             "HoldsAfterShutdown", "WorkerProcesses", "LayerSpecs", "WeightBytes", "PathProbes",
                             "GraphMode"}),

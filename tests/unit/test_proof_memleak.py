@@ -1,4 +1,4 @@
-"""memleak's reproducer (kvdiag.proof's vllm_memleak_script.py): in a fresh process a baseline census of the live
+"""memleak's reproducer (kvdiag.proof's memleak_script.py): in a fresh process a baseline census of the live
 tensors, then each cycle as kvdiag ran it (start with kvdiag's arguments, the prompts, the shutdown) and a census of
 what survived, held to what kvdiag saw; exit 1 exactly when the leak shows. The engine is the stand-in vLLM
 (tests/support/fake_vllm), whose leaks are known: the KV cache kept in a module global at shutdown (``leak_kv``), a

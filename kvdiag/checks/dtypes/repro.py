@@ -1,11 +1,12 @@
 """The reproducer of a ``wrong`` dtypes row (``kvdiag.proof``), on an engine that says how it was started
-(``protocol.Replayable``; vLLM), from the baseline's start ('auto', which started) and the row's own:
+(``protocol.Replayable``; vLLM, or the builtin engine through its public API), from the baseline's start ('auto',
+which started) and the row's own:
 
 - refused, though it is the model's own dtype: the baseline's start with this ``kv_cache_dtype``, which must die
-  (``crash_script.py``);
+  (``crash_script.py``; vLLM's command: the builtin engine's refusal has none);
 - non-finite logprobs: both engines run the probe's greedy prompts; any NaN/inf of this dtype's reproduces;
 - not bit-identical to 'auto' where it stores what 'auto' stores: the same runs, any token or logprob that differs
-  reproduces (``vllm_paths_script.py`` at tolerance 0).
+  reproduces (``paths_script.py`` at tolerance 0).
 
 A row wrong by its drift against its family's limits (KL, top-1 agreement over the drift probe's teacher-forced
 distributions) has none: those limits are kvdiag's own calibrated measure, not a rule a plain script restates."""
@@ -26,10 +27,12 @@ def script(case, run) -> str | None:
     base = next((c for c in run.cases if c.params.get("role") == "baseline" and (c.engine, c.model) ==
                  (case.engine, case.model)), None)
     start = (base.metrics.get("replay") or {}) if base is not None else {}
-    if start.get("engine") != "vllm":
+    if start.get("engine") not in ("vllm", "builtin"):  # the engines paths_script.py starts
         return None
     saw = "; ".join(f.message for f in case.findings if f.severity == "error")
     if not case.metrics.get("started"):  # refused (drift.wrongly_refused): the baseline's start with this dtype
+        if start["engine"] != "vllm":
+            return None  # the command is vLLM's (start_command)
         return filled("crash_script.py", {"title": f"{case.id}: vLLM refuses kv_cache_dtype={case.kv_dtype!r}",
                                           "kvdiag_saw": saw, "command": start_command(start, case.kv_dtype)})
     if case.metrics.get("finite"):
@@ -42,12 +45,12 @@ def script(case, run) -> str | None:
     tol = 0.0 if case.metrics.get("finite") else SO_FAR
     call = {"prompts": base.metrics["prompts"], "labels": [str(i) for i in range(len(base.metrics["prompts"]))],
             "max_tokens": drift.GREEDY_TOKENS, "reset": True}
-    return filled("vllm_paths_script.py", {
+    return filled("paths_script.py", {
         "title": f"{case.id}: kv_cache_dtype={case.kv_dtype!r} against 'auto'" +
                  (", bit for bit" if tol == 0 else ", finite logprobs"),
         "kvdiag_saw": saw, "tolerance": tol, "logprobs": 2, "engines": {"reference": start, "path": own},
         "runs": [{"engine": "reference", "steps": [{**call, "as": "reference"}]},
-                 {"engine": "path", "steps": [{**call, "as": "path"}]}]})
+                 {"engine": "path", "steps": [{**call, "as": "path"}]}]}, engine=start["engine"])
 
 
 def start_command(start: dict, kv_dtype: str) -> str:

@@ -1,11 +1,12 @@
 """The reproducer of a memleak case failed on what survives shutdown (``kvdiag.proof``), on an engine that says how
-it was started (``protocol.Replayable``; vLLM): in a fresh process, a baseline of the live tensors and CUDA's
-allocated bytes, then each cycle as kvdiag ran it (the engine with kvdiag's arguments, the prompts, the shutdown as
-kvdiag does it) and a census of what survived, held to what kvdiag saw: the KV cache by identity, survivors shaped by
-the cache, surviving bytes as large as kvdiag's finding, survivors that grow every cycle, CUDA memory kept: all the
-cycles for a growth, else up to the first cycle a finding names (one engine start, mostly). A case
-whose engine could not start again has the engine's own command (``proof/crash.py``); one failed only on what the
-script does not measure (processes left running, the driver's or RSS's views, gc.freeze) has none."""
+it was started (``protocol.Replayable``; vLLM, or the builtin engine through its public API): in a fresh process, a
+baseline of the live tensors and CUDA's allocated bytes, then each cycle as kvdiag ran it (the engine with kvdiag's
+arguments, the prompts, the shutdown as kvdiag does it) and a census of what survived, held to what kvdiag saw: the
+KV cache by identity, survivors shaped by the cache, surviving bytes as large as kvdiag's finding, survivors that grow
+every cycle, CUDA memory kept: all the cycles for a growth, else up to the first cycle a finding names (one engine
+start, mostly). A case whose engine could not start again has the engine's own command (``proof/crash.py``); one
+failed only on what the script does not measure (processes left running, the driver's or RSS's views, gc.freeze) has
+none."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 KINDS = ("kv_cache_survived", "kv_shaped_survived", "kv_scaled_survived", "kv_proportional", "tensor_survived",
          "retained", "growth")
 EXACT = ("tensor_bytes", "cuda_allocated", "cuda_reserved")  # the retention and growth measures it reads
+ENGINES = ("vllm", "builtin")  # the engines memleak_script.py starts (its "# only: ENGINE" lines)
 
 
 def script(case, run=None) -> str | None:
@@ -22,22 +24,22 @@ def script(case, run=None) -> str | None:
 
     m = case.metrics
     errors = [f for f in case.findings if f.severity == "error"]
-    if case.status != "fail" or (m.get("replay") or {}).get("engine") != "vllm" or not m.get("prompt_ids") or \
+    if case.status != "fail" or (m.get("replay") or {}).get("engine") not in ENGINES or not m.get("prompt_ids") or \
             any(f.evidence.get("reproduce") for f in errors):  # a restart that failed: its own command
         return None
     expect = expected(errors, m.get("kv_geometry"))
     if not any(v for k, v in expect.items() if k != "geometry"):
         return None
-    first, starts = m["replay"]["llm"], m["replay_cycles"]
+    first, starts = m["replay"].get("llm", m["replay"].get("spec")), m["replay_cycles"]  # each start's arguments
     if not expect.get("grows"):  # up to the first cycle a finding names: one engine start where that is the first
         starts = starts[:max(1, min((f.evidence["cycle"] for f in errors if isinstance(f.evidence.get("cycle"), int)),
                                     default=1))]
-    return filled("vllm_memleak_script.py", {
+    return filled("memleak_script.py", {
         "title": f"{case.id}: what survives {len(starts)} engine shutdown(s)",
         "kvdiag_saw": "; ".join(f.message for f in errors), "engine": m["replay"], "prompts": m["prompt_ids"],
         "max_tokens": m["max_tokens"],
         "cycles": [{k: v for k, v in llm.items() if first.get(k) != v} for llm in starts],
-        "expect": expect})
+        "expect": expect}, engine=m["replay"]["engine"])
 
 
 def expected(errors: list, geometry: dict | None) -> dict:

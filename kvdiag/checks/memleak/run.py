@@ -95,13 +95,14 @@ def run(case, ctx):
 
 
 def _replay(cycles: list[Cycle]) -> dict:
-    """What the case's reproducer runs again (``repro.py``): each cycle's engine start (``replay_cycles``: the LLM
-    arguments per cycle; ``--kv-sizes`` changes the cache's), the prompts as token ids and the KV cache's geometry."""
+    """What the case's reproducer runs again (``repro.py``): each cycle's engine start (``replay_cycles``: vLLM's
+    LLM arguments or the builtin engine's spec per cycle; ``--kv-sizes`` changes the cache's), the prompts as token
+    ids and the KV cache's geometry."""
     if not cycles or not all(c.replay for c in cycles):
         return {}
     geo = next((c.kv.geometry for c in cycles if c.kv is not None and c.kv.geometry is not None), None)
     return {"replay": cycles[0].replay["replay"], "prompt_ids": cycles[0].replay["prompts"],
-            "replay_cycles": [c.replay["replay"]["llm"] for c in cycles],
+            "replay_cycles": [c.replay["replay"].get("llm", c.replay["replay"].get("spec")) for c in cycles],
             "kv_geometry": geo.to_json() if geo is not None else None}
 
 

@@ -1,5 +1,6 @@
 """The reproducer of a failing path case (``kvdiag.proof``), on an engine that says how it was started
-(``protocol.Replayable``; vLLM). A path held to its reference case runs in two engines, as kvdiag ran it: the
+(``protocol.Replayable``): vLLM, through ``vllm.LLM``, or the builtin engine, through its public API
+(``kvdiag.engines.builtin``). A path held to its reference case runs in two engines, as kvdiag ran it: the
 reference's and the path's (kv-connector's twice, in processes of their own: the first stores, the second loads),
 each calling the prompts in the batch layouts kvdiag compared (all the prompts in one batch; for a path every run
 takes, ``Path.own_floor``, also all but one, then one). A prefix-cache path runs in one engine: its cold run, then
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from kvdiag.checks.paths.layouts import NAMES
 
+ENGINES = ("vllm", "builtin")  # the engines paths_script.py starts (its "# only: ENGINE" lines)
+
 
 def script(case, run) -> str | None:
     """The script's text, or None where this case has none (it passed, or its engine records no start)."""
@@ -18,7 +21,7 @@ def script(case, run) -> str | None:
     from kvdiag.proof.fill import filled
 
     m = case.metrics
-    if case.status != "fail" or not m.get("replay") or m["replay"].get("engine") != "vllm":
+    if case.status != "fail" or not m.get("replay") or m["replay"].get("engine") not in ENGINES:
         return None
     path, max_tokens = PATHS[m["path"]], PathsParams.from_case(case).max_tokens
     share = None
@@ -40,11 +43,11 @@ def script(case, run) -> str | None:
                 *path_runs(path.name, calls, m["replay"])]
     else:
         return None
-    return filled("vllm_paths_script.py", {
+    return filled("paths_script.py", {
         "title": f"{case.id}: {path.summary}",
         "kvdiag_saw": "; ".join(f.message for f in case.findings if f.severity == "error"),
         "tolerance": m[ALONE]["tolerance"] if share else m["tolerance"], "share": share, "logprobs": 2,
-        "batch_invariance": batch_invariance(case), "engines": engines, "runs": runs})
+        "batch_invariance": batch_invariance(case), "engines": engines, "runs": runs}, engine=m["replay"]["engine"])
 
 
 def batch_invariance(case) -> dict | None:
@@ -76,7 +79,10 @@ def path_runs(name: str, calls: list[dict], replay: dict) -> list[dict]:
     loads them (and removes the directory)."""
     if name != "kv-connector":
         return [{"engine": "path", "steps": [s for c in calls for s in path_steps(name, c)]}]
-    store = replay["llm"]["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"]
+    if replay["engine"] == "builtin":  # -a kv_connector_dir (the builtin engine's connector.py)
+        store = replay["spec"]["engine_args"]["kv_connector_dir"]
+    else:
+        store = replay["llm"]["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"]
     return [{"engine": "path", "empty_dir": store, "steps": [{**c, "reset": True, "as": None} for c in calls]},
             {"engine": "path", "drop_dir": store, "steps": [{**c, "reset": True, "as": "path"} for c in calls]}]
 

@@ -1,9 +1,11 @@
 """``kvdiag selftest --prove``: the self-test proves the proofs. For each fault caught by a check that writes
-reproducers (memleak, paths, wake-cycle, poison and dtypes on vLLM), the script of its failing case runs twice outside
-kvdiag: with the fault's patch in the script's engine processes, where it must reproduce (exit 1), and without it,
-where it must not (exit 0); else the self-test fails. A fault the engine cannot patch into a plain process (its
-traits' ``fault_patch``), or whose check writes no reproducer for what it caught (a finding no plain script shows,
-an engine start kvdiag could not record), is not proved: its row says why (``unproved``)."""
+reproducers (memleak, paths, wake-cycle, poison and dtypes, on vLLM and on the builtin engine), the script of its
+failing case runs twice outside kvdiag: with the fault's patch in the script's engine processes, where it must
+reproduce (exit 1), and without it, where it must not (exit 0); else the self-test fails. Each run's output's tail is
+kept (``patched_output``, ``output``). A fault the engine cannot patch into a plain process (its traits'
+``fault_patch``), or whose check writes no reproducer for what it caught (a finding no plain script shows, an engine
+start kvdiag could not record, an engine the check writes none for), is not proved: its row says why
+(``unproved``)."""
 
 from __future__ import annotations
 
@@ -40,10 +42,12 @@ def prove_faults(run, engine: str, say=None, jobs: int = 1, timeout: float = 900
 
     def prove(item) -> None:
         row, script, patch = item
-        (patched, _, _), = attempts(script, timeout, env=patched_env(script.with_suffix(".patch"), patch), tries=1)
+        (patched, said, _), = attempts(script, timeout, env=patched_env(script.with_suffix(".patch"), patch),
+                                       tries=1)
         (plain, out, _), = attempts(script, timeout, tries=1)
         row["proof"] = {"script": str(script), "patched": patched, "plain": plain, "ok": patched == 1 and plain == 0,
-                        "output": "\n".join(out.splitlines()[-10:])}
+                        "output": "\n".join(out.splitlines()[-10:]),
+                        "patched_output": "\n".join(said.splitlines()[-10:])}
         if say:
             say(f"  {row['fault']}: with its patch exit {patched}, without exit {plain}: "
                 + ("proved" if row["proof"]["ok"] else "NOT proved"))
@@ -61,8 +65,8 @@ def _why_not(row: dict) -> str:
     if check is not None and not check.reproducer:
         return (f"{row['intended']} writes reproducers only for a failure inside the engine (a crash, a restart "
                 "that fails); what it caught here is judged on kvdiag's own measurements of the process")
-    return (f"its failing {row['intended']} case has no reproducer (a finding a plain script does not show, or an "
-            "engine start kvdiag could not record)")
+    return (f"its failing {row['intended']} case has no reproducer (a finding a plain script does not show, an "
+            "engine start kvdiag could not record, or an engine the check writes none for)")
 
 
 def _script(run, row: dict):

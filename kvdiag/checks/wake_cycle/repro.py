@@ -1,14 +1,16 @@
 """The reproducer of a failing wake-cycle case (``kvdiag.proof``; a crashed one too, whose worker a wake killed after
 it kept its start), on an engine that says how it was started
-(``protocol.Replayable``; vLLM, whose sleep mode runs on CUDA and ROCm): one engine with kvdiag's arguments (sleep mode
-on) runs the prompts, then, up to the cycle kvdiag first failed in, zeroes the free blocks, sleeps at the case's
-level, wakes as vLLM documents it (level 2: the weights, ``reload_weights``, then the KV cache) and runs the prompts
-again; each run after a wake is held to the first, and, where the case failed on memory, each sleep's freed bytes to
-those kvdiag expected."""
+(``protocol.Replayable``; vLLM, whose sleep mode runs on CUDA and ROCm, or the builtin engine through its public API):
+one engine with kvdiag's arguments (sleep mode on) runs the prompts, then, up to the cycle kvdiag first failed in,
+zeroes the free blocks, sleeps at the case's level, wakes as kvdiag woke it (vLLM: as vLLM documents it, level 2: the
+weights, ``reload_weights``, then the KV cache) and runs the prompts again; each run after a wake is held to the
+first, and, where the case failed on memory, each sleep's freed bytes to those kvdiag expected (CUDA's driver view:
+a builtin case on the CPU that failed on memory has no script)."""
 
 from __future__ import annotations
 
 MEMORY = ("not_freed", "not_restored")  # the findings judged on memory: the script measures it then
+ENGINES = ("vllm", "builtin")  # the engines greedy_script.py starts (its "# only: ENGINE" lines)
 
 
 def script(case, run=None) -> str | None:
@@ -20,11 +22,14 @@ def script(case, run=None) -> str | None:
 
     m = case.metrics
     errors = [f for f in case.findings if f.severity == "error"]
-    if case.status not in ("fail", "crashed") or not errors or (m.get("replay") or {}).get("engine") != "vllm":
+    engine = (m.get("replay") or {}).get("engine")
+    if case.status not in ("fail", "crashed") or not errors or engine not in ENGINES:
         return None
     p = WakeParams.from_case(case)
     cycles = min(min(f.evidence.get("cycles") or [f.evidence.get("cycle") or p.cycles]) for f in errors)
     judged = bool({f.kind for f in errors} & set(MEMORY)) and m.get("expected_bytes")
+    if judged and m.get("device") == "cpu":
+        return None  # the script measures memory as CUDA's driver sees it: none on the CPU
     generate = {"do": "generate", "prompts": "prompts", "max_tokens": m["max_tokens"]}
     steps = [{**generate, "as": "reference", "what": "the reference run"}]
     for n in range(1, cycles + 1):
@@ -32,23 +37,26 @@ def script(case, run=None) -> str | None:
         steps += [{"do": "memory", "as": f"before {n}"}] if judged else []
         steps += [{"do": "sleep", "level": p.level, "what": f"cycle {n}: sleep at level {p.level}"}]
         steps += [{"do": "memory", "as": f"asleep {n}"}] if judged else []
-        steps += [{**s, "what": f"cycle {n}: {s['do']}"} for s in wake_steps(p.level, p.staged)]
+        steps += [{**s, "what": f"cycle {n}: {s['do']}"} for s in wake_steps(p.level, p.staged, engine)]
         steps += [{"do": "memory", "as": f"awake {n}"}] if judged else []
         steps += [{**generate, "as": f"cycle {n}", "what": f"cycle {n}: the run after the wake"}]
-    return filled("vllm_greedy_script.py", {
+    return filled("greedy_script.py", {
         "title": f"{case.id}: the outputs after a level-{p.level} sleep and wake" + (" (staged)" if p.staged else ""),
         "kvdiag_saw": "; ".join(f.message for f in errors), "tolerance": p.logprob_tol, "engine": m["replay"],
         "inputs": {"prompts": m["prompt_ids"]}, "steps": steps,
         "compare": [["reference", f"cycle {n}"] for n in range(1, cycles + 1)],
         "memory": {"cycles": list(range(1, cycles + 1)), "expected_bytes": m["expected_bytes"],
                    "freed_min": FREED_MIN, "restore_tol": RESTORE_TOL} if judged else None,
-        "fill": {"zero": fill_numbers("zero", case.kv_dtype)}})
+        "fill": {"zero": fill_numbers("zero", case.kv_dtype)}}, engine=engine)
 
 
-def wake_steps(level: int, staged: bool) -> list[dict]:
-    """vLLM's documented wake after a sleep at ``level`` (kvdiag's ``engines/vllm/sleep.py``): level 1 all tags at
-    once, or ``weights`` then ``kv_cache``; level 2 the weights, their reload from the checkpoint, then the cache."""
-    if level == 1 and not staged:
+def wake_steps(level: int, staged: bool, engine: str = "vllm") -> list[dict]:
+    """The wake after a sleep at ``level`` as kvdiag does it: all tags at once, or ``weights`` then ``kv_cache``
+    (``staged``; the builtin engine reads its weights again itself); vLLM's level 2 as vLLM documents it (kvdiag's
+    ``engines/vllm/sleep.py``): the weights, their reload from the checkpoint, then the cache."""
+    if (level == 1 or engine != "vllm") and not staged:
         return [{"do": "wake", "tags": None}]
+    if engine != "vllm":
+        return [{"do": "wake", "tags": ["weights"]}, {"do": "wake", "tags": ["kv_cache"]}]
     reload = [{"do": "reload_weights"}] if level == 2 else []
     return [{"do": "wake", "tags": ["weights"]}, *reload, {"do": "wake", "tags": ["kv_cache"]}]

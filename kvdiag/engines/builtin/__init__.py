@@ -1,7 +1,9 @@
 """kvdiag's own paged-KV engine (Llama, Mistral, Qwen2, Qwen3); see engine.BuiltinEngine.
 
-Importing this package does not import torch; ``from kvdiag.engines.builtin.engine import BuiltinEngine``. What
-kvdiag asks the engine before any worker starts is ``TRAITS`` below; its self-test faults are ``selftest.py``.
+Its public API, what a reproducer of a failure on it imports (``kvdiag.proof``), is ``BuiltinEngine`` and the
+``EngineSpec`` it starts from: ``from kvdiag.engines.builtin import BuiltinEngine, EngineSpec``. Importing this
+package does not import torch (``BuiltinEngine`` does, when it is first named). What kvdiag asks the engine before
+any worker starts is ``TRAITS`` below; its self-test faults are ``selftest.py``.
 """
 
 from __future__ import annotations
@@ -9,12 +11,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvdiag.engines.builtin.arg_names import engine_arg_names
+from kvdiag.engines.protocol import EngineSpec
 from kvdiag.engines.traits import EngineTraits
 
 if TYPE_CHECKING:
+    from kvdiag.engines.builtin.engine import BuiltinEngine
     from kvdiag.engines.selftest import Catalogue
 
-__all__ = ["TRAITS", "engine_arg_names"]
+__all__ = ["TRAITS", "BuiltinEngine", "EngineSpec", "engine_arg_names"]
+
+
+def __getattr__(name: str):
+    """``BuiltinEngine``, imported (with torch) when it is first asked for."""
+    if name == "BuiltinEngine":
+        from kvdiag.engines.builtin.engine import BuiltinEngine
+
+        return BuiltinEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class BuiltinTraits(EngineTraits):
@@ -75,6 +88,11 @@ class BuiltinTraits(EngineTraits):
         from kvdiag.engines.builtin.selftest import CATALOGUE
 
         return CATALOGUE
+
+    def fault_patch(self, faults: list[str], kv_cache_dtype: str) -> str:
+        """Every engine start of the script's process re-introduces ``faults`` (fault_patch.py): its spec, as
+        kvdiag recorded it, carries none."""
+        return f"from kvdiag.engines.builtin import fault_patch\nfault_patch.apply({list(faults)!r})\n"
 
 
 TRAITS = BuiltinTraits()

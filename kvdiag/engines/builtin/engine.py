@@ -36,6 +36,7 @@ from kvdiag.engines.protocol import (
     KVBlockView,
     ModelFacts,
     PathProbes,
+    Replayable,
     Scored,
     SharesWeights,
 )
@@ -57,7 +58,23 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class BuiltinEngine(Engine, ModelFacts, EndOfText, SharesWeights, PathProbes):
+def _replay(spec: EngineSpec) -> dict | None:
+    """``replay_args`` of a start with ``spec``; None where an engine argument is not JSON."""
+    import json
+    import os
+    from dataclasses import asdict
+
+    env = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    if cuda_graph.ENV in os.environ:
+        env[cuda_graph.ENV] = os.environ[cuda_graph.ENV]
+    out = {"engine": "builtin", "spec": {k: v for k, v in asdict(spec).items() if k != "faults"}, "env": env}
+    try:
+        return json.loads(json.dumps(out))
+    except (TypeError, ValueError):
+        return None
+
+
+class BuiltinEngine(Engine, ModelFacts, EndOfText, SharesWeights, PathProbes, Replayable):
     name = "builtin"
     compiled = False  # eager modules (decode steps may replay CUDA graphs), never torch.compile
 
@@ -75,6 +92,7 @@ class BuiltinEngine(Engine, ModelFacts, EndOfText, SharesWeights, PathProbes):
         self.counters = dict.fromkeys(PATH_COUNTERS, 0)  # path_counters()
         self.preempted: list[tuple[tuple[int, ...], int]] = []  # preempted_at()
         self.fault_fired = dict.fromkeys(PATH_FAULTS, 0)  # how often each KV-path fault fired since start
+        self._replay: dict | None = None  # replay_args(): the last start's spec and environment, JSON-able
 
     @staticmethod
     def supported_kv_dtypes() -> list[str]:
@@ -89,6 +107,7 @@ class BuiltinEngine(Engine, ModelFacts, EndOfText, SharesWeights, PathProbes):
 
     # ----- lifecycle -------------------------------------------------------------------------
     def start(self, spec: EngineSpec) -> None:
+        self._replay = _replay(spec)
         if own := {k: v for k, v in spec.engine_args.items() if k in SPEC_ARGS}:  # -a kv_cache_memory=8589934592
             spec = replace(spec, **own)
         kv_dtype = dtypes.resolve(spec.kv_cache_dtype, self.supported_kv_dtypes())
@@ -118,6 +137,13 @@ class BuiltinEngine(Engine, ModelFacts, EndOfText, SharesWeights, PathProbes):
         self.preempted = []
         self._allocate_kv()
         self.faults.on_start(self)  # memleak faults (faults.py); nothing when none is set
+
+    def replay_args(self) -> dict | None:
+        """How the last start can be repeated with this engine's public API alone (``protocol.Replayable``; a
+        reproducer's ``BuiltinEngine().start(EngineSpec(**spec))``): the spec as ``start`` got it, without its
+        faults (a self-test's fault goes into a reproducer by its patch, ``faults.apply``), and the environment it
+        read: the torch threads of this process (a CPU sum's order follows them) and ``KVDIAG_CUDA_GRAPHS``."""
+        return self._replay
 
     def share_weights(self, other: "BuiltinEngine") -> None:
         """Use the weights ``other`` loaded (the same modules, no copy; the forward pass changes nothing in them):

@@ -1,19 +1,27 @@
 #!/usr/bin/env python3
-"""A leak kvdiag's memleak check found, shown with vLLM alone.
+"""A leak kvdiag's memleak check found, shown with the engine alone.
 
-In a fresh process: torch and vLLM imported (and, on CUDA, the context and cuBLAS warmed) before a baseline of every
-tensor the garbage collector sees and of CUDA's allocated bytes; then each cycle as kvdiag ran it: the engine started
-with every argument and environment variable kvdiag gave it, the same greedy prompts (as token ids), a shutdown as
-kvdiag and vLLM's own tests do it (the engine core's ``shutdown()``, the LLM dropped, ``gc.collect()``,
-``torch.cuda.empty_cache()``), and a census of what is still alive that the baseline did not have. Against what
-kvdiag saw: the engine's KV cache itself (its storages, known during the workload), a survivor shaped by the cache
-(its leading dimension the cache's blocks or token slots, also behind K/V or the layers), surviving bytes as large as
-kvdiag's finding, survivors that grow every cycle, CUDA memory kept.
+In a fresh process: torch and the engine imported (and, on CUDA, the context and cuBLAS warmed) before a baseline of
+every tensor the garbage collector sees and of CUDA's allocated bytes; then each cycle as kvdiag ran it: the engine
+started with every argument and environment variable kvdiag gave it, the same greedy prompts (as token ids), a
+shutdown as kvdiag does it (the engine's shutdown, the engine dropped, ``gc.collect()``, ``torch.cuda.empty_cache()``),
+and a census of what is still alive that the baseline did not have. Against what kvdiag saw: the engine's KV cache
+itself (its storages, known during the workload), a survivor shaped by the cache (its leading dimension the cache's
+blocks or token slots, also behind K/V or the layers), surviving bytes as large as kvdiag's finding, survivors that
+grow every cycle, CUDA memory kept.
 
     python3 THIS_FILE            # exit 1: the leak reproduces; 0: it does not; 2: the engine did not run
     python3 THIS_FILE --run 0    # the cycles alone, a JSON line per cycle (what the comparison reads)
+# only: vllm
 
-Needs only vLLM (and its torch). CASE is what kvdiag recorded; edit it to try another configuration.
+vLLM's shutdown is its engine core's ``shutdown()``, as vLLM's own tests do it. Needs only vLLM (and its torch).
+CASE is what kvdiag recorded; edit it to try another configuration.
+# only: builtin
+
+The engine is kvdiag's builtin engine, through its public API alone (``kvdiag.engines.builtin``: ``BuiltinEngine``
+started from an ``EngineSpec``; its ``kv_blocks`` view of the cache): none of kvdiag's checks, runner or commands.
+Needs kvdiag installed, and torch. CASE is what kvdiag recorded; edit it to try another configuration.
+# only: end
 """
 
 import gc
@@ -67,12 +75,53 @@ def cleanup() -> None:
         torch.cuda.empty_cache()
 
 
+def started(extra: dict):
+    """The engine with kvdiag's arguments and the cycle's own (``extra``: what it changed, ``--kv-sizes``)."""
+    # only: vllm
+    from vllm import LLM
+
+    return LLM(**{**CASE["engine"]["llm"], **extra})
+    # only: builtin
+    from kvdiag.engines.builtin import BuiltinEngine, EngineSpec  # the builtin engine's public API
+
+    llm = BuiltinEngine()
+    llm.start(EngineSpec(**{**CASE["engine"]["spec"], **extra}))
+    return llm
+    # only: end
+
+
+def workload(llm) -> None:
+    """The prompts, greedily, in one call."""
+    # only: vllm
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=CASE["max_tokens"], temperature=0.0, logprobs=0, **CASE["engine"]["sampling"])
+    llm.generate([{"prompt_token_ids": p} for p in CASE["prompts"]], params, use_tqdm=False)
+    # only: builtin
+    llm.generate(CASE["prompts"], CASE["max_tokens"], greedy=True)
+    # only: end
+
+
+def shut_down(llm) -> None:
+    """The engine's shutdown as kvdiag calls it."""
+    # only: vllm
+    llm.llm_engine.engine_core.shutdown()
+    # only: builtin
+    llm.shutdown()
+    # only: end
+
+
 def kv_storages(llm) -> tuple[list, int | None]:
     """The KV cache's storages during the workload ((device, pointer, bytes), from the attention and state layers'
     ``kv_cache`` and scale caches, with the engine core in this process) and the cache's blocks; ([], None) where
     they are out of reach."""
     import torch
 
+    # only: builtin
+    view = llm.kv_blocks()  # the engine's own view: each layer's K/V and scale caches
+    stack = [[layer.k, layer.v, layer.k_scale, layer.v_scale] for layer in view.layers] if view else []
+    blocks = view.num_blocks if view else None
+    # only: vllm
     try:
         core = llm.llm_engine.engine_core.engine_core
         blocks = core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
@@ -82,6 +131,7 @@ def kv_storages(llm) -> tuple[list, int | None]:
         return [], None
     stack = [getattr(m, "kv_cache", None) for m in layers]
     stack += [getattr(getattr(m, "impl", None), n, None) for m in layers for n in ("_k_scale_cache", "_v_scale_cache")]
+    # only: end
     found = {}
     while stack:
         x = stack.pop()
@@ -98,8 +148,13 @@ def engine_run() -> None:
     engine = CASE["engine"]
     os.environ.update(engine["env"])
     import torch
-    from vllm import LLM, SamplingParams
 
+    # only: vllm
+    from vllm import LLM, SamplingParams  # noqa: F401 - its modules in the baseline, not in the first cycle's
+
+    # only: builtin
+    import kvdiag.engines.builtin.engine  # noqa: F401 - its modules in the baseline, not in the first cycle's survivors
+    # only: end
     if cuda():  # what belongs to the process, not the engine: the context and cuBLAS's workspaces
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x = torch.ones(64, 64, device="cuda", dtype=dtype)
@@ -108,16 +163,14 @@ def engine_run() -> None:
     cleanup()
     base = census()
     base_cuda = torch.cuda.memory_allocated() if cuda() else None
-    params = SamplingParams(max_tokens=CASE["max_tokens"], temperature=0.0, logprobs=0, **engine["sampling"])
-    prompts = [{"prompt_token_ids": p} for p in CASE["prompts"]]
     known: set = set()
     for n, extra in enumerate(CASE["cycles"], 1):
-        llm = LLM(**{**engine["llm"], **extra})
+        llm = started(extra)
         if n == 1:
             print(MARK + json.dumps({"started": True}), flush=True)
-        llm.generate(prompts, params, use_tqdm=False)
+        workload(llm)
         kv, blocks = kv_storages(llm)
-        llm.llm_engine.engine_core.shutdown()
+        shut_down(llm)
         del llm
         cleanup()
         deadline = time.monotonic() + SETTLE_S

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A failure kvdiag's ``paths`` check found, shown with vLLM alone.
+"""A failure kvdiag's ``paths`` check found, shown with the engine alone.
 
 Each engine starts in a fresh process, with every argument and environment variable kvdiag gave it, and runs the
 prompts (their token ids are below) greedily, call by call, as kvdiag did: the reference run (the cold path) and the
@@ -9,12 +9,19 @@ it before that, or a NaN/inf.
 
     python3 THIS_FILE              # exit 1: the failure reproduces; 0: it does not; 2: an engine did not run
     python3 THIS_FILE --run 0      # the first engine's outputs alone, as JSON (what the comparison reads)
+# only: vllm
 
 Where kvdiag ran the case batch-invariant (``paths --batch-invariant``), the script sets vLLM's switch
 (``CASE["batch_invariance"]``, ``VLLM_BATCH_INVARIANT=1``) in its own environment before vLLM is imported, and says
 so first: then any difference belongs to the path, and the tolerance is 0.
 
 Needs only vLLM (and its torch). CASE is what kvdiag recorded; edit it to try another configuration.
+# only: builtin
+
+The engine is kvdiag's builtin engine, through its public API alone (``kvdiag.engines.builtin``: ``BuiltinEngine``
+started from an ``EngineSpec``): none of kvdiag's checks, runner or commands. Needs kvdiag installed, and torch.
+CASE is what kvdiag recorded; edit it to try another configuration.
+# only: end
 """
 
 import json
@@ -37,25 +44,15 @@ def engine_run(index: int) -> dict:
         import shutil
 
         shutil.rmtree(run["empty_dir"], ignore_errors=True)
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(**engine["llm"])
+    llm = started(engine)
     out, kept = {"reference": {}, "path": {}}, {}
     for step in run["steps"]:
-        params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0, logprobs=CASE["logprobs"],
-                                **engine["sampling"])
         if step["reset"]:
             llm.reset_prefix_cache()
         prompts = step["prompts"]
         if step.get("cuts"):  # each (prompt, cut): the prompt and the tokens a decode kept gave up to the cut
             prompts = [prompts[i] + kept[step["from"]][str(i)]["token_ids"][:k] for i, k in step["cuts"]]
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        got = {}
-        for label, result in zip(step["labels"], results):
-            c = result.outputs[0]
-            tops = [sorted((lp.logprob for lp in pos.values()), reverse=True)[:2] for pos in c.logprobs or []]
-            chosen = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or [])]
-            got[label] = {"token_ids": list(c.token_ids), "logprobs": chosen, "top": tops}
+        got = dict(zip(step["labels"], greedy(llm, engine, prompts, step["max_tokens"])))
         kept[step.get("keep")] = got
         if step.get("past"):  # compared from these positions on; the tokens before them must agree (``inside``)
             got = {label: {"inside": r["token_ids"][:step["past"][label]],
@@ -71,6 +68,41 @@ def engine_run(index: int) -> dict:
 
         shutil.rmtree(run["drop_dir"], ignore_errors=True)
     return out
+
+
+def started(engine: dict):
+    """The engine, started as kvdiag started it."""
+    # only: vllm
+    from vllm import LLM
+
+    return LLM(**engine["llm"])
+    # only: builtin
+    from kvdiag.engines.builtin import BuiltinEngine, EngineSpec  # the builtin engine's public API
+
+    llm = BuiltinEngine()
+    llm.start(EngineSpec(**engine["spec"]))
+    return llm
+    # only: end
+
+
+def greedy(llm, engine: dict, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Each prompt's greedy tokens, their logprobs and the top two logprobs at each of them, in one generate call."""
+    # only: vllm
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=CASE["logprobs"], **engine["sampling"])
+    got = []
+    for result in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False):
+        c = result.outputs[0]
+        tops = [sorted((lp.logprob for lp in pos.values()), reverse=True)[:2] for pos in c.logprobs or []]
+        chosen = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or [])]
+        got.append({"token_ids": list(c.token_ids), "logprobs": chosen, "top": tops})
+    return got
+    # only: builtin
+    return [{"token_ids": list(c.token_ids), "logprobs": list(c.logprobs),
+             "top": [sorted(pos.values(), reverse=True)[:2] for pos in c.top_logprobs or []]}
+            for c in llm.generate(prompts, max_tokens, greedy=True, logprobs=CASE["logprobs"])]
+    # only: end
 
 
 def in_fresh_process(index: int) -> dict | None:
@@ -134,11 +166,13 @@ def main() -> int:
         return 0
     print(f"reproducing: {CASE['title']}")
     print(f"kvdiag saw: {CASE['kvdiag_saw']}")
+    # only: vllm
     if CASE.get("batch_invariance"):  # before any vLLM import: vLLM reads it once, where its kernels are chosen
         os.environ.update(CASE["batch_invariance"])
         print("batch-invariant, as kvdiag ran it (paths --batch-invariant): "
               + " ".join(f"{k}={v}" for k, v in CASE["batch_invariance"].items()) + " set in this script's "
               "environment before vLLM is imported; the reference and the path must then agree exactly")
+    # only: end
     runs = {"reference": {}, "path": {}}
     for i in range(len(CASE["runs"])):
         got = in_fresh_process(i)

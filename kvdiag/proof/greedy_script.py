@@ -1,20 +1,29 @@
 #!/usr/bin/env python3
-"""A failure kvdiag's wake-cycle or poison check found, shown with vLLM alone.
+"""A failure kvdiag's wake-cycle or poison check found, shown with the engine alone.
 
 One engine starts in a fresh process with every argument and environment variable kvdiag gave it and runs the steps
 below as kvdiag did: greedy generate calls (the prompts as token ids), and between them what the check did to the
-engine: a sleep and vLLM's documented wake (wake-cycle), or the free KV blocks filled with poison or zeros before each
-wave (poison: the blocks no request holds, read from vLLM's own block pool, filled in the attention and state layers'
-cache tensors; this needs the engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, as kvdiag runs it;
-where kvdiag found NaN/Inf in the KV slots a wave wrote, each poisoned wave's written slots are scanned after it).
+engine: a sleep and the engine's wake (wake-cycle), or the free KV blocks filled with poison or zeros before each
+wave (poison: the blocks no request holds, filled in every cache tensor indexed by block; where kvdiag found NaN/Inf
+in the KV slots a wave wrote, each poisoned wave's written slots are scanned after it).
 Each later run is then held to its reference run as kvdiag holds it: every greedy token the same, each logprob within
 the tolerance, none NaN or inf; where the case judged memory, the bytes a sleep freed (CUDA's driver view) against
 those kvdiag expected, and what a wake brought back.
 
     python3 THIS_FILE            # exit 1: the failure reproduces; 0: it does not; 2: the engine did not run
     python3 THIS_FILE --run 0    # the engine's steps alone, a JSON line per step (what the comparison reads)
+# only: vllm
 
-Needs only vLLM (and its torch). CASE is what kvdiag recorded; edit it to try another configuration.
+vLLM's wake is the one it documents; its free blocks are read from its own block pool and its cache tensors from the
+attention and state layers, which needs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as kvdiag
+runs it). Needs only vLLM (and its torch). CASE is what kvdiag recorded; edit it to try another configuration.
+# only: builtin
+
+The engine is kvdiag's builtin engine, through its public API alone (``kvdiag.engines.builtin``: ``BuiltinEngine``
+started from an ``EngineSpec``; its ``sleep``, ``wake_up`` and ``kv_blocks`` view of the cache): none of kvdiag's
+checks, runner or commands. Needs kvdiag installed, and torch. CASE is what kvdiag recorded; edit it to try another
+configuration.
+# only: end
 """
 
 import json
@@ -29,7 +38,7 @@ MiB = 1 << 20
 
 
 def used_memory():
-    """Bytes in use on the current GPU as the driver sees them (vLLM's sleep unmaps memory under live tensors: only
+    """Bytes in use on the current GPU as the driver sees them (a sleep may unmap memory under live tensors: only
     the driver sees it go); None without CUDA."""
     import torch
 
@@ -40,11 +49,13 @@ def used_memory():
     return total - free
 
 
-def cache_tensors(llm) -> tuple:
-    """(vLLM's block pool, its model runner, every cache tensor indexed by block: attention K/V and scales, Mamba
-    states), from the engine core in this process (AttributeError where it is in another)."""
+def cache(llm) -> tuple:
+    """(the blocks no request holds, the tokens a block holds, every cache tensor indexed by block)."""
+    # only: vllm
     import torch
 
+    # vLLM's block pool and model runner, from the engine core in this process (AttributeError where it is in
+    # another): attention K/V and scales, Mamba states
     core = llm.llm_engine.engine_core.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool
     runner = core.model_executor.driver_worker.worker.model_runner
@@ -58,16 +69,37 @@ def cache_tensors(llm) -> tuple:
         elif isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == pool.num_gpu_blocks and id(x) not in seen:
             seen.add(id(x))
             tensors.append(x)
-    return pool, runner, tensors
+    free = [b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is None]
+    return free, runner.vllm_config.cache_config.block_size, tensors
+    # only: builtin
+    view = llm.kv_blocks()  # the engine's own view: each layer's K/V and scale caches, [num_blocks, block_size, ...]
+    tensors = [t for layer in view.layers for t in (layer.k, layer.v, layer.k_scale, layer.v_scale) if t is not None]
+    return list(view.free_blocks()), view.block_size, tensors
+    # only: end
 
 
 _SNAP: list = []  # (tensor, its copy) of every attention K/V tensor right after a fill that a scan compares with
-_OWNERS: dict = {}  # {block id: the KV cache group it was last handed to}, recorded from the first snapshot on
+
+
+def scanned(llm) -> tuple[list, list]:
+    """(the attention layers' cache tensors a scan reads, the blocks last handed to a state group: not K/V)."""
+    # only: vllm
+    layers = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner \
+        .vllm_config.compilation_config.static_forward_context.values()
+    attention = {id(t) for m in layers if hasattr(m, "impl") for t in _tensors(getattr(m, "kv_cache", None))}
+    return [t for t in cache(llm)[2] if id(t) in attention], state_blocks(llm)
+    # only: builtin
+    return cache(llm)[2], []  # the builtin engine's view holds attention layers alone
+    # only: end
+
+
+# only: vllm
+_OWNERS: dict = {}  # {block id: the KV cache group it was last handed to}, recorded from the first scan's snapshot on
 
 
 class _OwnedPool:
-    """One KV cache group's handle on the shared block pool (a hybrid's groups overlay one pool): hands out blocks as
-    the pool does, and records the group, so that a scan reads a block a state group wrote as states, not K/V."""
+    """One KV cache group's handle on vLLM's shared block pool (a hybrid's groups overlay one pool): hands out blocks
+    as the pool does, and records the group, so that a scan reads a block a state group wrote as states, not K/V."""
 
     def __init__(self, pool, group: int):
         self.__dict__.update(_pool=pool, _group=group)
@@ -94,19 +126,17 @@ def state_blocks(llm) -> list[int]:
     return [b for b, g in _OWNERS.items() if g in states]
 
 
+def _tensors(x) -> list:
+    return [t for y in x for t in _tensors(y)] if isinstance(x, (list, tuple)) else [x] if x is not None else []
+# only: end
+
+
 def snapshot(llm) -> None:
     import torch
 
-    layers = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner \
-        .vllm_config.compilation_config.static_forward_context.values()
-    attention = {id(t) for m in layers if hasattr(m, "impl") for t in _tensors(getattr(m, "kv_cache", None))}
-    state_blocks(llm)  # from here on, which group each block goes to
+    tensors, _ = scanned(llm)  # from here on, which KV cache group each block goes to (a hybrid)
     with torch.inference_mode():
-        _SNAP[:] = [(t, t.clone()) for t in cache_tensors(llm)[2] if id(t) in attention]
-
-
-def _tensors(x) -> list:
-    return [t for y in x for t in _tensors(y)] if isinstance(x, (list, tuple)) else [x] if x is not None else []
+        _SNAP[:] = [(t, t.clone()) for t in tensors]
 
 
 def scan_written(llm) -> dict:
@@ -116,11 +146,10 @@ def scan_written(llm) -> dict:
     to a state group); fp8 caches read as the fp8 they store."""
     import torch
 
-    block_size = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner \
-        .vllm_config.cache_config.block_size
-    fp8 = torch.float8_e5m2 if "e5m2" in str(CASE["engine"]["llm"].get("kv_cache_dtype")) else torch.float8_e4m3fn
+    block_size = cache(llm)[1]
+    fp8 = torch.float8_e5m2 if "e5m2" in CASE["kv_cache_dtype"] else torch.float8_e4m3fn
     written = bad = 0
-    states = torch.as_tensor(state_blocks(llm), dtype=torch.long)
+    states = torch.as_tensor(scanned(llm)[1], dtype=torch.long)
     for t, before in _SNAP:
         axis = next((i for i in (1, 2) if t.dim() > i and t.shape[i] == block_size), None)
         if axis is None or t.dtype == torch.int8:  # no slots to read, or int8 codes (no NaN code)
@@ -141,18 +170,16 @@ def scan_written(llm) -> dict:
 
 
 def fill_free_blocks(llm, value: str, seed: int) -> int:
-    """Fill every block no request holds (vLLM's block pool, in this process) in every cache tensor indexed by block
-    (attention K/V and scales, Mamba states): ``random`` with seeded bits, else with ``CASE["fill"][value]``'s number
-    for the tensor's dtype as kvdiag fills it (1-byte codes, fp8 stored as uint8 and int8: the code's bits). Returns
-    the blocks filled."""
+    """Fill every block no request holds in every cache tensor indexed by block (``cache``): ``random`` with seeded
+    bits, else with ``CASE["fill"][value]``'s number for the tensor's dtype as kvdiag fills it (1-byte codes, fp8
+    stored as uint8 and int8: the code's bits). Returns the blocks filled."""
     import torch
 
-    pool, _, tensors = cache_tensors(llm)
-    free = [b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is None]
+    free, _, tensors = cache(llm)
     if not free or not tensors:
         return 0
     g = torch.Generator().manual_seed(seed)
-    with torch.inference_mode():  # vLLM makes some cache tensors inside it; they refuse writes outside
+    with torch.inference_mode():  # an engine may make cache tensors inside it; they refuse writes outside
         for t in tensors:
             idx = torch.as_tensor(free, dtype=torch.long, device=t.device)
             if value == "random":
@@ -168,23 +195,30 @@ def fill_free_blocks(llm, value: str, seed: int) -> int:
 
 def step_once(llm, step: dict):
     """One step in the engine's process; what it gives the comparison (outputs, bytes, blocks) or None."""
-    from vllm import SamplingParams
-
     do = step["do"]
     if do == "generate":
+        prompts = CASE["inputs"][step["prompts"]]  # token ids, named once: several steps run the same prompts
+        # only: vllm
+        from vllm import SamplingParams
+
         params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0, logprobs=0,
                                 **CASE["engine"]["sampling"])
-        prompts = CASE["inputs"][step["prompts"]]  # token ids, named once: several steps run the same prompts
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [{"token_ids": list(r.outputs[0].token_ids),
                  "logprobs": [pos[t].logprob for t, pos in zip(r.outputs[0].token_ids, r.outputs[0].logprobs or [])]}
                 for r in results]
+        # only: builtin
+        return [{"token_ids": list(c.token_ids), "logprobs": list(c.logprobs)}
+                for c in llm.generate(prompts, step["max_tokens"], greedy=True)]
+        # only: end
     if do == "sleep":
         llm.sleep(level=step["level"])
     elif do == "wake":
         llm.wake_up(tags=step["tags"])
+    # only: vllm
     elif do == "reload_weights":  # level 2 discarded the weights: read them again from the checkpoint
         llm.collective_rpc("reload_weights")
+    # only: end
     elif do == "scan":
         return scan_written(llm)
     elif do == "fill":
@@ -207,9 +241,16 @@ def engine_run() -> None:
     engine started is reported as the step's error (the engine's own failure)."""
     engine = CASE["engine"]
     os.environ.update(engine["env"])
+    # only: vllm
     from vllm import LLM
 
     llm = LLM(**engine["llm"])
+    # only: builtin
+    from kvdiag.engines.builtin import BuiltinEngine, EngineSpec  # the builtin engine's public API
+
+    llm = BuiltinEngine()
+    llm.start(EngineSpec(**engine["spec"]))
+    # only: end
     print(MARK + json.dumps({"started": True}), flush=True)
     for step in CASE["steps"]:
         try:
