@@ -8,7 +8,7 @@ prompt's full blocks through the connector and exits; then the worker's engine r
 blocks from the connector instead of computing them. Its outputs are held to the cold reference case
 (``verdict.analyze``); its counter, ``connector_loaded_tokens``, says how many prompt tokens it loaded. The storing
 engine computes every token itself: its outputs against the cold run are a fresh engine's own difference, which
-the floor takes (a compiled vLLM differs there as much as the load does; docs/vllm-findings.md).
+the floor takes (a compiled vLLM differs there as much as the load does: docs/vllm-gpu-results.md, kv-connector).
 """
 
 from __future__ import annotations
