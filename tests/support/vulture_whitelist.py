@@ -44,6 +44,7 @@ _.min_width  # render/fit.py: a rich Column's least width, read by rich's table 
 _.display_type_rich  # cli/app.py: click's parameter attribute that typer's rich help reads
 _.schema_version  # results.RunRecord: a field of run.json, read by its users
 _._all_tasks, _._all_subtasks, _._all_groups, _._all_tags  # lm_eval's TaskManager fields (kvdiag.tasks._merge_index)
+_._instances  # lm_eval's Task field that apply_filters reads (proof/lm_eval_docs_script.py sets it)
 _.WARMED  # engines/vllm/preimport.py: what the fork server warmed (tests/integration/test_vllm_model_info.py)
 _.recipe  # zoo.Preset: scripts/train_tiny_model.py reads it (outside vulture's paths)
 _.warm_from_llama  # zoo.Preset: scripts/train_tiny_model.py reads it
