@@ -24,7 +24,7 @@ def leak_case(fault: str | None, kinds=("kv_cache_survived",), cycles: int = 2):
     case = Case("memleak", "vllm", "/m", "auto", "t", params={"cycles": cycles}, id="memleak/vllm/m/auto")
     llm = {"model": "/m", "num_gpu_blocks_override": 8, **({"fake_fault": fault} if fault else {})}
     rec = case.result("fail", metrics={
-        "cycles": cycles, "max_tokens": 3, "prompt_ids": PROMPTS, "kv_geometry": GEOMETRY,
+        "cycles": cycles, "max_tokens": 3, "prompt_ids": PROMPTS, "replay_kv_geometry": GEOMETRY,
         "replay": {"engine": "vllm", "llm": llm, "sampling": {}, "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
         "replay_cycles": [llm] * cycles})
     evidence = {"kv_cache_survived": {"survived_mib": 0.0002, "cycle": 1},
@@ -101,6 +101,6 @@ def test_kvdiag_records_each_cycles_start_and_the_caches_geometry():
     got = _replay([cycle(16), cycle(32)])
     assert got["prompt_ids"] == PROMPTS and got["replay"]["llm"]["num_gpu_blocks_override"] == 16
     assert [c["num_gpu_blocks_override"] for c in got["replay_cycles"]] == [16, 32]
-    assert got["kv_geometry"] == {"num_blocks": 16, "block_size": 16, "num_kv_heads": 2, "head_size": 64,
+    assert got["replay_kv_geometry"] == {"num_blocks": 16, "block_size": 16, "num_kv_heads": 2, "head_size": 64,
                                   "layers": 4}
     assert _replay([SimpleNamespace(replay={}, kv=None)]) == {}  # an engine that cannot say how it started

@@ -27,7 +27,7 @@ def script(case, run=None) -> str | None:
     if case.status != "fail" or (m.get("replay") or {}).get("engine") not in ENGINES or not m.get("prompt_ids") or \
             any(f.evidence.get("reproduce") for f in errors):  # a restart that failed: its own command
         return None
-    expect = expected(errors, m.get("kv_geometry"))
+    expect = expected(errors, m.get("replay_kv_geometry"))
     if not any(v for k, v in expect.items() if k != "geometry"):
         return None
     first, starts = m["replay"].get("llm", m["replay"].get("spec")), m["replay_cycles"]  # each start's arguments

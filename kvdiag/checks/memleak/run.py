@@ -103,7 +103,7 @@ def _replay(cycles: list[Cycle]) -> dict:
     geo = next((c.kv.geometry for c in cycles if c.kv is not None and c.kv.geometry is not None), None)
     return {"replay": cycles[0].replay["replay"], "prompt_ids": cycles[0].replay["prompts"],
             "replay_cycles": [c.replay["replay"].get("llm", c.replay["replay"].get("spec")) for c in cycles],
-            "kv_geometry": geo.to_json() if geo is not None else None}
+            "replay_kv_geometry": geo.to_json() if geo is not None else None}  # kv_geometry: every cycle's
 
 
 def uses_cuda(device: str) -> bool:
