@@ -147,6 +147,11 @@ def zero_floor(floor: Floor) -> tuple[Floor, str | None]:
     return Floor(runs=floor.runs), said
 
 
+def allowed_share(floor_share: float, factor: float) -> float:
+    """The share of positions a comparison judged by its share (``judge``'s ``share_of``) may move."""
+    return max(MOVED_SHARE, factor * floor_share)
+
+
 def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float,
           share_of: Floor | None = None) -> list[tuple[str, str, str]]:
     """(severity, code, message) of a path's distance from the cold run, held to the floor. ``share_of``: judge the
@@ -166,7 +171,7 @@ def judge(d: Distance, floor: Floor, logprob_tol: float, factor: float,
         out.append(("info", "near_tie", f"{len(d.divergences)}/{d.requests} requests differ, each first where the "
                     f"cold run's top two were within {tol:.3g} (noise the floor allows)"))
     if share_of is not None:
-        allowed = max(MOVED_SHARE, factor * share_of.moved_share)
+        allowed = allowed_share(share_of.moved_share, factor)
         if d.moved_share > allowed:
             out.append(("error", "logprob_drift", f"{d.moved}/{d.compared} positions moved (|Δ logprob| > "
                         f"{MOVED_BY:g}, at most {d.max_dlogprob:.3g}) before any divergence: a share of "

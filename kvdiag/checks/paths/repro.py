@@ -144,8 +144,10 @@ def _alone(m: dict) -> list[dict]:
     """As ``sliding.serve`` and ``sliding.against_alone``: the decode past the window in one batch, the prefills at
     its cuts (the engine's state as kvdiag left it), then each prompt decoded alone; the batch's completions are the
     path, each prompt's alone the reference, both past the positions whose context fits the window (``past``)."""
-    n, window = len(m["prompts"]), m["window"]
-    past = {str(i): max(0, window - len(q)) for i, q in enumerate(m["prompts"])}
+    from kvdiag.checks.paths.sliding import inside_window
+
+    n = len(m["prompts"])
+    past = {str(i): k for i, k in enumerate(inside_window(m["prompts"], m["window"]))}
     cuts = [list(c) for c in m["inside_cuts"] + m["cuts"]]
     return [{"prompts": m["prompts"], "labels": [str(i) for i in range(n)], "max_tokens": m["generated"],
              "reset": True, "as": "path", "keep": "decode", "past": past},
@@ -157,9 +159,9 @@ def _alone(m: dict) -> list[dict]:
 
 def _share(judged: dict, factor: float) -> dict:
     """The share rule kvdiag held the batch against each prompt alone to (``floor.judge`` with ``share_of``)."""
-    from kvdiag.checks.paths.floor import MOVED_BY, MOVED_SHARE
+    from kvdiag.checks.paths.floor import MOVED_BY, allowed_share
 
-    return {"moved_by": MOVED_BY, "allowed": max(MOVED_SHARE, factor * judged["floor"].get("moved_share", 0.0))}
+    return {"moved_by": MOVED_BY, "allowed": allowed_share(judged["floor"].get("moved_share", 0.0), factor)}
 
 
 PREFIX = {"prefix-hit": _hit, "prefix-reset": _reset, "prefix-partial": _partial, "prefix-evicted": _evicted}

@@ -162,6 +162,11 @@ def serve(case, ctx, p, path, engine, prompts, spec, need, config, env):
 ALONE = "the batch against each prompt alone"
 
 
+def inside_window(prompts, window: int) -> list[int]:
+    """Per prompt, how many generated positions have their whole context inside the window."""
+    return [max(0, window - len(q)) for q in prompts]
+
+
 def against_alone(decoded, alone, prompts, window):
     """The batch's decode past the window against each prompt's decode alone: (alone's parts, the batch's parts,
     [(prompt, first position)] of each, their floor: the same two inside the window, where nothing is freed yet).
@@ -169,7 +174,7 @@ def against_alone(decoded, alone, prompts, window):
     from kvdiag.checks.paths.engine_runs import part
     from kvdiag.checks.paths.floor import Floor, distance
 
-    inside = [max(0, window - len(q)) for q in prompts]  # generated positions whose context fits the window
+    inside = inside_window(prompts, window)
     floor = Floor()
     floor.add(distance([part(a, 0, k) for a, k in zip(alone, inside)],
                        [part(d, 0, k) for d, k in zip(decoded, inside)]), f"{ALONE} inside the window")
