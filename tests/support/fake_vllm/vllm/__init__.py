@@ -6,7 +6,8 @@ Sleep mode as vLLM's (``enable_sleep_mode=True``, ``sleep``/``wake_up``/``collec
 in-process engine core's block pool and cache tensors where vLLM keeps them (a script poisons free blocks there): each
 request of a call takes a free block, which the engine zeroes before use as vLLM zeroes fresh blocks, unless its
 fault says not. The engine core's ``shutdown()`` drops the cache, unless a leak fault keeps it (``leak_kv``), or a
-tensor of 512 KiB is kept at every start (``leak_grows``). A KV connector as vLLM's ``ExampleConnector``
+tensor of 512 KiB is kept at every start (``leak_grows``); a start may launch a process no shutdown stops
+(``orphan``) or leave the garbage collector frozen (``gc_freeze``). A KV connector as vLLM's ``ExampleConnector``
 (``kv_transfer_config``'s ``shared_storage_path``): a prompt run with none stored there is stored (a file), one stored
 is loaded, which its ``connector`` fault reads wrong. A request with stop strings (a generation task's) recalls: the
 prompt's last word completed as the first earlier word that starts with it (kvdiag's key-value tasks: "k" of
@@ -52,6 +53,16 @@ class LLM:
             import torch  # script waits for while a shutdown settles)
 
             KEPT.append(torch.ones(1 << 19, dtype=torch.uint8))
+        if self.fault == "orphan":  # a process every start launches and no shutdown stops (it ends with its parent)
+            import subprocess
+            import sys
+
+            subprocess.Popen([sys.executable, "-c", f"import os, time\nwhile os.getppid() == {os.getpid()}: "
+                              "time.sleep(0.1)"])
+        if self.fault == "gc_freeze":  # frozen at start, never unfrozen
+            import gc
+
+            gc.freeze()
         self.asleep: set[str] = set()
         self.woken = False  # a KV cache wake happened: the "wake" fault's stale block tables read wrong
         self._core = None
