@@ -2,11 +2,14 @@
 """An engine failure kvdiag recorded (a refusal at start, a crash in a call), shown with the engine alone.
 
 In a fresh process the engine starts with every argument and environment variable kvdiag gave it, then makes the
-calls below (greedy generate calls, the prompts as token ids) up to the one that died in kvdiag. What the engine
-raises is held to what kvdiag saw: the same exception type where kvdiag saw it reproduces.
+call that died in kvdiag (a greedy generate call, the prompts as token ids); where that call alone completes and
+kvdiag made calls before it in the same engine, a second fresh process makes those first (``CASE["before"]``: each a
+generate call, or the prefix cache emptied), then it. What the engine raises is held to what kvdiag saw: the same
+exception type reproduces.
 
     python3 THIS_FILE            # exit 1: it dies as kvdiag saw; 0: it does not die; 2: it died otherwise
-    python3 THIS_FILE --run 0    # the start and the calls alone, a JSON line each (what the comparison reads)
+    python3 THIS_FILE --run 0    # the start and the call alone, a JSON line each (what the comparison reads)
+    python3 THIS_FILE --run 1    # the same after the calls before it
 # only: vllm
 
 Needs only vLLM (and its torch). CASE is what kvdiag recorded; edit it to try another configuration.
@@ -43,7 +46,10 @@ def started(engine: dict):
 
 
 def call(llm, engine: dict, step: dict) -> None:
-    """One greedy generate call, as kvdiag made it."""
+    """One greedy generate call, as kvdiag made it, or the prefix cache emptied (``reset``)."""
+    if step.get("reset"):
+        llm.reset_prefix_cache()
+        return
     # only: vllm
     from vllm import SamplingParams
 
@@ -59,8 +65,9 @@ def said(what: str, e: BaseException) -> str:
     return MARK + json.dumps({"raised": type(e).__name__, "message": str(e).strip()[:600], "at": what})
 
 
-def engine_run() -> None:
-    """The start and each call in this process: a JSON line for the start, for what raised, and ``done``."""
+def engine_run(after: bool) -> None:
+    """The start and each call in this process (``after``: the calls before the one that died first): a JSON line
+    for the start, for what raised, and ``done``."""
     engine = CASE["engine"]
     os.environ.update(engine["env"])
     try:
@@ -69,25 +76,37 @@ def engine_run() -> None:
         print(said("the engine's start", e), flush=True)
         return
     print(MARK + json.dumps({"started": True}), flush=True)
-    for n, step in enumerate(CASE["calls"], 1):
+    steps = ((CASE.get("before") or []) if after else []) + CASE["calls"]
+    for n, step in enumerate(steps, 1):
         try:
             call(llm, engine, step)
         except Exception as e:  # noqa: BLE001 - the engine's failure is what the comparison reads
-            print(said(f"call {n} ({len(step['prompts'])} prompt(s), {step['max_tokens']} tokens)", e), flush=True)
+            what = "emptying the prefix cache" if step.get("reset") else \
+                f"{len(step['prompts'])} prompt(s), {step['max_tokens']} tokens"
+            print(said(f"call {n} ({what})", e), flush=True)
             return
     print(MARK + json.dumps({"done": True}), flush=True)
+
+
+def in_fresh_process(after: bool) -> tuple[dict, int, str]:
+    """(what the engine's process said, its exit code, the end of its output)."""
+    proc = subprocess.run([sys.executable, __file__, "--run", str(int(after))], capture_output=True, text=True)
+    end = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            end.update(json.loads(line[len(MARK):]))
+    return end, proc.returncode, "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
 
 
 def main() -> int:
     print(f"reproducing: {CASE['title']}")
     print(f"kvdiag saw: {CASE['kvdiag_saw']}")
     print(f"expected: {CASE['expected']}")
-    proc = subprocess.run([sys.executable, __file__, "--run", "0"], capture_output=True, text=True)
-    end = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARK):
-            end.update(json.loads(line[len(MARK):]))
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+    end, code, tail = in_fresh_process(False)
+    if end.get("done") and CASE.get("before"):
+        print(f"the call alone completed; again, after the {len(CASE['before'])} call(s) kvdiag made before it in "
+              "its engine")
+        end, code, tail = in_fresh_process(True)
     if "raised" in end:
         print(f"observed: {end['at']} raised {end['raised']}: {end['message']}")
         if end["raised"] == CASE["raises"]:
@@ -96,11 +115,11 @@ def main() -> int:
         print(f"DIED OTHERWISE: {end['raised']}, where kvdiag saw {CASE['raises']}")
         return 2
     if end.get("done"):
-        print(f"observed: the engine started and made {len(CASE['calls'])} call(s)")
+        print("observed: the engine started and every call completed")
         print("NOT REPRODUCED: nothing raised")
         return 0
     where = "during a call" if end.get("started") else "before its start ended"
-    print(f"observed: the engine's process died {where} (exit {proc.returncode}); the end of its output:\n{tail}")
+    print(f"observed: the engine's process died {where} (exit {code}); the end of its output:\n{tail}")
     if end.get("started") and CASE["calls"]:
         print("REPRODUCED: the engine died in the calls kvdiag made (its process, not only the call)")
         return 1
@@ -108,4 +127,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(engine_run() or 0 if sys.argv[1:2] == ["--run"] else main())
+    sys.exit(engine_run(sys.argv[2:3] == ["1"]) or 0 if sys.argv[1:2] == ["--run"] else main())
