@@ -10,7 +10,8 @@ which started) and the row's own:
   reproduces (``paths_script.py`` at tolerance 0).
 
 A row wrong by its drift against its family's limits (KL, top-1 agreement over the drift probe's teacher-forced
-distributions) has none: those limits are kvdiag's own calibrated measure, not a rule a plain script restates."""
+distributions): on the builtin engine, both engines' distributions compared as kvdiag does, held to those limits
+(``sweep/drift_repro.py``); on vLLM none, which gives no whole distribution of a prompt's tokens."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def script(case, run) -> str | None:
     if case.metrics.get("finite"):
         same = drift.family(case.kv_dtype, base.metrics.get("model_dtype")) == "identical"
         if not same or (case.metrics.get("drift") or {}).get("identical") is not False:
-            return None  # wrong by its drift limits
+            from kvdiag.checks.sweep.drift_repro import script as drift_script
+
+            return drift_script(case, base)  # wrong by its drift limits
     own = case.metrics.get("replay")
     if not own:
         return None
