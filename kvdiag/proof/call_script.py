@@ -5,7 +5,8 @@ In a fresh process the engine starts with every argument and environment variabl
 call that died in kvdiag (a greedy generate call, the prompts as token ids); where that call alone completes and
 kvdiag made calls before it in the same engine, a second fresh process makes those first (``CASE["before"]``: each a
 generate call, or the prefix cache emptied), then it. What the engine raises is held to what kvdiag saw: the same
-exception type reproduces.
+exception type reproduces (``CASE["raises"]``; None where kvdiag's process died in the call), and so does an engine
+process that dies in the calls.
 
     python3 THIS_FILE            # exit 1: it dies as kvdiag saw; 0: it does not die; 2: it died otherwise
     python3 THIS_FILE --run 0    # the start and the call alone, a JSON line each (what the comparison reads)
@@ -112,7 +113,8 @@ def main() -> int:
         if end["raised"] == CASE["raises"]:
             print(f"REPRODUCED: {end['at']} raised {end['raised']}, as in kvdiag")
             return 1
-        print(f"DIED OTHERWISE: {end['raised']}, where kvdiag saw {CASE['raises']}")
+        print(f"DIED OTHERWISE: {end['raised']}, where kvdiag saw " +
+              (CASE["raises"] if CASE["raises"] else "its engine's process die"))
         return 2
     if end.get("done"):
         print("observed: the engine started and every call completed")

@@ -49,6 +49,18 @@ def test_a_call_that_dies_only_after_the_calls_before_it_is_made_after_them(tmp_
         proof["patched_output"]
 
 
+def test_a_call_kvdiags_worker_died_in_is_reproduced_by_the_engines_process_dying(tmp_path, monkeypatch):
+    """No exception kept (kvdiag's worker died in the call; what it kept before the call): the script's engine
+    process dying in the same call reproduces it; completing does not."""
+    rec = crashed_case([[5, 6, 7]])
+    del rec.metrics["died_on"]["raised"]
+    row, _ = prove_with_patch(tmp_path, monkeypatch, rec, "die_alone")
+    proof = row["proof"]
+    assert (proof["patched"], proof["plain"]) == (1, 0), proof["patched_output"] + proof["output"]
+    assert "the engine's process died during a call (exit 134)" in proof["patched_output"]
+    assert "the engine died in a generate call" in proof["patched_output"]
+
+
 def test_a_call_that_raises_otherwise_is_not_called_reproduced(tmp_path, monkeypatch):
     row, _ = prove_with_patch(tmp_path, monkeypatch, crashed_case([[5, 6, 7]], raised="RuntimeError"), "crash_alone")
     assert row["proof"]["patched"] == 2 and "DIED OTHERWISE: IndexError, where kvdiag saw RuntimeError" in \
@@ -79,7 +91,8 @@ def test_kvdiag_records_the_call_that_died_and_the_engines_start(monkeypatch):
     monkeypatch.setattr(BuiltinEngine, "generate", dies)
     case = Case("paths", "builtin", str(TINY_MODEL), "auto", "t", id="paths/builtin/tiny/auto/prefix-hit",
                 params={"path": "prefix-hit", "num_prompts": 2, "max_tokens": 4, "device": "cpu"})
-    rec = run(case, SimpleNamespace(stage=lambda *a: None))
+    kept = []
+    rec = run(case, SimpleNamespace(stage=lambda *a: None, keep=lambda c, stage, **m: kept.append(m)))
     assert rec.status == "crashed", rec.findings
     died = rec.metrics["died_on"]
     assert (died["max_tokens"], died["logprobs"], died["raised"]) == (4, 2, "IndexError")
@@ -91,3 +104,7 @@ def test_kvdiag_records_the_call_that_died_and_the_engines_start(monkeypatch):
     exec(compile(script(rec, None), "r.py", "exec"), ns)
     assert ns["CASE"]["calls"] == [{k: died[k] for k in ("prompts", "max_tokens", "logprobs")}]
     assert ns["CASE"]["raises"] == "IndexError"
+    # kept as the worker went (what a worker that dies leaves): the start, then each call before it is made
+    assert kept[0] == {"replay": rec.metrics["replay"]}
+    same = ("prompts", "max_tokens", "logprobs", "before")
+    assert {k: kept[-1]["died_on"][k] for k in same} == {k: died[k] for k in same}

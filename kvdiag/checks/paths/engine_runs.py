@@ -13,7 +13,7 @@ from kvdiag.checks.paths.floor import Floor, distance
 from kvdiag.engines.protocol import PathProbes
 
 TOP = 2  # top logprobs per generated token: the cold run's top two say whether a flipped token was a near-tie
-_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its calls since start (``calls_since``)
+_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> (its calls since start, keep)
 
 
 @dataclass
@@ -26,16 +26,17 @@ class Trial:
     notes: dict
 
 
-def calls_since(engine) -> None:
+def calls_since(engine, keep=None) -> None:
     """From here on, keep ``engine``'s calls (this module's generate and reset calls): a crash's reproducer makes
-    those before the call that died where that call alone does not die."""
-    _CALLS[engine] = []
+    those before the call that died where that call alone does not die. ``keep(**metrics)`` (the worker's
+    ``ctx.keep``) is given each generate call before it is made (``died_on``): a worker that dies in it leaves it."""
+    _CALLS[engine] = ([], keep)
 
 
 def _kept(engine, step: dict | None) -> None:
     calls = _CALLS.get(engine)
     if calls is not None:
-        calls.append(step) if step else _CALLS.pop(engine)  # a call kvdiag cannot say (text prompts): none kept
+        calls[0].append(step) if step else _CALLS.pop(engine)  # a call kvdiag cannot say (text prompts): none kept
 
 
 def generate(engine, prompts, max_tokens: int, what: str = "generate") -> list:
@@ -43,8 +44,11 @@ def generate(engine, prompts, max_tokens: int, what: str = "generate") -> list:
     beside it, and the calls before it since ``calls_since``) for a crash's reproducer."""
     ids = [list(map(int, p)) for p in prompts] if all(not isinstance(p, str) for p in prompts) else None
     call = {"prompts": ids, "max_tokens": max_tokens, "logprobs": TOP} if ids else None
-    before = list(_CALLS.get(engine) or [])
+    before, keep = _CALLS.get(engine) or ([], None)
+    before = list(before)
     _kept(engine, call)
+    if call and keep:
+        keep(died_on={**call, "before": before, "what": what})
     try:
         return engine.generate(prompts, max_tokens, greedy=True, logprobs=TOP)
     except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record

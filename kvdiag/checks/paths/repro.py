@@ -6,7 +6,8 @@ each calling the prompts in the batch layouts kvdiag compared (all the prompts i
 takes, ``Path.own_floor``, also all but one, then one). A prefix-cache path runs in one engine: its cold run, then
 the path's calls in the same engine; the sliding window too: the decode past the window, then a prefill at each cut
 past it, held to the decode's token there. A case whose engine crashed in a generate call (``died_on``): the engine
-started as kvdiag started it and that call (``call_script.py``), which must raise what kvdiag saw."""
+started as kvdiag started it and that call (``call_script.py``), which must raise what kvdiag saw, or, where
+kvdiag's worker died in it (the call kept before it was made), kill the script's engine process."""
 
 from __future__ import annotations
 
@@ -60,11 +61,12 @@ def crashed(case) -> str:
 
     died = case.metrics["died_on"]
     call = {k: died[k] for k in ("prompts", "max_tokens", "logprobs")}
+    how = "raised in" if died.get("raised") else "died in"  # no exception: kvdiag's worker died in the call
     return filled("call_script.py", {
-        "title": f"{case.id}: the engine raised in a generate call ({died['what']})",
+        "title": f"{case.id}: the engine {how} a generate call ({died['what']})",
         "kvdiag_saw": "; ".join(f.message for f in case.findings if f.severity == "error"),
         "expected": f"the call completes: {len(call['prompts'])} prompt(s), {call['max_tokens']} greedy tokens each",
-        "raises": died["raised"], "engine": case.metrics["replay"], "calls": [call],
+        "raises": died.get("raised"), "engine": case.metrics["replay"], "calls": [call],
         "before": died.get("before") or []},
         engine=case.metrics["replay"]["engine"])
 

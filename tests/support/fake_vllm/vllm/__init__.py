@@ -8,7 +8,8 @@ request of a call takes a free block, which the engine zeroes before use as vLLM
 fault says not. The engine core's ``shutdown()`` drops the cache, unless a leak fault keeps it (``leak_kv``), or a
 tensor of 512 KiB is kept at every start (``leak_grows``); a start may launch a process no shutdown stops
 (``orphan``) or leave the garbage collector frozen (``gc_freeze``); a call of one request may raise
-(``crash_alone``), or any call after the first (``crash_later``). A KV connector as vLLM's ``ExampleConnector``
+(``crash_alone``), or any call after the first (``crash_later``), or the process die in a
+call of one request (``die_alone``). A KV connector as vLLM's ``ExampleConnector``
 (``kv_transfer_config``'s ``shared_storage_path``): a prompt run with none stored there is stored (a file), one stored
 is loaded, which its ``connector`` fault reads wrong. A request with stop strings (a generation task's) recalls: the
 prompt's last word completed as the first earlier word that starts with it (kvdiag's key-value tasks: "k" of
@@ -140,6 +141,8 @@ class LLM:
         self.calls = getattr(self, "calls", 0) + 1
         if self.fault == "crash_alone" and batch == 1:  # a request running alone leaves the runner's batch
             raise IndexError("index -3 is out of bounds for dimension 0 with size 1")
+        if self.fault == "die_alone" and batch == 1:  # the process dies in the call (a device abort)
+            os._exit(134)
         if self.fault == "crash_later" and self.calls > 1:  # the state an earlier call left breaks a later one
             raise RuntimeError("CUDA error: device-side assert triggered")
         loaded = [self._connector(p["prompt_token_ids"]) for p in prompts]
