@@ -30,7 +30,10 @@ def calls_since(engine, keep=None) -> None:
     """From here on, keep ``engine``'s calls (this module's generate and reset calls): a crash's reproducer makes
     those before the call that died where that call alone does not die. ``keep(**metrics)`` (the worker's
     ``ctx.keep``) is given each generate call before it is made (``died_on``): a worker that dies in it leaves it."""
-    _CALLS[engine] = ([], keep)
+    try:
+        _CALLS[engine] = ([], keep)
+    except TypeError:  # an engine object that cannot be weakly referenced: its crashes keep no calls
+        pass
 
 
 def _kept(engine, step: dict | None) -> None:
