@@ -3,7 +3,7 @@ tensors, then each cycle as kvdiag ran it (start with kvdiag's arguments, the pr
 what survived, held to what kvdiag saw; exit 1 exactly when the leak shows. The engine is the stand-in vLLM
 (tests/support/fake_vllm), whose leaks are known: the KV cache kept in a module global at shutdown (``leak_kv``), a
 512 KiB tensor kept at every start (``leak_grows``), a process launched at every start and never stopped
-(``orphan``), the garbage collector frozen at start (``gc_freeze``)."""
+and the garbage collector frozen at start (``left_behind``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 from test_proof_greedy import FAKE, prove_with_patch, write  # the stand-in vLLM; a case's script
 
 from kvdiag.case import Case
@@ -61,17 +60,16 @@ def test_selftest_prove_holds_the_memleak_reproducer_to_its_faults_patch(tmp_pat
     assert "'kv_cache': True" in text and "'cycles': [{}]" in text  # the first cycle shows it: one engine start
 
 
-@pytest.mark.parametrize("kind, fault, said", [
-    ("engine_process_alive", "orphan", "1 process(es) the engine started are alive after shutdown"),
-    ("gc_frozen", "gc_freeze", "objects stay frozen by gc.freeze()")])
-def test_the_script_finds_processes_and_frozen_objects_a_shutdown_left(tmp_path, monkeypatch, kind, fault, said):
-    """A start that launches a process no shutdown stops, or freezes the garbage collector: the script's own look
-    (its process's children after kvdiag's wait, ``gc.get_freeze_count()``) sees it with the fault's patch and exits
-    1; without it, 0."""
-    row, _ = prove_with_patch(tmp_path, monkeypatch, leak_case(None, (kind,)), fault)
+def test_the_script_finds_processes_and_frozen_objects_a_shutdown_left(tmp_path, monkeypatch):
+    """A start that launches a process no shutdown stops and freezes the garbage collector: the script's own look
+    (its process's children after kvdiag's wait, ``gc.get_freeze_count()``) sees both with the fault's patch and
+    exits 1; without it, 0."""
+    rec = leak_case(None, ("engine_process_alive", "gc_frozen"))
+    row, _ = prove_with_patch(tmp_path, monkeypatch, rec, "left_behind")
     proof = row["proof"]
     assert (proof["patched"], proof["plain"]) == (1, 0), proof["patched_output"] + proof["output"]
-    assert said in proof["patched_output"]
+    said = next(line for line in proof["patched_output"].splitlines() if line.startswith("REPRODUCED: "))
+    assert "objects stay frozen by gc.freeze(); 1 process(es) the engine started are alive after shutdown" in said
     assert "NOT REPRODUCED" in proof["output"] and "(expected none" in proof["output"]
 
 

@@ -7,7 +7,7 @@ in-process engine core's block pool and cache tensors where vLLM keeps them (a s
 request of a call takes a free block, which the engine zeroes before use as vLLM zeroes fresh blocks, unless its
 fault says not. The engine core's ``shutdown()`` drops the cache, unless a leak fault keeps it (``leak_kv``), or a
 tensor of 512 KiB is kept at every start (``leak_grows``); a start may launch a process no shutdown stops
-(``orphan``) or leave the garbage collector frozen (``gc_freeze``); a call of one request may raise
+and leave the garbage collector frozen (``left_behind``); a call of one request may raise
 (``crash_alone``), or any call after the first (``crash_later``), or the process die in a
 call of one request (``die_alone``). A KV connector as vLLM's ``ExampleConnector``
 (``kv_transfer_config``'s ``shared_storage_path``): a prompt run with none stored there is stored (a file), one stored
@@ -55,15 +55,13 @@ class LLM:
             import torch  # script waits for while a shutdown settles)
 
             KEPT.append(torch.ones(1 << 19, dtype=torch.uint8))
-        if self.fault == "orphan":  # a process every start launches and no shutdown stops (it ends with its parent)
+        if self.fault == "left_behind":  # a process no shutdown stops (it ends with its parent), and the garbage
+            import gc  # collector frozen at start, never unfrozen
             import subprocess
             import sys
 
             subprocess.Popen([sys.executable, "-c", f"import os, time\nwhile os.getppid() == {os.getpid()}: "
                               "time.sleep(0.1)"])
-        if self.fault == "gc_freeze":  # frozen at start, never unfrozen
-            import gc
-
             gc.freeze()
         self.asleep: set[str] = set()
         self.woken = False  # a KV cache wake happened: the "wake" fault's stale block tables read wrong
