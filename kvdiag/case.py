@@ -105,7 +105,7 @@ def add_kept(rec: CaseResult, kept: dict | None) -> str:
     if not kept or not kept.get("finished"):
         return ""
     rec.metrics = {**kept.get("metrics", {}), **rec.metrics, "finished_stages": kept["finished"]}
-    return f"; kept what it measured before: {', '.join(kept['finished'])}"
+    return f"; kept what it measured before: {', '.join(dict.fromkeys(kept['finished']))}"
 
 
 def _read_kept(path: Path) -> dict | None:

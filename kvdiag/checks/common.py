@@ -69,7 +69,12 @@ def refused(exc: BaseException) -> str | None:
 
 class WorkloadFailed(Exception):
     """The engine raised while it served a check's workload (its ``__cause__``): the engine crashed, not kvdiag
-    (``engine_failed`` words it, in the stage the check names)."""
+    (``engine_failed`` words it, in the stage the check names). ``call``: the call that died, where the check says
+    (a generate call's prompts as token ids, ``max_tokens``, ``logprobs``): what a crash's reproducer makes again."""
+
+    def __init__(self, what: str, call: dict | None = None):
+        super().__init__(what)
+        self.call = call
 
 
 def engine_failed(case, exc: BaseException, stage: str, **metrics):

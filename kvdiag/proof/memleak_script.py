@@ -8,7 +8,8 @@ shutdown as kvdiag does it (the engine's shutdown, the engine dropped, ``gc.coll
 and a census of what is still alive that the baseline did not have. Against what kvdiag saw: the engine's KV cache
 itself (its storages, known during the workload), a survivor shaped by the cache (its leading dimension the cache's
 blocks or token slots, also behind K/V or the layers), surviving bytes as large as kvdiag's finding, survivors that
-grow every cycle, CUDA memory kept.
+grow every cycle, CUDA memory kept, objects left frozen by ``gc.freeze()``, processes the engine started that are
+still alive (after the wait kvdiag gave them).
 
     python3 THIS_FILE            # exit 1: the leak reproduces; 0: it does not; 2: the engine did not run
     python3 THIS_FILE --run 0    # the cycles alone, a JSON line per cycle (what the comparison reads)
@@ -64,6 +65,30 @@ def census() -> dict:
         except Exception:  # noqa: BLE001 - fake or storage-less tensors
             continue
     return out
+
+
+def children() -> dict:
+    """The live processes this process started, at any depth: pid -> command line (Linux's /proc; {} elsewhere)."""
+    parents, cmds = {}, {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError, ValueError):  # not a process, or it ended meanwhile
+            continue
+        if stat[0] != "Z":  # a zombie has ended
+            parents[int(d)], cmds[int(d)] = int(stat[1]), cmd[:100]
+    out, mine = {}, {os.getpid()}
+    while True:
+        more = {pid for pid, ppid in parents.items() if ppid in mine and pid not in mine}
+        if not more:
+            return out
+        mine |= more
+        out.update((pid, cmds[pid]) for pid in more)
 
 
 def cleanup() -> None:
@@ -163,6 +188,7 @@ def engine_run() -> None:
     cleanup()
     base = census()
     base_cuda = torch.cuda.memory_allocated() if cuda() else None
+    base_frozen, base_kids = gc.get_freeze_count(), set(children())
     known: set = set()
     for n, extra in enumerate(CASE["cycles"], 1):
         llm = started(extra)
@@ -182,6 +208,9 @@ def engine_run() -> None:
             time.sleep(0.25)
             cleanup()
         known |= set(now)
+        deadline = time.monotonic() + CASE["expect"].get("processes_wait_s", 0)
+        while (kids := {p: c for p, c in children().items() if p not in base_kids}) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the engine's processes may take a moment to end (kvdiag waits as long)
         kept = {f"{d} {p}" for d, p, _ in kv} & {f"{d} {p}" for d, p in now}
         geo = CASE["expect"].get("geometry")
         geo = geo and {**geo, "num_blocks": blocks or geo["num_blocks"]}
@@ -191,7 +220,8 @@ def engine_run() -> None:
             "bytes": sum(v[0] for v in now.values()), "count": len(now),
             "large": sorted(([v[0], v[1][0], d] for (d, _), v in now.items() if v[0] >= SMALL), reverse=True),
             "shaped": [[v[0], s, d] for (d, _), v in now.items() for s in v[1][:1] if geo and kv_shaped(s, geo)],
-            "cuda_allocated": torch.cuda.memory_allocated() - base_cuda if base_cuda is not None else None}),
+            "cuda_allocated": torch.cuda.memory_allocated() - base_cuda if base_cuda is not None else None,
+            "frozen": gc.get_freeze_count() - base_frozen, "processes": kids}),
             flush=True)
         del now
     print(MARK + json.dumps({"done": True}), flush=True)
@@ -265,6 +295,18 @@ def judged(cycles: list) -> list[str]:
         print(f"  CUDA allocated after shutdown: kvdiag saw {want['cuda_allocated'] / MiB:.1f} MiB; here "
               f"{worst / MiB:.1f} MiB")
         said += [f"CUDA keeps {worst / MiB:.1f} MiB"] if worst >= TOL * want["cuda_allocated"] else []
+    if want.get("frozen"):
+        last = cycles[-1]["frozen"]
+        print(f"  gc.freeze() after shutdown: kvdiag saw {want['frozen']} objects stay frozen; here {last} (expected "
+              "none: a shutdown undoes what its start froze)")
+        said += [f"{last} objects stay frozen by gc.freeze()"] if last > 0 else []
+    if want.get("processes"):
+        kids = cycles[-1]["processes"]
+        print(f"  processes the engine started: kvdiag saw {want['processes']} alive after shutdown; here {len(kids)}"
+              f" {want['processes_wait_s']:g} s after it (expected none)")
+        for pid, cmd in list(kids.items())[:4]:
+            print(f"    pid {pid}  {cmd}")
+        said += [f"{len(kids)} process(es) the engine started are alive after shutdown"] if kids else []
     return said
 
 

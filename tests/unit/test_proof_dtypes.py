@@ -81,3 +81,28 @@ def test_a_row_wrong_by_its_drift_limits_has_no_script():
     assert script(rec, run) is None
     run, rec = matrix("bfloat16", "drift", identical=True)
     assert script(rec, run) is None
+
+
+def test_the_builtin_engines_refusal_is_its_start_raising_what_kvdiag_saw(tmp_path):
+    """On the builtin engine (no command to run: its API): the baseline's spec with this kv_cache_dtype, started in a
+    fresh process, raises the exception kvdiag recorded with the fault's patch in that process (exit 1: vLLM-style
+    expected against observed) and starts without it (exit 0). tiny-llama, no call after the start."""
+    from kvdiag.assets import TINY_MODEL
+    from kvdiag.checks.dtypes.repro import script
+    from kvdiag.engines.builtin import TRAITS
+    from kvdiag.proof.runs import attempts, patched_env, write_script
+
+    run, rec = matrix("bfloat16", None, started=False)
+    spec = {"model": str(TINY_MODEL), "kv_cache_dtype": "auto", "num_blocks": 4, "device": "cpu"}
+    run.cases[0].metrics["replay"] = {"engine": "builtin", "spec": spec, "env": {"OMP_NUM_THREADS": "1"}}
+    rec.add("info", "unsupported", "Unsupported data type of kv cache: bfloat16", exception="ValueError")
+    path = write_script(tmp_path, rec.id, script(rec, run))
+    patch = patched_env(tmp_path / "patch", TRAITS.fault_patch(["explicit_bf16_rejected"], "bfloat16"))
+    (code, out, _), = attempts(path, 120, env=patch, tries=1)
+    assert code == 1, out
+    assert "expected: the engine starts with kv_cache_dtype='bfloat16', the model's own dtype" in out
+    assert "observed: the engine's start raised ValueError: Unsupported data type of kv cache: bfloat16" in out
+    (code, out, _), = attempts(path, 120, tries=1)
+    assert code == 0 and "NOT REPRODUCED: nothing raised" in out, out
+    rec.findings = [f for f in rec.findings if f.kind != "unsupported"]
+    assert script(rec, run) is None  # no exception kept: nothing to hold the start to

@@ -143,6 +143,26 @@ def test_a_nan_kv_finding_is_shown_by_the_written_slots_the_script_scans_itself(
     assert ("REPRODUCED: 3 difference(s)" if code else "NOT REPRODUCED: no KV slot a wave wrote holds") in p.stdout
 
 
+def test_on_the_cpu_memory_is_left_out_and_the_outputs_still_shown(tmp_path):
+    """A case on the CPU failed on memory and on its outputs: the script shows the outputs (it measures memory as
+    CUDA's driver sees it, which the CPU has not) and says so in its header; failed on memory alone: no script."""
+    from kvdiag.checks.wake_cycle.repro import script as wake_script
+
+    both = wake_case("wake", kind="not_freed")
+    both.metrics["device"] = "cpu"
+    both.add("error", "divergence", "cycle 1: request 0 first differs at generated position 0", cycles=[1])
+    text = wake_script(both)
+    assert text.splitlines()[1] == "# Memory is left out: kvdiag measured it on the CPU, the script as CUDA's " \
+                                   "driver sees it."
+    ns: dict = {"__name__": "reproducer"}
+    exec(compile(text, "repro.py", "exec"), ns)
+    assert ns["CASE"]["memory"] is None and "memory" not in {s["do"] for s in ns["CASE"]["steps"]}
+    p = run_script(write(tmp_path, both))
+    assert p.returncode == 1 and "cycle 1: request 1: token 1 is" in p.stdout, p.stdout + p.stderr
+    alone = wake_case("wake", kind="not_freed")
+    alone.metrics["device"] = "cpu"
+    assert wake_script(alone) is None
+
 def test_no_script_where_the_case_passed_recorded_no_start_or_failed_on_nothing_the_script_sees(tmp_path):
     from kvdiag.checks.poison.repro import script as poison_script
     from kvdiag.checks.wake_cycle.repro import script as wake_script

@@ -2,7 +2,8 @@
 tensors, then each cycle as kvdiag ran it (start with kvdiag's arguments, the prompts, the shutdown) and a census of
 what survived, held to what kvdiag saw; exit 1 exactly when the leak shows. The engine is the stand-in vLLM
 (tests/support/fake_vllm), whose leaks are known: the KV cache kept in a module global at shutdown (``leak_kv``), a
-512 KiB tensor kept at every start (``leak_grows``)."""
+512 KiB tensor kept at every start (``leak_grows``), a process launched at every start and never stopped
+and the garbage collector frozen at start (``left_behind``)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,13 @@ def leak_case(fault: str | None, kinds=("kv_cache_survived",), cycles: int = 2):
     rec = case.result("fail", metrics={
         "cycles": cycles, "max_tokens": 3, "prompt_ids": PROMPTS, "replay_kv_geometry": GEOMETRY,
         "replay": {"engine": "vllm", "llm": llm, "sampling": {}, "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
-        "replay_cycles": [llm] * cycles})
+        "replay_cycles": [llm] * cycles, "children_exit_s": 1.0})
     evidence = {"kv_cache_survived": {"survived_mib": 0.0002, "cycle": 1},
                 "tensor_survived": {"per_cycle_mib": [0.5, 1.0], "holder": "KEPT"},
                 "restart_impossible": {"reproduce": "python3 -c 'import vllm'"},
+                "gc_frozen": {"frozen": [9000, 9000], "baseline": 0},
+                "engine_process_alive": {"processes": {"7": {"cmd": "python -c ...", "gpu_mib": None}},
+                                         "counts": [1, 2]},
                 "leftover_processes": {}}
     for kind in kinds:
         rec.add("error", kind, f"memleak: {kind}", **evidence[kind])
@@ -54,6 +58,19 @@ def test_selftest_prove_holds_the_memleak_reproducer_to_its_faults_patch(tmp_pat
         row["proof"]["output"]
     text = (tmp_path / "repro" / "memleak_vllm_m_auto.py").read_text()
     assert "'kv_cache': True" in text and "'cycles': [{}]" in text  # the first cycle shows it: one engine start
+
+
+def test_the_script_finds_processes_and_frozen_objects_a_shutdown_left(tmp_path, monkeypatch):
+    """A start that launches a process no shutdown stops and freezes the garbage collector: the script's own look
+    (its process's children after kvdiag's wait, ``gc.get_freeze_count()``) sees both with the fault's patch and
+    exits 1; without it, 0."""
+    rec = leak_case(None, ("engine_process_alive", "gc_frozen"))
+    row, _ = prove_with_patch(tmp_path, monkeypatch, rec, "left_behind")
+    proof = row["proof"]
+    assert (proof["patched"], proof["plain"]) == (1, 0), proof["patched_output"] + proof["output"]
+    said = next(line for line in proof["patched_output"].splitlines() if line.startswith("REPRODUCED: "))
+    assert "objects stay frozen by gc.freeze(); 1 process(es) the engine started are alive after shutdown" in said
+    assert "NOT REPRODUCED" in proof["output"] and "(expected none" in proof["output"]
 
 
 def test_no_script_where_the_case_passed_failed_to_restart_or_failed_where_the_script_does_not_look():

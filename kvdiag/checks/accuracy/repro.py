@@ -6,8 +6,9 @@ task is scored by loglikelihood (multiple choice: ``acc``, ``acc_norm``), the sc
 inline as lm_eval made them (the baseline's ``requests`` artifact) and needs neither the task nor its dataset; a
 generation task (``generate_until``) likewise, with each document and the task's scoring (``lm_eval_generations``),
 once the carried scoring gives every document's baseline answer the score lm_eval gave it in the run. Otherwise the
-script reads the task's dataset, and its header says why. A case failed on drift alone has none: its limits are
-kvdiag's own calibrated measure."""
+script reads the task's dataset, and its header says why. A case failed on drift alone (its limits are kvdiag's own
+calibrated measure) has one on the builtin engine: both engines' whole distributions, held to those limits
+(``sweep/drift_repro.py``); none on vLLM."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ def script(case, run) -> str | None:
     found = next((f for f in case.findings if f.kind in SCORES and f.evidence.get("task")), None)
     base = next((c for c in run.cases if c.params.get("role") == "baseline" and (c.engine, c.model) ==
                  (case.engine, case.model)), None)
+    if case.status == "fail" and found is None and any(f.kind == "drift" and f.severity == "error" for f in
+                                                       case.findings):
+        from kvdiag.checks.sweep.drift_repro import script as drift_script
+
+        return drift_script(case, base)
     if case.status != "fail" or found is None or base is None or \
             (case.metrics.get("replay") or {}).get("engine") != "vllm" or not base.metrics.get("replay"):
         return None

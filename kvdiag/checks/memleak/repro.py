@@ -5,14 +5,13 @@ arguments, the prompts, the shutdown as kvdiag does it) and a census of what sur
 KV cache by identity, survivors shaped by the cache, surviving bytes as large as kvdiag's finding, survivors that grow
 every cycle, CUDA memory kept: all the cycles for a growth, else up to the first cycle a finding names (one engine
 start, mostly). A case whose engine could not start again has the engine's own command (``proof/crash.py``); one
-failed only on what the script does not measure (processes left running, the driver's or RSS's views, gc.freeze) has
-none."""
+failed only on what the script does not measure (the driver's or RSS's views) has none."""
 
 from __future__ import annotations
 
 # the findings the script shows, and what each expects of it
 KINDS = ("kv_cache_survived", "kv_shaped_survived", "kv_scaled_survived", "kv_proportional", "tensor_survived",
-         "retained", "growth")
+         "retained", "growth", "gc_frozen", "engine_process_alive")
 EXACT = ("tensor_bytes", "cuda_allocated", "cuda_reserved")  # the retention and growth measures it reads
 ENGINES = ("vllm", "builtin")  # the engines memleak_script.py starts (its "# only: ENGINE" lines)
 
@@ -27,7 +26,7 @@ def script(case, run=None) -> str | None:
     if case.status != "fail" or (m.get("replay") or {}).get("engine") not in ENGINES or not m.get("prompt_ids") or \
             any(f.evidence.get("reproduce") for f in errors):  # a restart that failed: its own command
         return None
-    expect = expected(errors, m.get("replay_kv_geometry"))
+    expect = expected(errors, m.get("replay_kv_geometry"), m.get("children_exit_s"))
     if not any(v for k, v in expect.items() if k != "geometry"):
         return None
     first, starts = m["replay"].get("llm", m["replay"].get("spec")), m["replay_cycles"]  # each start's arguments
@@ -42,10 +41,12 @@ def script(case, run=None) -> str | None:
         "expect": expect}, engine=m["replay"]["engine"])
 
 
-def expected(errors: list, geometry: dict | None) -> dict:
+def expected(errors: list, geometry: dict | None, wait_s: float | None = None) -> dict:
     """What the script holds its census to, from kvdiag's error findings: ``kv_cache`` (the cache by identity),
     ``kv_shaped``, ``bytes`` (the least surviving bytes a finding named), ``grows`` (the survivors' bytes per cycle,
-    where they grew every cycle), ``cuda_allocated`` (bytes CUDA kept), and the cache's ``geometry``."""
+    where they grew every cycle), ``cuda_allocated`` (bytes CUDA kept), ``frozen`` (objects gc.freeze() kept),
+    ``processes`` (those alive after shutdown, waited for ``processes_wait_s``: the engine's ``children_exit_s``),
+    and the cache's ``geometry``."""
     from kvdiag.measure.memory import MiB
 
     out: dict = {"geometry": geometry}
@@ -70,6 +71,10 @@ def expected(errors: list, geometry: dict | None) -> dict:
                 sizes.append(mib["tensor_bytes"])
             if mib.get("cuda_allocated"):
                 out["cuda_allocated"] = round(mib["cuda_allocated"] * MiB)
+        elif f.kind == "gc_frozen" and e.get("frozen"):
+            out["frozen"] = e["frozen"][-1] - (e.get("baseline") or 0)
+        elif f.kind == "engine_process_alive" and e.get("processes"):
+            out["processes"], out["processes_wait_s"] = len(e["processes"]), wait_s or 0
     if sizes:
         out["bytes"] = round(min(sizes) * MiB)
     return out

@@ -4,6 +4,7 @@ cold run and the noise floor's runs (``floor.py``), a run that counts its path's
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 from kvdiag.checks.common import WorkloadFailed
@@ -12,6 +13,7 @@ from kvdiag.checks.paths.floor import Floor, distance
 from kvdiag.engines.protocol import PathProbes
 
 TOP = 2  # top logprobs per generated token: the cold run's top two say whether a flipped token was a near-tie
+_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> (its calls since start, keep)
 
 
 @dataclass
@@ -24,16 +26,44 @@ class Trial:
     notes: dict
 
 
+def calls_since(engine, keep=None) -> None:
+    """From here on, keep ``engine``'s calls (this module's generate and reset calls): a crash's reproducer makes
+    those before the call that died where that call alone does not die. ``keep(**metrics)`` (the worker's
+    ``ctx.keep``) is given each generate call before it is made (``died_on``): a worker that dies in it leaves it."""
+    try:
+        _CALLS[engine] = ([], keep)
+    except TypeError:  # an engine object that cannot be weakly referenced: its crashes keep no calls
+        pass
+
+
+def _kept(engine, step: dict | None) -> None:
+    calls = _CALLS.get(engine)
+    if calls is not None:
+        calls[0].append(step) if step else _CALLS.pop(engine)  # a call kvdiag cannot say (text prompts): none kept
+
+
 def generate(engine, prompts, max_tokens: int, what: str = "generate") -> list:
+    """The greedy call; an engine that raises in it is ``WorkloadFailed``, with the call (the exception's type
+    beside it, and the calls before it since ``calls_since``) for a crash's reproducer."""
+    ids = [list(map(int, p)) for p in prompts] if all(not isinstance(p, str) for p in prompts) else None
+    call = {"prompts": ids, "max_tokens": max_tokens, "logprobs": TOP} if ids else None
+    before, keep = _CALLS.get(engine) or ([], None)
+    before = list(before)
+    _kept(engine, call)
+    if call and keep:
+        keep(died_on={**call, "before": before, "what": what})
     try:
         return engine.generate(prompts, max_tokens, greedy=True, logprobs=TOP)
     except Exception as e:  # noqa: BLE001 - the engine's failure is the case's record
-        raise WorkloadFailed(what) from e
+        raise WorkloadFailed(what, call and {**call, "raised": type(e).__name__, "before": before}) from e
 
 
 def reset(engine) -> bool | None:
     """Empty the engine's prefix cache (``reset_prefix_cache``); None when the engine has no such call."""
-    return bool(engine.reset_prefix_cache()) if isinstance(engine, PathProbes) else None
+    if not isinstance(engine, PathProbes):
+        return None
+    _kept(engine, {"reset": True})
+    return bool(engine.reset_prefix_cache())
 
 
 def cold_runs(engine, prompts, max_tokens: int, layouts: dict | None = None) -> tuple[list, Floor]:

@@ -5,7 +5,9 @@ reference's and the path's (kv-connector's twice, in processes of their own: the
 each calling the prompts in the batch layouts kvdiag compared (all the prompts in one batch; for a path every run
 takes, ``Path.own_floor``, also all but one, then one). A prefix-cache path runs in one engine: its cold run, then
 the path's calls in the same engine; the sliding window too: the decode past the window, then a prefill at each cut
-past it, held to the decode's token there."""
+past it, held to the decode's token there. A case whose engine crashed in a generate call (``died_on``): the engine
+started as kvdiag started it and that call (``call_script.py``), which must raise what kvdiag saw, or, where
+kvdiag's worker died in it (the call kept before it was made), kill the script's engine process."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ def script(case, run) -> str | None:
     from kvdiag.proof.fill import filled
 
     m = case.metrics
+    if case.status == "crashed" and m.get("died_on") and (m.get("replay") or {}).get("engine") in ENGINES:
+        return crashed(case)
     if case.status != "fail" or not m.get("replay") or m["replay"].get("engine") not in ENGINES:
         return None
     path, max_tokens = PATHS[m["path"]], PathsParams.from_case(case).max_tokens
@@ -48,6 +52,23 @@ def script(case, run) -> str | None:
         "kvdiag_saw": "; ".join(f.message for f in case.findings if f.severity == "error"),
         "tolerance": m[ALONE]["tolerance"] if share else m["tolerance"], "share": share, "logprobs": 2,
         "batch_invariance": batch_invariance(case), "engines": engines, "runs": runs}, engine=m["replay"]["engine"])
+
+
+def crashed(case) -> str:
+    """The engine's start and the generate call that raised in kvdiag, in a fresh process, and, where it alone does
+    not raise, after the calls kvdiag made before it in that engine (``call_script.py``)."""
+    from kvdiag.proof.fill import filled
+
+    died = case.metrics["died_on"]
+    call = {k: died[k] for k in ("prompts", "max_tokens", "logprobs")}
+    how = "raised in" if died.get("raised") else "died in"  # no exception: kvdiag's worker died in the call
+    return filled("call_script.py", {
+        "title": f"{case.id}: the engine {how} a generate call ({died['what']})",
+        "kvdiag_saw": "; ".join(f.message for f in case.findings if f.severity == "error"),
+        "expected": f"the call completes: {len(call['prompts'])} prompt(s), {call['max_tokens']} greedy tokens each",
+        "raises": died.get("raised"), "engine": case.metrics["replay"], "calls": [call],
+        "before": died.get("before") or []},
+        engine=case.metrics["replay"]["engine"])
 
 
 def batch_invariance(case) -> dict | None:

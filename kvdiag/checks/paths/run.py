@@ -28,6 +28,7 @@ from kvdiag.checks.paths.catalogue import PATHS
 from kvdiag.checks.paths.engine_runs import (
     Trial,
     block_size,
+    calls_since,
     cold_runs,
     counted_run,
     floor_runs,
@@ -96,6 +97,11 @@ def _run(case, ctx):
     if failed is not None:
         return failed
     rec = None
+    start = _replay(engine, [])
+    keep = getattr(ctx, "keep", None) if start else None
+    if keep:  # the start, and then each call before it is made: a worker that dies in one leaves them
+        keep(case, "path calls", replay=start["replay"])
+    calls_since(engine, keep and (lambda **m: keep(case, "path calls", **m)))
     try:
         prompts = [engine.encode(t) for t in texts]
         if p.path != sliding.PATH:  # the window's prompts are sized to its window (sliding.need), not reshaped
@@ -104,6 +110,8 @@ def _run(case, ctx):
             rec = _serve(case, ctx, p, path, engine, prompts, spec, need, config)
         except WorkloadFailed as e:
             rec = engine_failed(case, e.__cause__, f"{p.path} ({e})")
+            if e.call and start:  # the call that died, and the start: its reproducer
+                rec.metrics.update(replay=start["replay"], died_on={**e.call, "what": str(e)})
         return rec
     finally:
         try:

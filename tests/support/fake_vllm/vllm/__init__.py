@@ -6,7 +6,10 @@ Sleep mode as vLLM's (``enable_sleep_mode=True``, ``sleep``/``wake_up``/``collec
 in-process engine core's block pool and cache tensors where vLLM keeps them (a script poisons free blocks there): each
 request of a call takes a free block, which the engine zeroes before use as vLLM zeroes fresh blocks, unless its
 fault says not. The engine core's ``shutdown()`` drops the cache, unless a leak fault keeps it (``leak_kv``), or a
-tensor of 512 KiB is kept at every start (``leak_grows``). A KV connector as vLLM's ``ExampleConnector``
+tensor of 512 KiB is kept at every start (``leak_grows``); a start may launch a process no shutdown stops
+and leave the garbage collector frozen (``left_behind``); a call of one request may raise
+(``crash_alone``), or any call after the first (``crash_later``), or the process die in a
+call of one request (``die_alone``). A KV connector as vLLM's ``ExampleConnector``
 (``kv_transfer_config``'s ``shared_storage_path``): a prompt run with none stored there is stored (a file), one stored
 is loaded, which its ``connector`` fault reads wrong. A request with stop strings (a generation task's) recalls: the
 prompt's last word completed as the first earlier word that starts with it (kvdiag's key-value tasks: "k" of
@@ -52,6 +55,14 @@ class LLM:
             import torch  # script waits for while a shutdown settles)
 
             KEPT.append(torch.ones(1 << 19, dtype=torch.uint8))
+        if self.fault == "left_behind":  # a process no shutdown stops (it ends with its parent), and the garbage
+            import gc  # collector frozen at start, never unfrozen
+            import subprocess
+            import sys
+
+            subprocess.Popen([sys.executable, "-c", f"import os, time\nwhile os.getppid() == {os.getpid()}: "
+                              "time.sleep(0.1)"])
+            gc.freeze()
         self.asleep: set[str] = set()
         self.woken = False  # a KV cache wake happened: the "wake" fault's stale block tables read wrong
         self._core = None
@@ -125,6 +136,13 @@ class LLM:
     def generate(self, prompts, params, use_tqdm=False):
         assert not self.asleep, "generate while asleep"
         batch = len(prompts)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.fault == "crash_alone" and batch == 1:  # a request running alone leaves the runner's batch
+            raise IndexError("index -3 is out of bounds for dimension 0 with size 1")
+        if self.fault == "die_alone" and batch == 1:  # the process dies in the call (a device abort)
+            os._exit(134)
+        if self.fault == "crash_later" and self.calls > 1:  # the state an earlier call left breaks a later one
+            raise RuntimeError("CUDA error: device-side assert triggered")
         loaded = [self._connector(p["prompt_token_ids"]) for p in prompts]
         out = [SimpleNamespace(outputs=[self._one(p["prompt_token_ids"], params.max_tokens, batch, hit)])
                for p, hit in zip(prompts, loaded)]
