@@ -4,8 +4,9 @@ slots for values no correct write produces (NaN/Inf codes, scales that are not f
 
 A *slot* is one token position of one block (``block * block_size + offset``); every cache
 tensor is viewed as ``[num_blocks * block_size, bytes per slot]``. A hybrid model's state tensors (``view.states``,
-one state per block) are handled per block: filled with the K/V of the same block ids, fingerprinted as a whole
-block, scanned only in the blocks last handed to a state group (``view.state_blocks()``), whose K/V are not scanned.
+one state per block) are handled per block: filled with the K/V of the same block ids, fingerprinted per block
+apart from the slots (``state_fingerprint``), scanned only in the blocks last handed to a state group
+(``view.state_blocks()``), whose K/V are not scanned.
 """
 
 from __future__ import annotations
@@ -81,20 +82,26 @@ def _chunks(num_rows: int, row_bytes: int):
 
 
 def slot_fingerprint(view):
-    """One int64 per slot that changes (almost surely) when any byte of that slot changes in any layer."""
+    """One int64 per slot that changes (almost surely) when any byte of that slot's K, V or scales changes in any
+    layer. State tensors are not in it (:func:`state_fingerprint`): a state is one per block, and spreading its
+    change over the block's slots would mark slots no attention layer wrote as written (where states overlay the K/V
+    pages, a vLLM hybrid's, a state write already changes the K/V bytes it covers)."""
     import torch
 
     num_slots = view.num_blocks * view.block_size
     total = None
     for n, (_, t) in enumerate(cache_tensors(view)):
         total = _hash_rows(slot_rows(t, num_slots), 1000 + n, total)
-    blocks = None
-    for n, (_, t) in enumerate(state_tensors(view)):  # a state changes as a whole: every slot of its block
-        blocks = _hash_rows(slot_rows(t, view.num_blocks), 5000 + n, blocks)
-    if blocks is not None:
-        spread = blocks.repeat_interleave(view.block_size)
-        total = spread if total is None else total + spread
     return total.cpu() if total is not None else torch.zeros(num_slots, dtype=torch.int64)
+
+
+def state_fingerprint(view):
+    """One int64 per block that changes (almost surely) when any byte of that block's states changes; None without
+    state tensors."""
+    blocks = None
+    for n, (_, t) in enumerate(state_tensors(view)):
+        blocks = _hash_rows(slot_rows(t, view.num_blocks), 5000 + n, blocks)
+    return blocks.cpu() if blocks is not None else None
 
 
 def _hash_rows(rows, seed: int, total):
@@ -234,17 +241,18 @@ class SlotScan:
         return out
 
 
-def scan_slots(view, slots) -> SlotScan:
+def scan_slots(view, slots, blocks=()) -> SlotScan:
     """NaN/Inf in k/v and bad scale values, over ``slots`` (an int64 tensor); a slot counts once
     however many layers are bad there. Slots of a block last handed to a state group are not read as K/V: that
-    block's states are scanned instead (``_scan_states``)."""
+    block's states are scanned instead (``_scan_states``), as are those of ``blocks`` (block ids whose states
+    changed) that a state group holds."""
     import torch
 
     scan = SlotScan(slots=int(len(slots)))
+    if getattr(view, "states", None):
+        slots = _scan_states(view, slots, scan, torch.as_tensor(blocks, dtype=torch.int64))
     if len(slots) == 0:
         return scan
-    if getattr(view, "states", None):
-        slots = _scan_states(view, slots, scan)
     num_slots = view.num_blocks * view.block_size
     bad = {k: torch.zeros(len(slots), dtype=torch.bool) for k in ("nonfinite", "bad_scales")}
     for i, layer in enumerate(view.layers):
@@ -264,18 +272,18 @@ def scan_slots(view, slots) -> SlotScan:
     return scan
 
 
-def _scan_states(view, slots, scan: SlotScan):
-    """Scan the state tensors of the blocks of ``slots`` that held states; returns the other slots (K/V)."""
+def _scan_states(view, slots, scan: SlotScan, changed):
+    """Scan the state tensors of the blocks of ``slots`` and of ``changed`` that held states; returns the other
+    slots (K/V)."""
     import torch
 
     owned = torch.as_tensor(sorted(view.state_blocks()), dtype=torch.int64)
     is_state = torch.isin(slots // view.block_size, owned)
-    blocks = torch.unique(slots[is_state] // view.block_size)
+    blocks = torch.unique(torch.cat([slots[is_state] // view.block_size, changed[torch.isin(changed, owned)]]))
     scan.state_blocks = int(len(blocks))
     bad = torch.zeros(len(blocks), dtype=torch.bool)
-    for name, t in state_tensors(view):
-        rows = t[blocks.to(t.device)].reshape(len(blocks), -1)
-        wrong = (~torch.isfinite(rows.float())).any(1).cpu() if len(blocks) else torch.zeros(0, dtype=torch.bool)
+    for name, t in state_tensors(view) if len(blocks) else ():
+        wrong = (~torch.isfinite(t[blocks.to(t.device)].reshape(len(blocks), -1).float())).any(1).cpu()
         if wrong.any() and not scan.first:
             scan.first = {"tensor": name, "block": int(blocks[int(wrong.nonzero()[0, 0])])}
         bad |= wrong

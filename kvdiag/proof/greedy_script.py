@@ -70,7 +70,10 @@ def cache(llm) -> tuple:
             seen.add(id(x))
             tensors.append(x)
     free = [b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is None]
-    return free, runner.vllm_config.cache_config.block_size, tensors
+    # the tokens an attention page holds: its group's (a hybrid's attention blocks are not cache_config's size)
+    sizes = {g.kv_cache_spec.block_size for g in core.scheduler.kv_cache_config.kv_cache_groups
+             if "Mamba" not in type(g.kv_cache_spec).__name__}
+    return free, sizes.pop() if len(sizes) == 1 else runner.vllm_config.cache_config.block_size, tensors
     # only: builtin
     view = llm.kv_blocks()  # the engine's own view: each layer's K/V and scale caches, [num_blocks, block_size, ...]
     tensors = [t for layer in view.layers for t in (layer.k, layer.v, layer.k_scale, layer.v_scale) if t is not None]

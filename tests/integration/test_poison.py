@@ -118,7 +118,7 @@ def test_poison_fills_the_state_blocks_of_a_hybrid_and_the_scan_reads_each_block
     assert torch.isnan(kv[2]).any() and torch.isfinite(ssm[2]).all()
     kv[1, 1, 3, 0, 0] = float("nan")
     changed = (kv_tensors.slot_fingerprint(view) != marks).nonzero().flatten()
-    assert set((changed // view.block_size).tolist()) == {1, 2}  # a state change marks its block's slots
+    assert set((changed // view.block_size).tolist()) == {1, 2}  # a state write changes the K/V bytes it overlays
     scan = kv_tensors.scan_slots(view, changed)
     assert (scan.nonfinite, scan.state_blocks, scan.state_nonfinite) == (1, 1, 0)
     assert scan.first == {"tensor": "0.v", "block": 1, "offset": 3}
@@ -126,6 +126,28 @@ def test_poison_fills_the_state_blocks_of_a_hybrid_and_the_scan_reads_each_block
     scan = kv_tensors.scan_slots(view, changed)
     assert (scan.nonfinite, scan.state_nonfinite, scan.ok) == (1, 1, False)
     assert scan.first == {"tensor": "0.mixer.ssm", "block": 2}
+
+
+def test_the_written_kv_slots_of_a_hybrid_are_those_attention_wrote_not_every_slot_of_a_block_whose_state_changed():
+    """vLLM's hybrid pages overlay the Mamba states on the attention K/V: attention writing the first slots of a
+    poisoned block changes bytes a state reads there. The slots it did not write still hold the poison, and no
+    correct attention kernel reads them: they are not written K/V slots holding NaN. A state block the wave wrote
+    is still scanned as states, its NaN found there."""
+    from dataclasses import replace
+
+    from kvdiag.checks.poison import steps
+
+    view, kv, ssm = hybrid_view({2})
+    view = replace(view, free_blocks=lambda: [1, 2, 3])
+    steps.fill(view, "nan", 0)
+    kv[1, :, :3] = 0.5  # attention writes slots 0-2 of block 1 (K and V): block 1's conv state changes with them
+    ssm[2] = 0.25  # the Mamba layer writes the SSM state of block 2, finite; its conv state is left NaN
+    got = steps.scan(view, [1, 2, 3])
+    assert got["fresh"] == [1, 2] and got["fresh_state_blocks"] == 1
+    s = got["scan"]
+    assert s["nonfinite"] == 0, s  # slots 3-7 of block 1 hold NaN, but no layer wrote them
+    assert (s["state_blocks"], s["state_nonfinite"]) == (1, 1), s
+    assert s["first"] == {"tensor": "0.mixer.conv", "block": 2}
 
 
 def test_blocks_needed_makes_later_waves_reuse_blocks():

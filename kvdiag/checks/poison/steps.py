@@ -29,7 +29,7 @@ def fill(view, value: str, seed: int) -> dict:
     """Poison the free blocks with ``value``; the blocks, what the fill covers and the view's shape."""
     free = view.free_blocks()
     kv_tensors.fill_blocks(view, free, value, seed)
-    _MARKS["marks"] = kv_tensors.slot_fingerprint(view)
+    _MARKS["marks"] = kv_tensors.slot_fingerprint(view), kv_tensors.state_fingerprint(view)
     return {"free": list(free), "num_blocks": view.num_blocks, "block_size": view.block_size,
             "poisoned": {"kv_layers": len(view.layers), "kv_tensors": len(kv_tensors.cache_tensors(view)),
                          "state_layers": len(view.states),
@@ -37,13 +37,18 @@ def fill(view, value: str, seed: int) -> dict:
 
 
 def scan(view, free: list[int]) -> dict:
-    """After the wave: the poisoned blocks it was handed (written), and what the slots it wrote hold."""
+    """After the wave: the poisoned blocks it was handed (written), and what the slots it wrote hold. A written
+    slot is one whose K, V or scale bytes changed; a block whose state changed is scanned as states, never as K/V
+    slots it did not write (a state is one per block: its change says nothing of the block's slots)."""
     import torch
 
-    changed = kv_tensors.slot_fingerprint(view) != _MARKS.pop("marks")
+    slots, states = _MARKS.pop("marks")
+    changed = kv_tensors.slot_fingerprint(view) != slots
     per_block = changed.view(view.num_blocks, view.block_size).any(1)
+    restated = torch.zeros(view.num_blocks, dtype=torch.bool) if states is None else \
+        kv_tensors.state_fingerprint(view) != states
     free_ids = torch.as_tensor(free, dtype=torch.long)
-    fresh = free_ids[per_block[free_ids]]
+    fresh = free_ids[(per_block | restated)[free_ids]]
     states = torch.as_tensor(sorted(view.state_blocks()), dtype=torch.long)
-    s = kv_tensors.scan_slots(view, changed.nonzero().flatten())
+    s = kv_tensors.scan_slots(view, changed.nonzero().flatten(), restated.nonzero().flatten())
     return {"fresh": fresh.tolist(), "fresh_state_blocks": int(torch.isin(fresh, states).sum()), "scan": asdict(s)}

