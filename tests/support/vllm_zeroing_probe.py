@@ -59,8 +59,9 @@ def main(which: str, model: str, pairs: list[str]) -> dict:
     from vllm import LLM
     from vllm_fault_probe import layer_tensors, runner_of
 
-    from kvdiag.engines.vllm import faults
+    from kvdiag.engines.vllm import compat, faults
     from kvdiag.engines.vllm.faults.patching import fired
+    from kvdiag.engines.vllm.source import vllm_source
     from kvdiag.models import zoo
 
     args = {k: value(v) for k, v in (p.split("=", 1) for p in pairs)}
@@ -70,8 +71,10 @@ def main(which: str, model: str, pairs: list[str]) -> dict:
     cuda = torch.cuda.is_available()
     base = {"enforce_eager": True, "enable_prefix_caching": False, "max_model_len": 2048, "seed": 0,
             **({} if cuda else {"dtype": "bfloat16"})}
-    llm = LLM(model=str(zoo.resolve(model)) if model.startswith("zoo:") else model,
-              **(sized({**base, **args}) if not cuda else {"gpu_memory_utilization": 0.2, **base, **args}))
+    path = str(zoo.resolve(model)) if model.startswith("zoo:") else model
+    shim = compat.granite_layer_types(path, vllm_source)  # vLLM 0.24 beside transformers 5: the old layer names
+    base.update({"hf_overrides": shim[0]} if shim else {})
+    llm = LLM(model=path, **(sized({**base, **args}) if not cuda else {"gpu_memory_utilization": 0.2, **base, **args}))
     runner = runner_of(llm)
     ctx = runner.vllm_config.compilation_config.static_forward_context
     backends = sorted({m.attn_backend.get_name() for m in ctx.values() if hasattr(m, "attn_backend")})
