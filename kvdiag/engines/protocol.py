@@ -248,6 +248,15 @@ class PathProbes(Protocol):
 
 
 @runtime_checkable
+class CacheBlockSize(Protocol):
+    """The tokens of one cache block as the engine runs it (vllm may raise the size asked: a hybrid's to its Mamba
+    state's page), known without a view of the cache (None: not started). Without it: the ``kv_blocks()`` view's,
+    else the size asked."""
+
+    def cache_block_size(self) -> int | None: ...
+
+
+@runtime_checkable
 class GraphMode(Protocol):
     """The CUDA-graph mode the engine really runs (vllm may lower the one asked for; None: none or not started),
     recorded beside the graph paths. Without it: not recorded."""

@@ -55,6 +55,11 @@ class EngineTraits:
     """On a GPU a process may hold one engine of this kind in its life (vLLM): its cases never share a worker
     there, whatever ``--isolate`` says."""
 
+    def ends_its_worker(self, check: str, params: dict) -> bool:
+        """Whether a case of ``check`` with ``params`` leaves its process unable to start another engine of this kind:
+        it then runs in a worker of its own, whatever ``--isolate`` says. Default: none does."""
+        return False
+
     shutdown_collects: bool = False
     """The engine's ``shutdown()`` ends with ``gc.collect()`` (and ``empty_cache()`` on CUDA): memleak does not run the
     same full collection again right after it (about 0.3 s with vLLM imported)."""

