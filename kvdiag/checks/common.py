@@ -72,7 +72,7 @@ class WorkloadFailed(Exception):
     (``engine_failed`` words it, in the stage the check names). ``call``: the call that died, where the check says
     (a generate call's prompts as token ids, ``max_tokens``, ``logprobs``): what a crash's reproducer makes again."""
 
-    def __init__(self, what: str, call: dict | None = None):
+    def __init__(self, what: str = "workload", call: dict | None = None):
         super().__init__(what)
         self.call = call
 
